@@ -1,0 +1,166 @@
+"""Frozen configuration for one replica group (and, later, the cluster).
+
+Every option a user can set lands in one of these dataclasses, validated in
+``__post_init__`` so that a bad value fails at construction with a message that
+names the field. ``EngineConfig.from_options`` is the one place where the flat
+keyword options users pass (vLLM-style names) are split into the parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to serve and how."""
+
+    model: str | None = None  # local HF directory; None = the built-in demo model
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto = config's dtype on GPU, float32 on CPU
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.device in ("auto", "cpu", "cuda"), "device",
+                 f"must be auto, cpu or cuda, got {self.device!r}")
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    overlap_comm: bool = True  # overlap row-parallel all-reduce with the next chunk's GEMMs
+    num_overlap_chunks: int = 2
+    address: str | None = None  # Ray address to join; None = local / in-process
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+                 f"must be >= 1, got {self.tensor_parallel_size}")
+        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
+                 f"must be >= 1, got {self.pipeline_parallel_size}")
+        _require(self.num_overlap_chunks >= 1, "num_overlap_chunks",
+                 f"must be >= 1, got {self.num_overlap_chunks}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for KV on CPU (default 256 MiB)
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory on CUDA
+    num_kv_blocks: int | None = None  # exact override (tests, benchmarks)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+                 f"must be a power of two in [1, 128], got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            _require(self.kv_cache_memory > 0, "kv_cache_memory",
+                     f"must be > 0 bytes, got {self.kv_cache_memory}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None:
+            _require(self.num_kv_blocks >= 1, "num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    num_lookahead_slots: int = 0  # extra KV slots reserved per decode for speculative tokens
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                 f"must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.num_lookahead_slots >= 0, "num_lookahead_slots",
+                 f"must be >= 0, got {self.num_lookahead_slots}")
+        # Every running request must be able to take its decode token (plus lookahead)
+        # in one step, or decodes could starve behind each other.
+        _require(self.max_num_batched_tokens >= self.max_num_seqs * (1 + self.num_lookahead_slots),
+                 "max_num_batched_tokens",
+                 f"must be >= max_num_seqs * (1 + num_lookahead_slots) = "
+                 f"{self.max_num_seqs * (1 + self.num_lookahead_slots)}, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative_model: str | None = None  # path, or "ngram"
+    num_speculative_tokens: int = 0
+    ngram_prompt_lookup_min: int = 1
+    ngram_prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        _require(self.num_speculative_tokens >= 0, "num_speculative_tokens",
+                 f"must be >= 0, got {self.num_speculative_tokens}")
+        _require(1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max,
+                 "ngram_prompt_lookup_min",
+                 "must satisfy 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max")
+        if self.speculative_model is not None:
+            _require(self.num_speculative_tokens >= 1, "num_speculative_tokens",
+                     "must be >= 1 when speculative_model is set")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_model is not None and self.num_speculative_tokens > 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    @staticmethod
+    def from_options(**options: Any) -> "EngineConfig":
+        """Build from flat vLLM-style keyword options; unknown names are a ValueError."""
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
+        for key, value in options.items():
+            owner = _FIELD_OWNER.get(key)
+            if owner is None:
+                raise ValueError(f"{key}: unknown engine option (known: {', '.join(sorted(_FIELD_OWNER))})")
+            parts[owner][key] = value
+        # Speculation reserves lookahead slots in the scheduler.
+        spec = SpeculativeConfig(**parts["speculative"])
+        if spec.enabled and "num_lookahead_slots" not in parts["scheduler"]:
+            parts["scheduler"]["num_lookahead_slots"] = spec.num_speculative_tokens
+        return EngineConfig(
+            model=ModelConfig(**parts["model"]),
+            parallel=ParallelConfig(**parts["parallel"]),
+            cache=CacheConfig(**parts["cache"]),
+            scheduler=SchedulerConfig(**parts["scheduler"]),
+            speculative=spec,
+        )
+
+
+_PARTS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
+}
+_FIELD_OWNER: dict[str, str] = {
+    f.name: part for part, cls in _PARTS.items() for f in dataclasses.fields(cls)
+}

@@ -1,0 +1,184 @@
+"""Incremental detokenization and stop-string handling for one request.
+
+Decoding every step from scratch costs O(output length) per token, and decoding only
+the newest token is wrong twice over: byte-level BPE tokens can hold part of a UTF-8
+character, and SentencePiece-style tokenizers decide a token's leading space from
+its neighbours. So, like vLLM and TGI, we decode a short sliding window of ids:
+``ids[prefix_offset:read_offset]`` is text already emitted, ``ids[prefix_offset:]``
+is that text plus the new part, and the difference between the two is the new text.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# How many prompt tokens seed the window, so the first output token decodes with the
+# same spacing it has in context.
+_PROMPT_WINDOW = 5
+_REPLACEMENT = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
+
+
+def find_stop(text: str, start: int, stop: list[str]) -> tuple[str, int] | None:
+    """Earliest occurrence in ``text`` of any string in ``stop`` that ends after ``start``.
+
+    An occurrence qualifies when it overlaps ``text[start:]``; anything ending at or
+    before ``start`` was already examined by an earlier call. So each stop string is
+    searched from ``start - len(s) + 1``, which keeps the work O(new text). Returns
+    ``(stop_string, index)``; on a tie in position the one listed first wins.
+    """
+    best: tuple[str, int] | None = None
+    for s in stop:
+        if not s:
+            continue  # an empty stop string would match everywhere
+        idx = text.find(s, max(0, start - len(s) + 1))
+        if idx != -1 and (best is None or idx < best[1]):
+            best = (s, idx)
+    return best
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text, one step at a time."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stop = [s for s in (stop or []) if s]
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        # Only the window tail of the prompt matters; the full ids list holds just that
+        # tail plus the output, so the offsets index into it.
+        window = list(prompt_token_ids[-_PROMPT_WINDOW:])
+        self._ids: list[int] = window
+        self._prefix_offset = 0
+        self._read_offset = len(window)
+        self._num_output_tokens = 0
+        self._text = ""
+        self._streamed = 0  # chars of _text already handed out by stream_delta
+        self._stopped: str | None = None
+        self._flushed = False
+
+    # -- decoding ---------------------------------------------------------------------
+
+    def _decode(self, ids: list[int]) -> str:
+        # decode() (rather than convert_tokens_to_string) handles added tokens and
+        # special-token skipping the same way a full decode does. Cleanup of
+        # tokenization spaces is off because it rewrites text across window
+        # boundaries (" ." -> "."), which would make the window diff inconsistent.
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+        )
+
+    def _step(self, flush: bool = False) -> str:
+        """New text from the ids past read_offset, or "" while a character is incomplete."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        # A trailing U+FFFD means the last bytes may be the start of a character the next
+        # token completes: wait (keeping the offsets) rather than emit a replacement char.
+        # A skipped special token adds no text; waiting for it is harmless too.
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT) and not flush):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def add_tokens(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string if one now appears in the output text
+        (only checked once at least min_tokens output tokens exist), else None.
+        After a stop string is found the text is truncated: it ends right before the stop
+        string (or right after it when include_stop_str_in_output) and later calls must
+        not be made."""
+        if self._stopped is not None or self._flushed:
+            raise RuntimeError("add_tokens called after the request finished")
+        old_len = len(self._text)
+        parts: list[str] = []
+        # One token at a time, so an incomplete character at the end of a multi-token
+        # step (speculative decoding) holds back only itself, not the whole step.
+        for tid in new_token_ids:
+            self._ids.append(tid)
+            parts.append(self._step())
+        self._num_output_tokens += len(new_token_ids)
+        self._text += "".join(parts)
+        return self._check_stop(old_len)
+
+    def finish(self) -> str | None:
+        """Emit any bytes still held as an incomplete character (as U+FFFD, like a full
+        decode would). Called by ``stream_delta(finished=True)``; call it before reading
+        ``output_text`` for a request that ended without streaming. Idempotent; returns
+        a stop string if the flushed text completed one."""
+        if self._flushed or self._stopped is not None:
+            return self._stopped
+        self._flushed = True
+        if self._read_offset == len(self._ids):
+            return None
+        old_len = len(self._text)
+        self._text += self._step(flush=True)
+        return self._check_stop(old_len)
+
+    def _check_stop(self, old_len: int) -> str | None:
+        if not self._stop or self._num_output_tokens < self._min_tokens:
+            return None
+        if len(self._text) == old_len:
+            return None
+        found = find_stop(self._text, old_len, self._stop)
+        if found is None:
+            return None
+        s, idx = found
+        self._text = self._text[: idx + len(s)] if self._include_stop else self._text[:idx]
+        self._stopped = s
+        return s
+
+    # -- outputs ----------------------------------------------------------------------
+
+    @property
+    def output_text(self) -> str:
+        """Full text so far (after any stop truncation)."""
+        return self._text
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_output_tokens
+
+    def _holdback(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        # With include_stop_str_in_output the client gets the stop string anyway, so a
+        # partial one is harmless and nothing needs holding back.
+        if not self._stop or self._include_stop or self._stopped is not None:
+            return 0
+        longest = min(max(len(s) for s in self._stop) - 1, len(self._text))
+        for k in range(longest, 0, -1):
+            tail = self._text[-k:]
+            if any(len(s) > k and s.startswith(tail) for s in self._stop):
+                return k
+        return 0
+
+    def stream_delta(self, finished: bool) -> str:
+        """Text not yet returned by earlier stream_delta calls. While not finished, holds
+        back a trailing part of the text that could still be the beginning of a stop
+        string, so a streaming client never sees a partial stop string; when
+        finished=True returns everything that remains."""
+        if finished:
+            self.finish()
+            end = len(self._text)
+        else:
+            end = len(self._text) - self._holdback()
+        # A held-back suffix is never shown, and a stop string can only start inside
+        # one, so truncation never cuts below _streamed; max() just guards the invariant.
+        end = max(end, self._streamed)
+        delta = self._text[self._streamed : end]
+        self._streamed = end
+        return delta
+
+    def decode_token(self, token_id: int) -> str:
+        """Text of a single token for logprobs display (special tokens shown, and a
+        token holding part of a character shows U+FFFD)."""
+        return self._tokenizer.decode(
+            [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )

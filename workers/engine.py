@@ -1,0 +1,176 @@
+"""GroupEngine: one replica group's loop of schedule -> execute -> update -> outputs.
+
+    add_request ──> Scheduler.waiting
+    step():  Scheduler.schedule() ──step message──> Executor (workers) ──RunnerOutput──>
+             Scheduler.update() (token stops) ──> OutputProcessor (text, stop strings) ──> outputs
+
+The engine is synchronous; `AsyncEngine` runs it on a thread for the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import replace
+from typing import Any
+
+from tandem.cluster.config import EngineConfig
+from tandem.workers.block_pool import BlockPool, CapacitySource, LocalCapacity
+from tandem.workers.executor import Executor
+from tandem.workers.models.hf_config import HFModelConfig
+from tandem.workers.output_processor import OutputProcessor, RequestState
+from tandem.workers.request import Request, RequestOutput, RequestStatus, SamplingParams
+from tandem.workers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class EngineDeadError(RuntimeError):
+    """The group failed (a worker died or raised); it must be rebuilt."""
+
+
+class GroupEngine:
+    def __init__(self, config: EngineConfig, hf_config: HFModelConfig, tokenizer, executor: Executor,
+                 capacity: CapacitySource | None = None) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
+        sched = config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens: must be >= max_model_len ({self.max_model_len}) "
+                             "when chunked prefill is off")
+        capacity = capacity or LocalCapacity(executor.num_kv_blocks)
+        self.pool = BlockPool(capacity, executor.num_kv_blocks)
+        self.scheduler = Scheduler(sched, config.cache, self.pool)
+        self.outputs = OutputProcessor(tokenizer)
+        self.states: dict[str, RequestState] = {}
+        self._arrival = itertools.count()
+        self.dead_error: str | None = None
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
+
+    # ---- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt: must be a string, a list of token ids or a dict")
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the replica group has failed: {self.dead_error}")
+        if request_id in self.states:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
+        self._validate_prompt(token_ids, params)
+        state = self.outputs.new_state(request_id, text, token_ids, params)
+        self.states[request_id] = state
+        capacity = self.pool.num_blocks * self.config.cache.block_size - self.config.scheduler.num_lookahead_slots
+        eos = () if params.ignore_eos else self.hf_config.eos_token_ids
+        leader = request_id if params.n == 1 else f"{request_id}#0"
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + i)  # vLLM: siblings differ
+            self.scheduler.add_request(Request(
+                request_id=leader if i == 0 else f"{request_id}#{i}", prompt_token_ids=token_ids,
+                sampling_params=child_params, arrival_seq=next(self._arrival), eos_token_ids=tuple(eos),
+                max_model_len=min(self.max_model_len, capacity), parent_id=request_id, index=i,
+                leader_id=None if i == 0 else leader))
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.hf_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        bs = self.config.cache.block_size
+        need = -(-(len(token_ids) + 1 + self.config.scheduler.num_lookahead_slots) // bs)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"prompt: {len(token_ids)} tokens need {need} KV blocks but the cache holds "
+                             f"{self.pool.num_blocks}; raise kv_cache_memory")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort at any time; frees every block the request holds at once."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            child = request_id if state.params.n == 1 else f"{request_id}#{seq.index}"
+            self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+            self.outputs.finish(state, seq.index, RequestStatus.FINISHED_ABORTED)
+        return self.outputs.make_output(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the replica group has failed: {self.dead_error}")
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and not sched_out.finished_req_ids:
+            return []
+        try:
+            result = self.executor.execute(sched_out)
+        except Exception as exc:  # a worker died or raised: fail the group loudly
+            return self.fail(f"{type(exc).__name__}: {exc}")
+        self.num_draft_tokens += result.num_draft_tokens
+        self.num_accepted_draft_tokens += result.num_accepted_draft_tokens
+        touched: dict[str, RequestState] = {}
+        for update in self.scheduler.update(sched_out, result):
+            req = update.request
+            state = self.states.get(req.parent_id)
+            if state is None:
+                continue
+            state.num_cached_tokens = max(state.num_cached_tokens, req.num_cached_prompt_tokens)
+            if self.outputs.add_tokens(state, req, update.new_token_ids, update.new_logprobs):
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            touched[state.request_id] = state
+        outputs = []
+        for request_id, state in touched.items():
+            outputs.append(self.outputs.make_output(state))
+            if state.finished:
+                del self.states[request_id]
+        return outputs
+
+    def fail(self, error: str) -> list[RequestOutput]:
+        """End every in-flight request with finish reason 'error'; refuse new ones."""
+        logger.error("replica group failed: %s", error)
+        self.dead_error = error
+        outputs = []
+        for request_id, state in list(self.states.items()):
+            state.error = error
+            for seq in state.seqs:
+                child = request_id if state.params.n == 1 else f"{request_id}#{seq.index}"
+                self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
+                self.outputs.finish(state, seq.index, RequestStatus.FINISHED_ERROR)
+            outputs.append(self.outputs.make_output(state))
+        self.states.clear()
+        return outputs
+
+    def stats(self) -> dict[str, float]:
+        stats = self.scheduler.stats()
+        stats["num_draft_tokens"] = self.num_draft_tokens
+        stats["num_accepted_draft_tokens"] = self.num_accepted_draft_tokens
+        return stats
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

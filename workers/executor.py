@@ -1,0 +1,54 @@
+"""How an engine reaches its model: in this process, or (later) over Ray worker actors.
+
+The engine only calls `execute(step) -> RunnerOutput`; everything about where the
+shards live stays behind this seam.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tandem.cluster.config import EngineConfig
+from tandem.workers.model_runner import ModelRunner
+from tandem.workers.models.hf_config import HFModelConfig
+from tandem.workers.parallel import ParallelContext
+from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    num_kv_blocks: int
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+def pick_device(option: str) -> torch.device:
+    if option == "cuda" or (option == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device: cuda was asked for but no CUDA device is visible")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class UniProcExecutor:
+    """The whole model in this process (TP = PP = 1)."""
+
+    def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str,
+                 show_progress: bool = True) -> None:
+        device = pick_device(config.model.device)
+        self.runner = ModelRunner(config, hf_config, model_dir, ParallelContext(), device)
+        self.runner.load_model(show_progress=show_progress)
+        self.num_kv_blocks = self.runner.num_blocks_fit()
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"kv_cache_memory: too small for one KV block "
+                             f"({self.runner.kv_bytes_per_block()} bytes per block)")
+        self.runner.init_kv_cache(self.num_kv_blocks)
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(step)
+
+    def shutdown(self) -> None:
+        self.runner = None

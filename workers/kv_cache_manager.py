@@ -1,0 +1,106 @@
+"""Per-request KV block bookkeeping on top of a BlockPool.
+
+A request's block table covers every token whose KV is (or is about to be)
+written: `ceil((num_computed + num_new + lookahead) / block_size)` blocks. Full
+blocks are published to the prefix cache only once their KV is computed (for
+speculative tokens: once verified), so a cache hit never returns unwritten KV.
+"""
+
+from __future__ import annotations
+
+from tandem.workers.block_pool import BlockPool, hash_block
+from tandem.workers.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._num_cached_blocks: dict[str, int] = {}  # req_id -> leading blocks already published
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def _update_hashes(self, req: Request, num_tokens: int) -> None:
+        """Extend the request's hash chain over its full blocks within num_tokens."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        while (len(hashes) + 1) * bs <= num_tokens:
+            start = len(hashes) * bs
+            tokens = [req.token_at(p) for p in range(start, start + bs)]
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Leading blocks of the request found in the prefix cache (not yet referenced).
+
+        At least one token is always left to compute: its logits give the next token.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._update_hashes(req, max_blocks * self.block_size)
+        hits: list[int] = []
+        for block_hash in req.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None,
+                       num_lookahead: int = 0) -> list[int] | None:
+        """Reserve slots for num_new_tokens (+ lookahead); None if the pool is short.
+
+        computed_blocks (prefix hits at admission) are referenced here, atomically with
+        the allocation, so a failed allocation leaves no trace.
+        """
+        computed_blocks = computed_blocks or []
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = _cdiv(num_computed + num_new_tokens + num_lookahead, self.block_size)
+        num_new_blocks = max(0, num_needed - len(req.block_ids) - len(computed_blocks))
+        # Hits sitting in the free queue stop being free once referenced.
+        num_evictable_hits = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            req.block_ids.extend(computed_blocks)
+            # Hits are already published; don't publish them again.
+            self._num_cached_blocks[req.request_id] = len(req.block_ids)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        req.block_ids.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, req: Request) -> None:
+        """Publish the request's newly full and computed blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        done = self._num_cached_blocks.get(req.request_id, 0)
+        if num_full <= done:
+            return
+        self._update_hashes(req, num_full * self.block_size)
+        for i in range(done, num_full):
+            parent = req.block_hashes[i - 1] if i > 0 else None
+            self.pool.cache(req.block_ids[i], req.block_hashes[i], parent)
+        self._num_cached_blocks[req.request_id] = num_full
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free tail blocks beyond what num_tokens need (after rejected speculative tokens)."""
+        keep = _cdiv(num_tokens, self.block_size)
+        if len(req.block_ids) > keep:
+            tail = req.block_ids[keep:]
+            del req.block_ids[keep:]
+            self.pool.free(tail[::-1])
+
+    def free(self, req: Request) -> None:
+        # Tail first: when these become evictable, the prefix head goes last.
+        self.pool.free(req.block_ids[::-1])
+        req.block_ids = []
+        self._num_cached_blocks.pop(req.request_id, None)

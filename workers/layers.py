@@ -1,0 +1,203 @@
+"""Building blocks of a Llama-family decoder, written to be sharded across TP ranks.
+
+Each parameter that comes from a checkpoint has a `weight_loader(param, source,
+shard)` that copies just this rank's slice out of a lazily read tensor
+(`source[a:b]` reads only those rows from safetensors).
+
+    ColumnParallelLinear: weight rows split over ranks, no communication.
+    RowParallelLinear:    weight columns split; outputs are partial sums that the
+                          caller all-reduces (so it can overlap that with other work).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.workers.parallel import ParallelContext, shard_range
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    assert param.shape == loaded.shape, f"shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}"
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split over TP ranks; several logical outputs may be
+    merged into one GEMM (q|k|v, gate|up), each split separately."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, ctx: ParallelContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.out_sizes = [s // ctx.tp_size for s in out_sizes]  # per-rank size of each part
+        for s in out_sizes:
+            assert s % ctx.tp_size == 0, f"output size {s} does not split over {ctx.tp_size} ranks"
+        self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(sum(self.out_sizes), dtype=dtype), requires_grad=False) if bias else None
+
+    def part_offset(self, part: int) -> int:
+        return sum(self.out_sizes[:part])
+
+    def weight_loader(self, param: torch.Tensor, source: Any, part: int = 0) -> None:
+        size = self.out_sizes[part]
+        start = self.ctx.tp_rank * size
+        offset = self.part_offset(part)
+        _copy(param.data[offset:offset + size], source[start:start + size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Merged q|k|v projection. KV heads split over ranks; when there are fewer KV heads
+    than ranks, each KV head is replicated on tp_size / num_kv_heads ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 ctx: ParallelContext, dtype: torch.dtype) -> None:
+        tp = ctx.tp_size
+        assert num_heads % tp == 0, f"num_attention_heads={num_heads} does not split over tp={tp}"
+        assert num_kv_heads % tp == 0 or tp % num_kv_heads == 0, (
+            f"num_key_value_heads={num_kv_heads} and tp={tp}: one must divide the other")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        # Pass per-rank sizes scaled back up so the parent splits them to exactly these.
+        super().__init__(hidden_size, [self.num_heads * head_dim * tp, self.num_kv_heads * head_dim * tp,
+                                       self.num_kv_heads * head_dim * tp], bias, ctx, dtype)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+
+    def weight_loader(self, param: torch.Tensor, source: Any, part: int = 0) -> None:
+        size = self.out_sizes[part]
+        head_group = self.ctx.tp_rank if part == 0 else self.ctx.tp_rank // self.kv_replicas
+        start = head_group * size
+        offset = self.part_offset(part)
+        _copy(param.data[offset:offset + size], source[start:start + size])
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split over ranks. Returns this rank's partial
+    sum; the caller all-reduces it. The bias is added by rank 0 only."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.in_per_rank = in_features // ctx.tp_size
+        assert in_features % ctx.tp_size == 0, f"{in_features} does not split over {ctx.tp_size} ranks"
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: torch.Tensor, source: Any, part: int = 0) -> None:
+        if param is self.bias:
+            _copy(param, source[:])
+            return
+        start, end = shard_range(self.in_per_rank * self.ctx.tp_size, self.ctx.tp_rank, self.ctx.tp_size)
+        _copy(param, source[:, start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.ctx.tp_rank == 0 else None
+        return F.linear(x, self.weight, bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over ranks; each rank embeds the ids it owns, zeros elsewhere,
+    and an all-reduce sums the parts."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_per_rank = math.ceil(vocab_size / ctx.tp_size)
+        self.vocab_size = vocab_size
+        self.start = ctx.tp_rank * self.vocab_per_rank
+        self.end = min(self.start + self.vocab_per_rank, vocab_size)
+        # Padded to vocab_per_rank rows so every rank's logits have the same width.
+        self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden_size, dtype=dtype), requires_grad=False)
+
+    def weight_loader(self, param: torch.Tensor, source: Any, part: int = 0) -> None:
+        _copy(param.data[:self.end - self.start], source[self.start:self.end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.start) & (input_ids < self.end)
+        local = torch.where(mask, input_ids - self.start, 0)
+        out = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return self.ctx.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-parallel output projection: each rank scores its vocab slice, then gather."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)  # [num_tokens, vocab_per_rank]
+        logits = self.ctx.all_gather_last_dim(logits)
+        return logits[:, :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def weight_loader(self, param: torch.Tensor, source: Any, part: int = 0) -> None:
+        _copy(param, source[:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers' LlamaRMSNorm, so float32 results match.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, attention_scaling: float,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.float()[None, :]  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+        self.head_dim = head_dim
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the RoPE types we support."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    raise ValueError(f"rope_scaling: type {rope_type!r} is not supported (default, linear, llama3)")

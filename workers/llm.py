@@ -1,0 +1,91 @@
+"""The offline API: `LLM(model=PATH, **options).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from tandem.cluster.config import EngineConfig
+from tandem.workers.engine import GroupEngine, Prompt
+from tandem.workers.request import RequestOutput, SamplingParams
+from tandem.workers.tokenizer import apply_chat_template
+
+
+def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEngine:
+    """Resolve the model, load tokenizer and weights, size the KV cache, and start a group."""
+    from tandem.workers.demo_model import demo_model_path
+    from tandem.workers.executor import UniProcExecutor
+    from tandem.workers.models.hf_config import HFModelConfig
+    from tandem.workers.tokenizer import load_tokenizer
+
+    model_dir = config.model.model or demo_model_path()
+    hf_config = HFModelConfig.from_dir(model_dir)
+    max_len = config.model.max_model_len
+    if max_len is not None and max_len > hf_config.max_position_embeddings:
+        raise ValueError(f"max_model_len: {max_len} exceeds the model's max_position_embeddings "
+                         f"({hf_config.max_position_embeddings})")
+    tokenizer = load_tokenizer(model_dir)
+    if config.parallel.world_size > 1:
+        from tandem.workers.ray_executor import RayExecutor  # issue: replica groups on Ray
+        executor = RayExecutor(config, hf_config, model_dir)
+    else:
+        executor = UniProcExecutor(config, hf_config, model_dir, show_progress=show_progress)
+    return GroupEngine(config, hf_config, tokenizer, executor)
+
+
+class LLM:
+    """Generate offline from a local Hugging Face model directory (the demo model by default)."""
+
+    def __init__(self, model: str | None = None, **options) -> None:
+        self.config = EngineConfig.from_options(model=model, **options)
+        self.engine = build_engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        ids = [str(next(self._ids)) for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.engine.add_request(request_id, prompt, p)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.tokenizer(apply_chat_template(self.tokenizer, c),
+                                                       add_special_tokens=False).input_ids}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, leave=False)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

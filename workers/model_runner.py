@@ -1,0 +1,219 @@
+"""Turns a step message into tensors, runs this stage's layers, and (last stage) samples.
+
+The runner keeps each request's token ids and block table, updated from the
+scheduler's diffs; it never decides anything on its own. Draft tokens (speculative
+decoding) are scored in the same pass: the target samples at every draft position
+and keeps drafts while they equal its own sample, then adds one more token. That
+is exactly the target's own sampling run, position by position, so greedy and
+seeded outputs are unchanged by speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.cluster.config import EngineConfig
+from tandem.workers.attention import AttentionMetadata, PrefillSeq
+from tandem.workers.loader import load_weights
+from tandem.workers.models.hf_config import HFModelConfig
+from tandem.workers.models.llama import LlamaForCausalLM
+from tandem.workers.parallel import ParallelContext
+from tandem.workers.request import SamplingParams
+from tandem.workers.sampler import Sampler, SamplingRow
+from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
+
+
+@dataclass
+class CachedRequestState:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class StepInputs:
+    """One step's tensors, plus which rows of the last hidden states to score."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    req_ids: list[str]  # in the order their tokens appear
+    logits_rows: list[list[int]]  # per request: token indices to score ([] = partial prefill)
+    drafts: list[list[int]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str, ctx: ParallelContext,
+                 device: torch.device) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.model_dir = model_dir
+        self.ctx = ctx
+        self.device = device
+        self.dtype = hf_config.resolve_dtype(config.model.dtype, device)
+        self.block_size = config.cache.block_size
+        self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
+        self.states: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler(seed=config.model.seed)
+        self.model: LlamaForCausalLM | None = None
+        self.num_blocks = 0
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def load_model(self, show_progress: bool = True) -> None:
+        torch.manual_seed(self.config.model.seed)
+        # Positions up to max_model_len plus room for draft tokens past the last one.
+        max_positions = self.max_model_len + self.config.scheduler.num_lookahead_slots + 1
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(self.hf_config, self.ctx, self.dtype, max_positions)
+        load_weights(self.model, self.model_dir, show_progress=show_progress)
+        self.model.eval()
+
+    def kv_bytes_per_block(self) -> int:
+        attn = self.model.attention_layers[0]
+        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        return per_layer * len(self.model.layers)
+
+    def available_kv_memory(self) -> int:
+        cache = self.config.cache
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free
+            return max(0, int(total * cache.gpu_memory_utilization) - used_by_others)
+        from tandem.cluster.config import DEFAULT_CPU_KV_CACHE_BYTES
+        return cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+
+    def num_blocks_fit(self) -> int:
+        if self.config.cache.num_kv_blocks is not None:
+            return self.config.cache.num_kv_blocks
+        return self.available_kv_memory() // self.kv_bytes_per_block()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        for attn in self.model.attention_layers:
+            shape = (num_blocks * self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.value_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in out.new_requests:
+            self.states[new.req_id] = CachedRequestState(
+                list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params, list(new.block_ids))
+        for diff in out.cached_requests:
+            state = self.states[diff.req_id]
+            state.output_token_ids.extend(diff.new_token_ids)
+            state.block_ids.extend(diff.new_block_ids)
+
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        computed = {r.req_id: r.num_computed_tokens for r in out.new_requests}
+        computed.update({r.req_id: r.num_computed_tokens for r in out.cached_requests})
+        # Decodes (exactly one new token, no drafts) first: they batch into one attention call.
+        order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        num_decodes = sum(1 for r in order if out.num_scheduled_tokens[r] == 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[list[int]] = []
+        drafts: list[list[int]] = []
+        prefills: list[PrefillSeq] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for req_id in order:
+            state = self.states[req_id]
+            start, num = computed[req_id], out.num_scheduled_tokens[req_id]
+            draft = out.spec_token_ids.get(req_id, [])
+            tokens = state.token_ids()
+            seq_tokens = tokens[start:start + num - len(draft)] + draft
+            q_start = len(input_ids)
+            input_ids.extend(seq_tokens)
+            pos = range(start, start + num)
+            positions.extend(pos)
+            table = state.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            end = start + num
+            if end - len(draft) >= len(tokens):  # reaches the last known token: sample
+                logits_rows.append(list(range(q_start + num - 1 - len(draft), q_start + num)))
+            else:
+                logits_rows.append([])
+            drafts.append(draft)
+            if num == 1:
+                decode_tables.append(table[:(end + bs - 1) // bs])
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSeq(q_start, num, end, torch.tensor(
+                    table[:(end + bs - 1) // bs], dtype=torch.long, device=self.device)))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decodes=num_decodes,
+            decode_block_tables=_pad_tables(decode_tables, self.device) if decode_tables else None,
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device) if decode_lens else None,
+            prefills=prefills,
+            block_size=bs,
+        )
+        return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                          torch.tensor(positions, dtype=torch.long, device=self.device),
+                          meta, order, logits_rows, drafts)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor:
+        """Run one step. Non-last pipeline stages return hidden states for the next stage."""
+        self.update_states(out)
+        if out.is_empty:
+            return RunnerOutput([], [], [])
+        inputs = self.prepare_inputs(out)
+        hidden = self.model(inputs.input_ids if self.ctx.is_first_stage else None, inputs.positions,
+                            inputs.meta, hidden)
+        if not self.ctx.is_last_stage:
+            return hidden
+        return self.sample(inputs, hidden)
+
+    def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> RunnerOutput:
+        flat_rows = [i for rows in inputs.logits_rows for i in rows]
+        if not flat_rows:
+            return RunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids], [None] * len(inputs.req_ids))
+        logits = self.model.compute_logits(hidden[torch.tensor(flat_rows, device=self.device)])
+        rows: list[SamplingRow] = []
+        for req_id, idx, draft in zip(inputs.req_ids, inputs.logits_rows, inputs.drafts):
+            state = self.states[req_id]
+            for j in range(len(idx)):
+                outputs = state.output_token_ids + draft[:j]
+                rows.append(SamplingRow(state.sampling_params, state.prompt_token_ids, outputs,
+                                        self._suppressed(state.sampling_params, len(outputs))))
+        result = self.sampler(logits, rows)
+        sampled: list[list[int]] = []
+        logprobs: list[list | None] = []
+        num_drafts = num_accepted = 0
+        k = 0
+        for idx, draft in zip(inputs.logits_rows, inputs.drafts):
+            tokens = result.token_ids[k:k + len(idx)]
+            lps = result.logprobs[k:k + len(idx)]
+            k += len(idx)
+            accepted = 0
+            while accepted < len(draft) and tokens[accepted] == draft[accepted]:
+                accepted += 1
+            keep = len(idx) and accepted + 1
+            sampled.append(tokens[:keep])
+            logprobs.append(lps[:keep] if lps and lps[0] is not None else None)
+            num_drafts += len(draft)
+            num_accepted += accepted if idx else 0
+        return RunnerOutput(inputs.req_ids, sampled, logprobs, num_drafts, num_accepted)
+
+    def _suppressed(self, params: SamplingParams, num_outputs: int) -> tuple[int, ...]:
+        if num_outputs >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self.hf_config.eos_token_ids
+        return tuple(eos) + tuple(params.stop_token_ids)
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)

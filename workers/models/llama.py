@@ -1,0 +1,156 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) holding only its pipeline stage's layers.
+
+Per layer, with tokens flattened over the whole step ([num_tokens, hidden]):
+
+    x -> RMSNorm -> qkv (column-parallel) -> RoPE -> paged attention -> o (row-parallel) -> all-reduce -> +x
+      -> RMSNorm -> gate|up (column-parallel) -> SiLU(gate) * up -> down (row-parallel) -> all-reduce -> +x
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.workers.attention import AttentionMetadata, paged_attention
+from tandem.workers.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    rope_inv_freq,
+)
+from tandem.workers.models.hf_config import HFModelConfig
+from tandem.workers.parallel import ParallelContext, stage_layers
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: HFModelConfig, ctx: ParallelContext, rope: RotaryEmbedding, window: int | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.attention_bias, ctx, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                        cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM", ctx, dtype)
+        self.rope = rope
+        self.window = window
+        self.head_dim = cfg.head_dim
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.scale = cfg.head_dim ** -0.5
+        self.key_cache: torch.Tensor | None = None  # bound by the runner once sized
+        self.value_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        out = paged_attention(q, k, v, self.key_cache, self.value_cache, meta, self.scale, self.window)
+        return self.o_proj(out)  # partial sum when TP > 1
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: HFModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
+                                                 ctx, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, ctx, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # partial sum when TP > 1
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: HFModelConfig, ctx: ParallelContext, rope: RotaryEmbedding, window: int | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, ctx, rope, window, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, ctx, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.ctx.all_reduce(self.self_attn(positions, self.input_layernorm(x), meta))
+        return x + self.ctx.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: HFModelConfig, ctx: ParallelContext, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ctx = ctx
+        self.start_layer, self.end_layer = stage_layers(cfg.num_hidden_layers, ctx.pp_rank, ctx.pp_size)
+        inv_freq, scaling = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, scaling, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype) \
+            if ctx.is_first_stage else None
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, ctx, rope, cfg.layer_sliding_windows[i], dtype)
+            for i in range(self.start_layer, self.end_layer))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if ctx.is_last_stage else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype) if ctx.is_last_stage else None
+
+    @property
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage 0 takes token ids; later stages take the previous stage's hidden states."""
+        x = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x) if self.norm is not None else x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def weight_targets(self) -> dict[str, tuple[torch.Tensor, Callable[..., None], int]]:
+        """Checkpoint tensor name -> (parameter, loader, part) for this stage and rank only."""
+        targets: dict[str, tuple[torch.Tensor, Callable[..., None], int]] = {}
+
+        def add(name: str, module: Any, param: torch.Tensor, part: int = 0) -> None:
+            targets[name] = (param, module.weight_loader, part)
+
+        if self.embed_tokens is not None:
+            add("model.embed_tokens.weight", self.embed_tokens, self.embed_tokens.weight)
+        for offset, layer in enumerate(self.layers):
+            p = f"model.layers.{self.start_layer + offset}."
+            attn, mlp = layer.self_attn, layer.mlp
+            add(p + "input_layernorm.weight", layer.input_layernorm, layer.input_layernorm.weight)
+            add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm,
+                layer.post_attention_layernorm.weight)
+            for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                add(f"{p}self_attn.{proj}.weight", attn.qkv_proj, attn.qkv_proj.weight, part)
+                if attn.qkv_proj.bias is not None:
+                    add(f"{p}self_attn.{proj}.bias", attn.qkv_proj, attn.qkv_proj.bias, part)
+            add(p + "self_attn.o_proj.weight", attn.o_proj, attn.o_proj.weight)
+            if attn.o_proj.bias is not None:
+                add(p + "self_attn.o_proj.bias", attn.o_proj, attn.o_proj.bias)
+            for part, proj in enumerate(("gate_proj", "up_proj")):
+                add(f"{p}mlp.{proj}.weight", mlp.gate_up_proj, mlp.gate_up_proj.weight, part)
+                if mlp.gate_up_proj.bias is not None:
+                    add(f"{p}mlp.{proj}.bias", mlp.gate_up_proj, mlp.gate_up_proj.bias, part)
+            add(p + "mlp.down_proj.weight", mlp.down_proj, mlp.down_proj.weight)
+            if mlp.down_proj.bias is not None:
+                add(p + "mlp.down_proj.bias", mlp.down_proj, mlp.down_proj.bias)
+        if self.norm is not None:
+            add("model.norm.weight", self.norm, self.norm.weight)
+            head_name = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+            if head_name in targets:  # tied on a single stage: one checkpoint tensor, two params
+                targets["lm_head.weight@tied"] = (self.lm_head.weight, self.lm_head.weight_loader, 0)
+            else:
+                add(head_name, self.lm_head, self.lm_head.weight)
+        return targets

@@ -1,0 +1,111 @@
+"""From sampled token ids to what users see: text, logprobs, finish reasons.
+
+One RequestState per user request; an `n > 1` request has n sequences, each its
+own scheduler Request and its own incremental detokenizer. Stop strings are found
+here (they need text) and reported back so the scheduler frees the sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.workers.detokenizer import IncrementalDetokenizer
+from tandem.workers.request import (
+    CompletionOutput,
+    PositionLogprobs,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+
+
+@dataclass
+class SequenceState:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_tokens_sent: int = 0  # delta mode: tokens already streamed
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[SequenceState]
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def new_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                  params: SamplingParams) -> RequestState:
+        seqs = [SequenceState(i, IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens), logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None) for i in range(params.n)]
+        return RequestState(request_id, prompt, prompt_token_ids, params, seqs)
+
+    def add_tokens(self, state: RequestState, req: Request, new_token_ids: list[int],
+                   new_logprobs: list[PositionLogprobs] | None) -> bool:
+        """Record a step's tokens for one sequence; returns True if a stop string ended it."""
+        seq = state.seqs[req.index]
+        seq.token_ids.extend(new_token_ids)
+        if seq.logprobs is not None and new_logprobs:
+            for token, lp in zip(new_token_ids, new_logprobs):
+                for token_id, entry in lp.items():
+                    entry.decoded_token = seq.detok.decode_token(token_id)
+                seq.logprobs.append(lp)
+                seq.cumulative_logprob += lp[token].logprob
+        stop = seq.detok.add_tokens(new_token_ids)
+        if stop is None and req.status.is_finished:
+            stop = seq.detok.finish()
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            return True
+        if req.status.is_finished:
+            self.finish(state, req.index, req.status, req)
+        return False
+
+    def finish(self, state: RequestState, index: int, status: RequestStatus, req: Request | None = None) -> None:
+        seq = state.seqs[index]
+        if seq.finish_reason is not None:
+            return
+        seq.detok.finish()
+        seq.finish_reason = status.value
+        if status == RequestStatus.FINISHED_STOPPED and seq.token_ids:
+            seq.stop_reason = seq.token_ids[-1] if req is None or \
+                seq.token_ids[-1] in req.sampling_params.stop_token_ids else None
+
+    def make_output(self, state: RequestState) -> RequestOutput:
+        delta = state.params.output_kind == "delta"
+        outputs = []
+        for seq in state.seqs:
+            finished = seq.finish_reason is not None
+            if delta:
+                start = seq.num_tokens_sent
+                seq.num_tokens_sent = len(seq.token_ids)
+                text = seq.detok.stream_delta(finished)
+                token_ids = seq.token_ids[start:]
+                logprobs = seq.logprobs[start:] if seq.logprobs is not None else None
+            else:
+                text, token_ids, logprobs = seq.detok.output_text, list(seq.token_ids), seq.logprobs
+            outputs.append(CompletionOutput(seq.index, text, token_ids, logprobs, seq.finish_reason,
+                                            seq.stop_reason, seq.cumulative_logprob))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
+                             finished=state.finished, num_cached_tokens=state.num_cached_tokens,
+                             error=state.error)

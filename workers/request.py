@@ -1,0 +1,190 @@
+"""Request, SamplingParams and RequestOutput, in the shapes vLLM users know."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field_name}: {message}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Validated at construction; errors name the field."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) = no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the context length
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives besides the chosen token
+    skip_special_tokens: bool = True
+    output_kind: str = "cumulative"  # cumulative | delta (streaming)
+    use_speculation: bool = True  # per-request opt-out of speculative decoding
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        _require(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+                 f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        _require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+                 f"must be in [-2, 2], got {self.presence_penalty}")
+        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+                 f"must be in [-2, 2], got {self.frequency_penalty}")
+        _require(self.repetition_penalty > 0.0, "repetition_penalty",
+                 f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None:
+            _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+                     f"must be an integer >= 1, got {self.max_tokens!r}")
+        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+                 f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            _require(self.min_tokens <= self.max_tokens, "min_tokens",
+                     f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None:
+            _require(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs",
+                     f"must be an integer in [0, 20], got {self.logprobs!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                 "must be non-negative integers")
+        _require(self.output_kind in ("cumulative", "delta"), "output_kind",
+                 f"must be 'cumulative' or 'delta', got {self.output_kind!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One position's logprobs: the chosen token plus the top-N alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class Request:
+    """One sequence as the scheduler sees it (an `n > 1` prompt becomes n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_seq: int  # strictly increasing; preemption picks the largest
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
+    parent_id: str | None = None  # the user-visible request id for n > 1
+    index: int = 0  # which of the n completions this is
+    leader_id: str | None = None  # sibling whose prompt KV this one waits to share
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of full blocks so far
+    num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    error: str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the most output tokens this request may produce."""
+        limit = self.max_model_len
+        if self.sampling_params.max_tokens is not None:
+            limit = min(limit, self.num_prompt_tokens + self.sampling_params.max_tokens)
+        return limit
+
+    def token_at(self, position: int) -> int:
+        if position < len(self.prompt_token_ids):
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - len(self.prompt_token_ids)]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None

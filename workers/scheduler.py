@@ -1,0 +1,256 @@
+"""Iteration-level continuous batching over a paged KV cache.
+
+There is no separate prefill or decode phase: each request has
+`num_computed_tokens`, and a step gives it `num_tokens - num_computed_tokens`
+more (capped by the token budget), so a long prompt is chunked across steps and
+mixed with decodes. Order within a step:
+
+  1. running requests that are decoding (so a long prefill never starves them),
+  2. running requests in the middle of a chunked prefill,
+  3. waiting requests, first come first served, while budget, seats and blocks last.
+
+When blocks run out, the latest-arrived running request is preempted: its blocks
+are freed and it is recomputed later (its output so far is kept, so the result is
+unchanged). `num_computed_tokens` advances when a step is scheduled and rolls back
+in `update` for rejected draft tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.cluster.config import CacheConfig, SchedulerConfig
+from tandem.workers.block_pool import BlockPool
+from tandem.workers.kv_cache_manager import KVCacheManager
+from tandem.workers.request import Request, RequestStatus
+from tandem.workers.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
+
+
+@dataclass
+class StepUpdate:
+    """What one step did to one request, for the engine's output processing."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list | None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(pool, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._sent_tokens: dict[str, int] = {}  # req_id -> tokens the workers know
+        self._block_ids_sent: dict[str, int] = {}  # req_id -> blocks the workers know
+        self._finished_since_last_step: set[str] = set()
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out ---------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
+        """Finish (stop, length, abort, error) a request at any time; frees its blocks at once."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        assert status.is_finished
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        req.spec_token_ids = []
+        self.kv.free(req)
+        self._forget_sent(req_id)
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step_id=self._step_id)
+        self._step_id += 1
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        decoding = [r for r in self.running if not r.is_prefill]
+        prefilling = [r for r in self.running if r.is_prefill]
+        scheduled: list[Request] = []
+        for req in decoding + prefilling:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.spec_token_ids:
+                # Drafts ride along only with a whole decode, and never past the length limit.
+                room = req.max_total_tokens - req.num_tokens - 1
+                fits = num_new == 1 and budget > len(req.spec_token_ids)
+                req.spec_token_ids = req.spec_token_ids[:max(0, room)] if fits else []
+                num_new += len(req.spec_token_ids)
+            lookahead = self.config.num_lookahead_slots if not req.is_prefill else 0
+            while self.kv.allocate_slots(req, num_new, num_lookahead=lookahead) is None:
+                victim = max(self.running, key=lambda r: r.arrival_seq)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled.append(req)
+            budget -= num_new
+            out.num_scheduled_tokens[req.request_id] = num_new
+        if not preempted:
+            budget = self._admit_waiting(out, scheduled, budget)
+        for req in scheduled:
+            self._add_to_output(out, req)
+        out.finished_req_ids, self._finished_since_last_step = self._finished_since_last_step, set()
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, scheduled: list[Request], budget: int) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if self._must_wait_for_leader(req):
+                skipped.append(req)
+                continue
+            hits = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(hits) * self.block_size
+            num_new = req.num_tokens - num_cached
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                self.waiting.appendleft(req)
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                self.waiting.appendleft(req)
+                break
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_prompt_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(req)
+            budget -= num_new
+            out.num_scheduled_tokens[req.request_id] = num_new
+        # Keep FCFS order for the requests passed over.
+        self.waiting.extendleft(reversed(skipped))
+        self.running.sort(key=lambda r: r.arrival_seq)
+        return budget
+
+    def _must_wait_for_leader(self, req: Request) -> bool:
+        """n > 1: siblings wait until the first one's prompt KV is cached, then share it."""
+        if req.leader_id is None or not self.kv.enable_prefix_caching:
+            return False
+        leader = self.requests.get(req.leader_id)
+        if leader is None or leader.num_computed_tokens >= leader.num_prompt_tokens:
+            req.leader_id = None
+            return False
+        return True
+
+    def _add_to_output(self, out: SchedulerOutput, req: Request) -> None:
+        req_id = req.request_id
+        num_new = out.num_scheduled_tokens[req_id]
+        sent = self._sent_tokens.get(req_id)
+        if sent is None:
+            out.new_requests.append(NewRequestData(
+                req_id, list(req.prompt_token_ids), list(req.output_token_ids),
+                req.sampling_params, list(req.block_ids), req.num_computed_tokens))
+            self._sent_tokens[req_id] = req.num_tokens
+            self._block_ids_sent[req_id] = len(req.block_ids)
+        else:
+            n_blocks = self._block_ids_sent[req_id]
+            out.cached_requests.append(CachedRequestData(
+                req_id, req.all_token_ids[sent:], req.block_ids[n_blocks:], req.num_computed_tokens))
+            self._sent_tokens[req_id] = req.num_tokens
+            self._block_ids_sent[req_id] = len(req.block_ids)
+        if req.spec_token_ids:
+            out.spec_token_ids[req_id] = list(req.spec_token_ids)
+        req.num_computed_tokens += num_new
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget_sent(req.request_id)
+        self.waiting.appendleft(req)
+
+    def _forget_sent(self, req_id: str) -> None:
+        """The workers drop this request's state at the next step (it is resent in full)."""
+        self._block_ids_sent.pop(req_id, None)
+        if self._sent_tokens.pop(req_id, None) is not None:
+            self._finished_since_last_step.add(req_id)
+
+    # ---- results ---------------------------------------------------------------------------
+    def update(self, sched_out: SchedulerOutput, result: RunnerOutput) -> list[StepUpdate]:
+        """Apply a step's sampled tokens; token-level stop checks (EOS, stop ids, length)."""
+        updates: list[StepUpdate] = []
+        for req_id, tokens, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            num_drafts = len(sched_out.spec_token_ids.get(req_id, ()))
+            if num_drafts:
+                # Drafts accepted = tokens - 1 (the bonus/corrected token); roll back the rest.
+                num_rejected = num_drafts - (len(tokens) - 1)
+                req.num_computed_tokens -= num_rejected
+                req.spec_token_ids = []
+            if not tokens:
+                self.kv.cache_blocks(req)
+                continue
+            kept: list[int] = []
+            for token in tokens:
+                kept.append(token)
+                req.output_token_ids.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
+            if len(kept) < len(tokens):
+                # Stopped inside accepted drafts: the KV past the stop is not needed.
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            if num_drafts:
+                self.kv.trim(req, req.num_tokens)
+            self.kv.cache_blocks(req)
+            updates.append(StepUpdate(req, kept, logprobs[:len(kept)] if logprobs else None))
+            if status is not None:
+                self.finish_request(req_id, status)
+        return updates
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in req.eos_token_ids):
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- figures -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        pool = self.kv.pool
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_free": pool.num_free_blocks,
+            "kv_blocks_cached": pool.num_cached_blocks,
+            "kv_usage": pool.usage,
+            "num_preemptions": self.num_preemptions,
+        }

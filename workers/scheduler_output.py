@@ -1,0 +1,59 @@
+"""The step message (engine -> workers) and step result (workers -> engine).
+
+Small dataclasses of plain types. New requests travel in full once; requests the
+workers already hold travel as diffs (new block ids, new token ids), so a step's
+message stays small however long the sequences get.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.workers.request import PositionLogprobs, SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resuming after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_token_ids: list[int]  # output tokens the workers have not seen yet
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # includes draft tokens
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)  # drop worker state for these
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]
+    # Per request: the tokens this step produced. [] for a partial prefill chunk; one
+    # token normally; up to 1 + len(draft) when draft tokens were verified.
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[PositionLogprobs] | None]
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
