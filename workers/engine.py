@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from tandem.cluster.config import EngineConfig
 from tandem.workers.block_pool import BlockPool, CapacitySource, LocalCapacity
@@ -25,6 +25,12 @@ from tandem.workers.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
+
+
+class Proposer(Protocol):
+    """Speculative drafting: sets `spec_token_ids` on the requests it has guesses for."""
+
+    def propose(self, requests: list[Request]) -> None: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -50,6 +56,7 @@ class GroupEngine:
         self.states: dict[str, RequestState] = {}
         self._arrival = itertools.count()
         self.dead_error: str | None = None
+        self.proposer: Proposer | None = None
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
 
@@ -125,6 +132,10 @@ class GroupEngine:
     def step(self) -> list[RequestOutput]:
         if self.dead_error is not None:
             raise EngineDeadError(f"the replica group has failed: {self.dead_error}")
+        if self.proposer is not None:
+            # Draft tokens for running decodes; the scheduler reserves their KV slots.
+            self.proposer.propose([r for r in self.scheduler.running
+                                   if not r.is_prefill and r.sampling_params.use_speculation])
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return []

@@ -110,6 +110,7 @@ class ModelRunner:
         for diff in out.cached_requests:
             state = self.states[diff.req_id]
             state.output_token_ids.extend(diff.new_token_ids)
+            del state.block_ids[diff.num_kept_blocks:]
             state.block_ids.extend(diff.new_block_ids)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:

@@ -107,6 +107,11 @@ class Scheduler:
                 victim = max(self.running, key=lambda r: r.arrival_seq)
                 self._preempt(victim)
                 preempted = True
+                if victim in scheduled:
+                    # NOTE: a later arrival can be scheduled before req (decodes go first);
+                    # take it back out of this step, or it is sent with no blocks.
+                    scheduled.remove(victim)
+                    budget += out.num_scheduled_tokens.pop(victim.request_id)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
@@ -174,7 +179,7 @@ class Scheduler:
         else:
             n_blocks = self._block_ids_sent[req_id]
             out.cached_requests.append(CachedRequestData(
-                req_id, req.all_token_ids[sent:], req.block_ids[n_blocks:], req.num_computed_tokens))
+                req_id, req.all_token_ids[sent:], req.block_ids[n_blocks:], req.num_computed_tokens, n_blocks))
             self._sent_tokens[req_id] = req.num_tokens
             self._block_ids_sent[req_id] = len(req.block_ids)
         if req.spec_token_ids:
@@ -227,6 +232,8 @@ class Scheduler:
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             if num_drafts:
                 self.kv.trim(req, req.num_tokens)
+                # The workers' table still has the trimmed tail; the next diff cuts it.
+                self._block_ids_sent[req_id] = min(self._block_ids_sent[req_id], len(req.block_ids))
             self.kv.cache_blocks(req)
             updates.append(StepUpdate(req, kept, logprobs[:len(kept)] if logprobs else None))
             if status is not None:

@@ -28,6 +28,7 @@ class CachedRequestData:
     new_token_ids: list[int]  # output tokens the workers have not seen yet
     new_block_ids: list[int]
     num_computed_tokens: int  # before this step
+    num_kept_blocks: int  # the workers' table is cut to this length before appending new_block_ids
 
 
 @dataclass

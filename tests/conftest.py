@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random models of each family and transformers references.
+
+Models are made with transformers (random weights with a wide spread so greedy
+argmax is decisive), saved to a temp dir, and loaded through tandem's real loader.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from functools import lru_cache
+
+import pytest
+
+# Built-in models made by tests go to a throwaway cache, never the user's.
+os.environ.setdefault("TANDEM_CACHE_DIR", tempfile.mkdtemp(prefix="tandem-test-cache-"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+_MODEL_ROOT = tempfile.mkdtemp(prefix="tandem-test-models-")
+
+
+_built: dict[str, str] = {}
+
+
+def tiny_model(architecture: str = "llama", **overrides) -> str:
+    """Path of a tiny model (built once per test session and options)."""
+    from tandem.workers.demo_model import create_model_dir
+
+    name = architecture + "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
+    if name in _built:
+        return _built[name]
+    spec = dict(architecture=architecture, vocab_size=512, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, init_std=0.15, seed=7)
+    spec.update(overrides)
+    safe = "".join(c if c.isalnum() or c in "-=_." else "_" for c in name)
+    _built[name] = create_model_dir(os.path.join(_MODEL_ROOT, safe), **spec)
+    return _built[name]
+
+
+def mixed_prompts(seed: int = 0, lengths: tuple[int, ...] = (3, 17, 40, 90)) -> list[list[int]]:
+    """Token-id prompts of very different lengths (ids clear of the special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 500) for _ in range(n)] for n in lengths]
+
+
+@lru_cache(maxsize=None)
+def _hf_model(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # compare fixed-length outputs (ignore_eos)
+    return model.eval()
+
+
+@lru_cache(maxsize=None)
+def _hf_greedy_one(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    import torch
+
+    out = _hf_model(model_dir).generate(torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens,
+                                        do_sample=False, pad_token_id=0)
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers greedy output, one prompt at a time (no padding effects)."""
+    return [list(_hf_greedy_one(model_dir, tuple(p), max_new_tokens)) for p in prompts]
+
+
+def hf_logits(model_dir: str, token_ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return _hf_model(model_dir)(torch.tensor([token_ids])).logits[0]
+
+
+@pytest.fixture(scope="session")
+def llama_dir() -> str:
+    return tiny_model("llama")

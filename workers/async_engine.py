@@ -1,0 +1,122 @@
+"""AsyncEngine: a GroupEngine stepping on its own thread, with per-request async streams.
+
+The engine object is touched by its thread only. Callers on the event loop post
+commands (add, abort) to a queue the thread drains before each step; outputs come
+back through `loop.call_soon_threadsafe` into one asyncio.Queue per request. So
+nothing on the event loop ever blocks on model work, and a step never waits on a
+caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tandem.workers.engine import GroupEngine, Prompt
+from tandem.workers.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: GroupEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self.last_stats: dict[str, Any] = engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.engine.dead_error is None and self._thread.is_alive()
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream delta outputs of one request. Leaving the loop early aborts it."""
+        params = replace(params, output_kind="delta")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._post(lambda: self._add(request_id, prompt, params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post(lambda: self._abort(request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.engine.shutdown()
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _post(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _add(self, request_id: str, prompt: Prompt, params: SamplingParams, stream: _Stream) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as exc:  # bad input or a dead group: the caller gets the error
+            stream.put(exc)
+            return
+        self._streams[request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._streams.pop(request_id, None)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            while True:
+                try:
+                    self._commands.get_nowait()()
+                except queue.Empty:
+                    break
+            if not self.engine.has_unfinished_requests():
+                self.last_stats = self.engine.stats()
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # the step loop never swallows: fail every stream loudly
+                logger.exception("engine step failed")
+                outputs = self.engine.fail(f"{type(exc).__name__}: {exc}")
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+            self.last_stats = self.engine.stats()
