@@ -130,6 +130,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
+            req.spec_token_ids = []  # drafts ride only with decodes, never with admission
             if self._must_wait_for_leader(req):
                 skipped.append(req)
                 continue
