@@ -1,0 +1,95 @@
+"""A group's link to the cluster allocator: batched, asynchronous, never in the way.
+
+The engine thread calls `submit(events, usage)` after each step; that only appends
+to a buffer. A background thread publishes the buffer every `interval_s`. When the
+allocator answers "unknown group" (it restarted) or cannot be reached, the client
+keeps retrying and re-registers with a full snapshot of the group's cached hashes,
+which the engine thread supplies at its next submit. Serving never waits on any of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupIdentity:
+    group_id: str
+    model_id: str
+    block_size: int
+    device_blocks: int
+    node_id: str
+
+
+class AllocatorClient:
+    def __init__(self, get_actor: Callable[[], Any], identity: GroupIdentity, interval_s: float = 0.1,
+                 call_timeout_s: float = 2.0) -> None:
+        self._get_actor = get_actor
+        self.identity = identity
+        self.interval_s = interval_s
+        self.call_timeout_s = call_timeout_s
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, int]] = []
+        self._usage: dict[str, Any] = {}
+        self._snapshot: list[int] | None = None
+        self.want_snapshot = True  # the first contact registers with everything held
+        self.reachable = False
+        self.num_registrations = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-allocator-client", daemon=True)
+        self._thread.start()
+
+    def submit(self, events: list[tuple[str, int]], usage: dict[str, Any],
+               snapshot: Callable[[], list[int]]) -> None:
+        """Engine thread: queue this step's events; hand over a snapshot if one was asked for."""
+        with self._lock:
+            if self.want_snapshot:
+                # The snapshot replaces everything queued before it.
+                self._snapshot, self._events = snapshot(), []
+                self.want_snapshot = False
+            else:
+                self._events.extend(events)
+            self._usage = usage
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self._get_actor().unregister.remote(self.identity.group_id)
+        except Exception:  # best effort: the allocator may be gone already
+            pass
+
+    def _run(self) -> None:
+        import ray
+
+        while not self._stop.wait(self.interval_s):
+            with self._lock:
+                snapshot, events, usage = self._snapshot, self._events, self._usage
+                self._snapshot, self._events = None, []
+            if snapshot is None and not events and not usage:
+                continue
+            try:
+                actor = self._get_actor()
+                if snapshot is not None:
+                    ident = self.identity
+                    ray.get(actor.register.remote(ident.group_id, ident.model_id, ident.block_size,
+                                                  ident.device_blocks, ident.node_id, snapshot),
+                            timeout=self.call_timeout_s)
+                    self.num_registrations += 1
+                known = ray.get(actor.publish.remote(self.identity.group_id, events, usage),
+                                timeout=self.call_timeout_s)
+                self.reachable = True
+                if not known:
+                    logger.info("allocator does not know group %s; registering again", self.identity.group_id)
+                    self.want_snapshot = True
+            except Exception as exc:  # unreachable or restarting: keep serving, resync later
+                if self.reachable:
+                    logger.warning("KV allocator unreachable (%s); routing falls back to load only", exc)
+                self.reachable = False
+                self.want_snapshot = True

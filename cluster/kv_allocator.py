@@ -1,0 +1,116 @@
+"""The cluster-wide KV block allocator: one named Ray actor per Serve application.
+
+It knows every group's KV capacity (device leases), the host-memory budget per
+node and who holds it (host leases, for offloaded blocks), every group's usage,
+and the global prefix directory. Groups talk to it only asynchronously and in
+batches (see allocator_client.py); nothing on the per-token path waits on it.
+
+If the actor dies Ray restarts it empty. A group then learns from the next
+`publish` answer (False = "who are you?") that it must register again, sending
+the hashes it holds, so the directory heals without anyone stopping.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.cluster.prefix_directory import GroupId, PrefixDirectory
+
+
+@dataclass
+class GroupRecord:
+    group_id: GroupId
+    model_id: str
+    block_size: int
+    device_blocks: int  # the device lease
+    node_id: str
+    host_bytes: int = 0  # the host lease
+    usage: dict[str, Any] = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class KVAllocatorState:
+    """All the allocator's logic, plain Python (the actor is a thin wrapper)."""
+
+    def __init__(self, host_bytes_per_node: int = 0) -> None:
+        self.host_bytes_per_node = host_bytes_per_node
+        self.groups: dict[GroupId, GroupRecord] = {}
+        self.directory = PrefixDirectory()
+        self.started_at = time.time()
+
+    # ---- membership and leases ------------------------------------------------------------------
+    def register(self, group_id: GroupId, model_id: str, block_size: int, device_blocks: int, node_id: str,
+                 cached_hashes: list[int] | None = None) -> dict[str, Any]:
+        """(Re-)register a group with its device lease and the prefix blocks it already holds."""
+        if device_blocks < 1 or block_size < 1:
+            raise ValueError(f"device_blocks and block_size must be >= 1, got {device_blocks}, {block_size}")
+        self.directory.remove_group(group_id)
+        self.groups[group_id] = GroupRecord(group_id, model_id, block_size, device_blocks, node_id)
+        self.directory.add_group(group_id)
+        self.directory.apply(group_id, [("stored", h) for h in cached_hashes or ()])
+        return {"started_at": self.started_at}
+
+    def unregister(self, group_id: GroupId) -> None:
+        self.groups.pop(group_id, None)
+        self.directory.remove_group(group_id)
+
+    def lease_host(self, group_id: GroupId, num_bytes: int) -> int:
+        """Grant up to num_bytes of its node's host budget to a group; returns the grant."""
+        record = self.groups[group_id]
+        held = sum(g.host_bytes for g in self.groups.values() if g.node_id == record.node_id and g is not record)
+        record.host_bytes = max(0, min(num_bytes, self.host_bytes_per_node - held))
+        return record.host_bytes
+
+    # ---- events and figures ---------------------------------------------------------------------
+    def publish(self, group_id: GroupId, events: list[tuple[str, int]], usage: dict[str, Any]) -> bool:
+        """Apply a batch of block events and the group's usage. False: unknown group, re-register."""
+        record = self.groups.get(group_id)
+        if record is None:
+            return False
+        self.directory.apply(group_id, events)
+        record.usage = dict(usage)
+        record.last_seen = time.monotonic()
+        return True
+
+    def match(self, block_hashes: list[int], model_id: str | None = None) -> dict[GroupId, int]:
+        counts = self.directory.match(block_hashes)
+        if model_id is not None:
+            counts = {g: n for g, n in counts.items() if self.groups[g].model_id == model_id}
+        return counts
+
+    def usage(self) -> dict[GroupId, dict[str, Any]]:
+        return {g: {**r.usage, "device_blocks": r.device_blocks, "host_bytes": r.host_bytes,
+                    "directory_blocks": self.directory.num_blocks(g), "node_id": r.node_id}
+                for g, r in self.groups.items()}
+
+    def capacity(self) -> dict[str, int]:
+        nodes = {r.node_id for r in self.groups.values()}
+        return {
+            "device_blocks": sum(r.device_blocks for r in self.groups.values()),
+            "host_bytes_total": self.host_bytes_per_node * len(nodes),
+            "host_bytes_leased": sum(r.host_bytes for r in self.groups.values()),
+            "num_groups": len(self.groups),
+        }
+
+    def ping(self) -> float:
+        return self.started_at
+
+
+def allocator_name(app_name: str) -> str:
+    return f"tandem-kv-allocator-{app_name}"
+
+
+def get_or_create_allocator(app_name: str, host_bytes_per_node: int = 0, namespace: str = "tandem") -> Any:
+    """The application's allocator actor, created by whichever group asks first.
+
+    Detached (it outlives the replica that created it) and restarted by Ray if it dies;
+    the application's teardown kills it.
+    """
+    import ray
+
+    actor_cls = ray.remote(KVAllocatorState)
+    return actor_cls.options(name=allocator_name(app_name), namespace=namespace, get_if_exists=True,
+                             lifetime="detached", max_restarts=-1, max_task_retries=0,
+                             num_cpus=0).remote(host_bytes_per_node)

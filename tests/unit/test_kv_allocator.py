@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import pytest
+
+from tandem.cluster.kv_allocator import KVAllocatorState
+
+
+def test_register_publish_match_and_usage() -> None:
+    a = KVAllocatorState(host_bytes_per_node=1000)
+    a.register("g1", "m", 16, 100, "node-a")
+    a.register("g2", "m", 16, 50, "node-a", cached_hashes=[11, 12])
+    assert a.publish("g1", [("stored", 11), ("stored", 12), ("stored", 13)], {"num_running": 2})
+    assert a.match([11, 12, 13, 14]) == {"g1": 3, "g2": 2}
+    assert a.match([11, 12], model_id="other") == {}
+    usage = a.usage()
+    assert usage["g1"]["num_running"] == 2 and usage["g1"]["directory_blocks"] == 3
+    assert a.capacity()["device_blocks"] == 150
+
+
+def test_host_budget_is_shared_per_node() -> None:
+    a = KVAllocatorState(host_bytes_per_node=1000)
+    a.register("g1", "m", 16, 10, "node-a")
+    a.register("g2", "m", 16, 10, "node-a")
+    a.register("g3", "m", 16, 10, "node-b")
+    assert a.lease_host("g1", 700) == 700
+    assert a.lease_host("g2", 700) == 300  # what node-a has left
+    assert a.lease_host("g3", 700) == 700
+    assert a.capacity()["host_bytes_leased"] == 1700
+
+
+def test_unknown_group_is_told_to_register_again_and_death_clears_its_blocks() -> None:
+    a = KVAllocatorState()
+    assert a.publish("ghost", [("stored", 1)], {}) is False  # e.g. after an allocator restart
+    a.register("g1", "m", 16, 10, "n", cached_hashes=[1, 2])
+    a.unregister("g1")
+    assert a.match([1, 2]) == {}
+    with pytest.raises(ValueError, match="device_blocks"):
+        a.register("g2", "m", 16, 0, "n")
