@@ -108,6 +108,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
+    disable_batch_size: int = 16  # no drafts while more requests than this run (compute-bound)
 
     def __post_init__(self) -> None:
         _require(self.num_speculative_tokens >= 0, "num_speculative_tokens",

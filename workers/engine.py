@@ -21,6 +21,7 @@ from tandem.workers.models.hf_config import HFModelConfig
 from tandem.workers.output_processor import OutputProcessor, RequestState
 from tandem.workers.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.workers.scheduler import Scheduler
+from tandem.workers.spec_policy import SpeculationPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,7 @@ class GroupEngine:
         self._arrival = itertools.count()
         self.dead_error: str | None = None
         self.proposer: Proposer | None = None
-        self.num_draft_tokens = 0
-        self.num_accepted_draft_tokens = 0
+        self.spec_policy = SpeculationPolicy(disable_batch_size=config.speculative.disable_batch_size)
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -133,9 +133,11 @@ class GroupEngine:
         if self.dead_error is not None:
             raise EngineDeadError(f"the replica group has failed: {self.dead_error}")
         if self.proposer is not None:
-            # Draft tokens for running decodes; the scheduler reserves their KV slots.
-            self.proposer.propose([r for r in self.scheduler.running
-                                   if not r.is_prefill and r.sampling_params.use_speculation])
+            # Draft tokens for running decodes when it pays; the scheduler reserves their slots.
+            candidates = self.spec_policy.candidates(self.scheduler.running)
+            if candidates:
+                self.proposer.propose(candidates)
+                self.spec_policy.stats.num_steps_with_drafts += 1
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return []
@@ -143,8 +145,10 @@ class GroupEngine:
             result = self.executor.execute(sched_out)
         except Exception as exc:  # a worker died or raised: fail the group loudly
             return self.fail(f"{type(exc).__name__}: {exc}")
-        self.num_draft_tokens += result.num_draft_tokens
-        self.num_accepted_draft_tokens += result.num_accepted_draft_tokens
+        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
+            drafts = sched_out.spec_token_ids.get(req_id)
+            if drafts and tokens:
+                self.spec_policy.record(req_id, len(drafts), len(tokens) - 1)
         touched: dict[str, RequestState] = {}
         for update in self.scheduler.update(sched_out, result):
             req = update.request
@@ -154,6 +158,8 @@ class GroupEngine:
             state.num_cached_tokens = max(state.num_cached_tokens, req.num_cached_prompt_tokens)
             if self.outputs.add_tokens(state, req, update.new_token_ids, update.new_logprobs):
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.status.is_finished:
+                self.spec_policy.forget(req.request_id)
             touched[state.request_id] = state
         outputs = []
         for request_id, state in touched.items():
@@ -177,11 +183,21 @@ class GroupEngine:
         self.states.clear()
         return outputs
 
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.spec_policy.stats.num_draft_tokens
+
+    @property
+    def num_accepted_draft_tokens(self) -> int:
+        return self.spec_policy.stats.num_accepted_tokens
+
     def stats(self) -> dict[str, float]:
-        stats = self.scheduler.stats()
-        stats["num_draft_tokens"] = self.num_draft_tokens
-        stats["num_accepted_draft_tokens"] = self.num_accepted_draft_tokens
-        return stats
+        spec = self.spec_policy.stats
+        return {**self.scheduler.stats(),
+                "spec_num_draft_tokens": spec.num_draft_tokens,
+                "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_acceptance_rate": spec.acceptance_rate,
+                "spec_mean_accepted_length": spec.mean_accepted_length}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

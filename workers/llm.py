@@ -32,7 +32,40 @@ def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEn
         executor = RayExecutor(config, hf_config, model_dir)
     else:
         executor = UniProcExecutor(config, hf_config, model_dir, show_progress=show_progress)
-    return GroupEngine(config, hf_config, tokenizer, executor)
+    engine = GroupEngine(config, hf_config, tokenizer, executor)
+    engine.proposer = build_proposer(config, hf_config, executor)
+    return engine
+
+
+def build_proposer(config: EngineConfig, hf_config, executor):
+    """The speculative proposer the options ask for, or None."""
+    spec = config.speculative
+    if not spec.enabled:
+        return None
+    if spec.speculative_model == "ngram":
+        from tandem.workers.ngram_proposer import NgramProposer
+
+        return NgramProposer(spec.num_speculative_tokens, spec.ngram_prompt_lookup_min,
+                             spec.ngram_prompt_lookup_max)
+    from tandem.workers.draft import DraftModelProposer
+    from tandem.workers.models.hf_config import HFModelConfig
+
+    draft_config = HFModelConfig.from_dir(spec.speculative_model)
+    if draft_config.vocab_size != hf_config.vocab_size:
+        raise ValueError(f"speculative_model: its vocabulary ({draft_config.vocab_size}) differs from the "
+                         f"target's ({hf_config.vocab_size}); a draft must share the target's tokenizer")
+    place = getattr(executor, "place_draft", None)
+    core = place(spec) if place is not None else _local_draft_core(config)
+    return DraftModelProposer(core)
+
+
+def _local_draft_core(config: EngineConfig):
+    from tandem.workers.draft import DraftModelCore
+
+    spec, cache = config.speculative, config.cache
+    return DraftModelCore(spec.speculative_model, spec.num_speculative_tokens, block_size=cache.block_size,
+                          kv_cache_memory=cache.kv_cache_memory, dtype=config.model.dtype,
+                          device=config.model.device, max_model_len=config.model.max_model_len)
 
 
 class LLM:

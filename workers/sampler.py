@@ -118,6 +118,34 @@ class Sampler:
         logprobs = compute_logprobs(logits, token_ids, [r.params.logprobs for r in rows])
         return SamplerOutput(token_ids, logprobs)
 
+    def probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each row samples from, after every processing step: [rows, vocab].
+
+        Greedy rows are point masses on their argmax. Speculative verification compares
+        draft tokens against these.
+        """
+        x = logits.to(torch.float32, copy=True)
+        self._suppress(x, rows)
+        self._apply_penalties(x, rows)
+        out = torch.empty_like(x)
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if greedy:
+            gi = torch.tensor(greedy, device=x.device)
+            out[gi] = torch.nn.functional.one_hot(x.index_select(0, gi).argmax(-1), x.shape[-1]).float()
+        if sampled:
+            si = torch.tensor(sampled, device=x.device)
+            out[si] = torch.softmax(self._filtered(x.index_select(0, si), [rows[i] for i in sampled]), dim=-1)
+        return out
+
+    def generator_for(self, row: SamplingRow, device: torch.device) -> torch.Generator:
+        """The row's own generator when seeded (reproducible), else the shared one."""
+        if row.params.seed is None:
+            return self._generator(device)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(row_seed(row.params.seed, len(row.output_token_ids)))
+        return gen
+
     @staticmethod
     def _suppress(x: torch.Tensor, rows: list[SamplingRow]) -> None:
         vocab = x.shape[-1]
@@ -152,7 +180,9 @@ class Sampler:
                 ids, counts = ids[keep], counts[keep]
                 x[i, ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
 
-    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    @staticmethod
+    def _filtered(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, then top-k / top-p / min-p as -inf masks."""
         vocab, device = x.shape[-1], x.device
         temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)
         x = x / temps[:, None]
@@ -162,7 +192,11 @@ class Sampler:
         # The sort is the expensive part; skip it when no row filters anything.
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0.0 for m in min_p):
             x = _filter(x, top_k, top_p, min_p)
-        probs = torch.softmax(x, dim=-1)
+        return x
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        vocab, device = x.shape[-1], x.device
+        probs = torch.softmax(self._filtered(x, rows), dim=-1)
 
         # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact sample from p, and the
         # noise for a seeded row depends only on its own generator, never on its neighbours.
