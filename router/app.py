@@ -1,0 +1,103 @@
+"""build_app(args) -> the Serve application (used by `tandem serve` and deploy/serve_config.yaml).
+
+    HTTP / gRPC proxy ──> OpenAIIngress ──LoadAwareRouter──> GroupServer x num_replicas
+                          (tokenize, validate)               (one replica = one replica group)
+
+`args` holds engine options under their vLLM names (model, tensor_parallel_size,
+max_model_len, ...) plus the serving options below. A group with more than one worker
+gets its own placement group through the deployment's placement-group options:
+bundle 0 holds the GroupServer replica (the engine), bundles 1..tp*pp its workers
+(bundle 1 + pp_rank * tp + tp_rank), so Serve starts a group only where all of it fits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from tandem.cluster.config import EngineConfig
+from tandem.router.group_server import GroupServer
+from tandem.router.ingress import OpenAIIngress
+
+DEMO_MODEL_NAME = "tandem-demo"
+
+# Serving options and their defaults; every other key is an engine option.
+SERVING_DEFAULTS: dict[str, Any] = {
+    "served_model_name": None,  # default: the model path, or "tandem-demo"
+    "num_replicas": 1,  # replica groups (ignored when autoscaling_config is set)
+    "autoscaling_config": None,  # Serve autoscaling for the groups (min_replicas, max_replicas, ...)
+    "api_key": None,
+    "group_num_cpus": 1,  # CPUs of a GroupServer replica (the engine; the model too when tp*pp == 1)
+    "max_ongoing_requests": None,  # per group; default 2 * max_num_seqs (the engine queues the rest)
+    "max_queued_requests": 1024,  # waiting for a group (per ingress replica); beyond: 503; -1 = no limit
+    "routing_stats_period_s": 1.0,  # how often each group reports its load to the router
+    "health_check_period_s": 2.0,
+    "ingress_num_replicas": 1,
+    "ingress_num_cpus": 0,  # tokenizing is light; a laptop's CPUs go to the groups
+}
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    serving = dict(SERVING_DEFAULTS)
+    engine_options: dict[str, Any] = {}
+    for key, value in (args or {}).items():
+        if key in serving:
+            serving[key] = value
+        elif key != "address" and value is not None:  # where to join Ray: the caller's business
+            engine_options[key] = value
+    config = EngineConfig.from_options(**engine_options)  # unknown or bad options fail here
+    served_model_name = serving["served_model_name"] or config.model.model or DEMO_MODEL_NAME
+
+    group = GroupServer.options(**_group_options(config, serving)).bind(engine_options)
+    ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
+                      "max_model_len": config.model.max_model_len, "api_key": serving["api_key"]}
+    ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
+                                    ray_actor_options={"num_cpus": serving["ingress_num_cpus"]})
+    return ingress.bind(group, ingress_config)
+
+
+def num_cpus_needed(args: dict[str, Any]) -> int:
+    """Logical CPUs the application's groups take on a CPU-only cluster."""
+    world = (args.get("tensor_parallel_size") or 1) * (args.get("pipeline_parallel_size") or 1)
+    group_cpus = args.get("group_num_cpus", SERVING_DEFAULTS["group_num_cpus"])
+    per_group = group_cpus + (world if world > 1 else 0)
+    return math.ceil(per_group * (args.get("num_replicas") or 1))
+
+
+def _group_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any]:
+    par = config.parallel
+    use_gpu = _use_gpu(config.model.device)
+    max_ongoing = serving["max_ongoing_requests"] or 2 * config.scheduler.max_num_seqs
+    options: dict[str, Any] = {
+        "max_ongoing_requests": max_ongoing,
+        "max_queued_requests": serving["max_queued_requests"],
+        "health_check_period_s": serving["health_check_period_s"],
+        "request_router_config": RequestRouterConfig(
+            request_router_class="tandem.router.request_router:LoadAwareRouter",
+            request_routing_stats_period_s=serving["routing_stats_period_s"]),
+    }
+    if serving["autoscaling_config"] is not None:
+        options["autoscaling_config"] = AutoscalingConfig.model_validate(serving["autoscaling_config"])
+    else:
+        options["num_replicas"] = serving["num_replicas"]
+    num_cpus = serving["group_num_cpus"]
+    if par.world_size == 1:
+        options["ray_actor_options"] = {"num_cpus": num_cpus, "num_gpus": 1 if use_gpu else 0}
+    else:
+        worker = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
+        options["ray_actor_options"] = {"num_cpus": num_cpus}
+        options["placement_group_bundles"] = [{"CPU": float(num_cpus)}] + [dict(worker) for _ in range(par.world_size)]
+        # A stage's TP ranks talk every layer: one node. Stages may span nodes.
+        options["placement_group_strategy"] = "STRICT_PACK" if par.pipeline_parallel_size == 1 else "PACK"
+    return options
+
+
+def _use_gpu(device: str) -> bool:
+    if device != "auto":
+        return device == "cuda"
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0

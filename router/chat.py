@@ -1,0 +1,117 @@
+"""POST /v1/chat/completions: messages through the model's chat template, one group request."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from tandem.router.engine_client import EngineClient
+from tandem.router.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+)
+from tandem.router.streams import DONE, ChoiceState, Reply, UsageCounter, merge, open_streams, sse
+from tandem.workers.tokenizer import apply_chat_template
+
+
+class ChatServing:
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    def prompt_token_ids(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = apply_chat_template(self.client.tokenizer, messages)
+        # The template writes any special tokens itself (as LLM.chat does).
+        return self.client.tokenizer(text, add_special_tokens=False).input_ids
+
+    def sampling(self, req: ChatCompletionRequest) -> dict:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        sampling = req.sampling_kwargs()
+        # No limit given: up to the context length (the engine's max_tokens=None).
+        sampling["max_tokens"] = req.max_completion_tokens or req.max_tokens
+        if req.logprobs:
+            sampling["logprobs"] = req.top_logprobs or 0
+        return sampling
+
+    async def create(self, req: ChatCompletionRequest) -> Reply:
+        token_ids = self.prompt_token_ids(req)
+        sampling = self.sampling(req)
+        try:
+            self.client.sampling_params(token_ids, sampling)
+        except ValueError as exc:  # the prompt is the rendered messages
+            message = str(exc)
+            raise ValueError("messages:" + message[len("prompt:"):] if message.startswith("prompt:")
+                             else message) from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        [stream], group_ids = await open_streams([self.client.stream(token_ids, sampling, request_id)])
+        if req.stream:
+            return Reply(self._stream(req, request_id, stream), group_ids)
+        return Reply(await self._collect(req, request_id, stream), group_ids)
+
+    async def _collect(self, req, request_id, stream) -> ChatCompletionResponse:
+        choices: dict[int, ChoiceState] = {}
+        usage = UsageCounter()
+        async for _, delta in merge([stream]):
+            usage.add(0, delta)
+            for out in delta["outputs"]:
+                choices.setdefault(out["index"], ChoiceState(out["index"])).add(out)
+        result = [ChatChoice(index=c.index, message=AssistantMessage(content="".join(c.text)),
+                             logprobs=_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
+                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                  for c in (choices[i] for i in sorted(choices))]
+        return ChatCompletionResponse(id=request_id, created=int(time.time()), model=self.client.model_name,
+                                      choices=result, usage=usage.usage())
+
+    async def _stream(self, req, request_id, stream) -> AsyncIterator[str]:
+        created, model = int(time.time()), self.client.model_name
+        usage = UsageCounter()
+        finished: set[int] = set()  # the group repeats a finished choice of n > 1 until all end
+
+        def chunk(choice: ChatChunkChoice) -> str:
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
+
+        for i in range(req.n):
+            yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        async for _, delta in merge([stream]):
+            usage.add(0, delta)
+            for out in delta["outputs"]:
+                if out["index"] in finished:
+                    continue
+                if out["finish_reason"]:
+                    finished.add(out["index"])
+                logprobs = _logprobs(out["token_ids"], out["logprobs"] or [], req) if req.logprobs else None
+                if out["text"] or out["finish_reason"] or (logprobs and logprobs.content):
+                    yield chunk(ChatChunkChoice(
+                        index=out["index"], delta=DeltaMessage(content=out["text"] or None), logprobs=logprobs,
+                        finish_reason=out["finish_reason"], stop_reason=out["stop_reason"]))
+        if req.include_usage:
+            yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                          usage=usage.usage()))
+        yield DONE
+
+
+def _logprobs(token_ids: list[int], entries: list[dict[str, list]], req: ChatCompletionRequest) -> ChatLogprobs:
+    """The chat form: per token, its logprob and the `top_logprobs` most likely alternatives."""
+    num_top = req.top_logprobs or 0
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        logprob, _, token = entry[str(token_id)]
+        ranked = sorted(entry.values(), key=lambda e: e[1])[:num_top]
+        content.append(TokenLogprob(token=token or "", logprob=logprob, bytes=_bytes(token),
+                                    top_logprobs=[TopLogprob(token=e[2] or "", logprob=e[0], bytes=_bytes(e[2]))
+                                                  for e in ranked]))
+    return ChatLogprobs(content=content)
+
+
+def _bytes(token: str | None) -> list[int] | None:
+    return None if token is None else list(token.encode("utf-8"))

@@ -1,0 +1,139 @@
+"""POST /v1/completions: prompts in, choices (whole or streamed) out.
+
+Choice `index` is `prompt_index * n + i`, as OpenAI and vLLM number them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tandem.router.engine_client import EngineClient
+from tandem.router.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from tandem.router.streams import DONE, ChoiceState, Reply, UsageCounter, merge, open_streams, sse
+
+
+@dataclass
+class _Prompt:
+    token_ids: list[int]
+    text: str
+
+
+class CompletionServing:
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    def prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        tok = self.client.tokenizer
+        raw = req.prompt
+        if isinstance(raw, str):
+            raw = [raw]
+        if not raw:
+            raise ValueError("prompt: must not be empty")
+        if all(isinstance(p, int) for p in raw):
+            raw = [raw]
+        prompts = []
+        for p in raw:
+            if isinstance(p, str):
+                prompts.append(_Prompt(tok(p).input_ids, p))
+            else:
+                prompts.append(_Prompt(list(p), tok.decode(p) if req.echo else ""))
+        return prompts
+
+    def sampling(self, req: CompletionRequest) -> dict:
+        if req.echo and req.logprobs is not None:
+            raise ValueError("echo: returning the prompt's logprobs (echo with logprobs) is not supported")
+        sampling = req.sampling_kwargs()
+        sampling["max_tokens"] = req.max_tokens
+        if req.logprobs is not None:
+            sampling["logprobs"] = req.logprobs
+        return sampling
+
+    async def create(self, req: CompletionRequest) -> Reply:
+        """Validate (ValueError), start every prompt's group request, then answer or stream."""
+        prompts = self.prompts(req)
+        sampling = self.sampling(req)
+        for p in prompts:
+            self.client.sampling_params(p.token_ids, sampling)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams, group_ids = await open_streams([self.client.stream(p.token_ids, sampling, f"{request_id}-{i}")
+                                                 for i, p in enumerate(prompts)])
+        if req.stream:
+            return Reply(self._stream(req, request_id, prompts, streams), group_ids)
+        return Reply(await self._collect(req, request_id, prompts, streams), group_ids)
+
+    async def _collect(self, req, request_id, prompts, streams) -> CompletionResponse:
+        choices = {}
+        usage = UsageCounter()
+        async for i, delta in merge(streams):
+            usage.add(i, delta)
+            for out in delta["outputs"]:
+                index = i * req.n + out["index"]
+                choices.setdefault(index, ChoiceState(index)).add(out)
+        result = []
+        for index in sorted(choices):
+            c = choices[index]
+            prompt = prompts[index // req.n]
+            text = "".join(c.text)
+            logprobs = _logprobs(c.token_ids, c.logprobs, 0) if req.logprobs is not None else None
+            result.append(CompletionChoice(index=index, text=(prompt.text if req.echo else "") + text,
+                                           logprobs=logprobs, finish_reason=c.finish_reason,
+                                           stop_reason=c.stop_reason))
+        return CompletionResponse(id=request_id, created=int(time.time()), model=self.client.model_name,
+                                  choices=result, usage=usage.usage())
+
+    async def _stream(self, req, request_id, prompts, streams) -> AsyncIterator[str]:
+        created, model = int(time.time()), self.client.model_name
+        usage = UsageCounter()
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        finished: set[int] = set()  # the group repeats a finished choice of n > 1 until all end
+
+        def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+            return sse(CompletionResponse(id=request_id, created=created, model=model, choices=[CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                stop_reason=stop_reason)]))
+
+        if req.echo:
+            for i, p in enumerate(prompts):
+                for k in range(req.n):
+                    yield chunk(i * req.n + k, p.text)
+        async for i, delta in merge(streams):
+            usage.add(i, delta)
+            for out in delta["outputs"]:
+                index = i * req.n + out["index"]
+                if index in finished:
+                    continue
+                if out["finish_reason"]:
+                    finished.add(index)
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = _logprobs(out["token_ids"], out["logprobs"] or [], offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+                if out["text"] or out["finish_reason"] or (logprobs and logprobs.tokens):
+                    yield chunk(index, out["text"], logprobs, out["finish_reason"], out["stop_reason"])
+        if req.include_usage:
+            yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                         usage=usage.usage()))
+        yield DONE
+
+
+def _logprobs(token_ids: list[int], entries: list[dict[str, list]], offset: int) -> CompletionLogprobs:
+    """The legacy completions form: parallel lists of tokens, their logprobs, top alternatives."""
+    out = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries):
+        logprob, _, token = entry[str(token_id)]
+        token = token or ""
+        out.tokens.append(token)
+        out.token_logprobs.append(logprob)
+        ranked = sorted(entry.values(), key=lambda e: e[1])
+        out.top_logprobs.append({(e[2] or ""): e[0] for e in ranked})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out

@@ -1,0 +1,109 @@
+"""GroupServer: the Serve deployment whose one replica is one replica group.
+
+A thin shim over `AsyncEngine`: token ids and sampling options in, plain-dict deltas
+out (tensors never leave the group). With tensor or pipeline parallelism the replica
+runs in bundle 0 of its own placement group (set through the deployment's
+placement-group options in `app.py`) and the engine starts its workers in the rest.
+
+A delta, as `generate` yields it:
+
+    {"request_id", "group_id", "finished", "num_prompt_tokens", "num_cached_tokens",
+     "error", "error_type",
+     "outputs": [{"index", "text" (new text), "token_ids" (new ids),
+                  "logprobs": [{str(token_id): [logprob, rank, decoded_token]}, ...] | None,
+                  "finish_reason", "stop_reason"}]}
+
+`error` is set (with `error_type` "invalid_request" or "unavailable") on the only delta
+of a request the group refused, or on the last one of a request the group failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from tandem.cluster.config import EngineConfig
+from tandem.workers.async_engine import AsyncEngine
+from tandem.workers.engine import EngineDeadError
+from tandem.workers.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@serve.deployment(name="GroupServer")
+class GroupServer:
+    def __init__(self, engine_options: dict[str, Any]) -> None:
+        from tandem.workers.llm import build_engine  # torch and the model: only in the group
+
+        config = EngineConfig.from_options(**engine_options)
+        self.engine = AsyncEngine(build_engine(config, show_progress=False))
+        self.group_id = serve.get_replica_context().replica_id.unique_id
+        self.num_requests = 0
+        self.num_aborted = 0  # left before the end (a client that went away)
+        logger.info("replica group %s ready: %d KV blocks", self.group_id,
+                    self.engine.last_stats.get("kv_blocks_total", 0))
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request's deltas; a cancelled call aborts it and frees its blocks."""
+        request_id = request["request_id"]
+        try:
+            params = SamplingParams(**request["sampling"])
+        except (TypeError, ValueError) as exc:
+            yield self._error(request_id, str(exc), "invalid_request")
+            return
+        self.num_requests += 1
+        finished = False
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": request["prompt_token_ids"]},
+                                                  params, request_id):
+                finished = out.finished
+                yield self._delta(out)
+        except ValueError as exc:  # refused by add_request (prompt too long for the cache, ...)
+            finished = True
+            yield self._error(request_id, str(exc), "invalid_request")
+        except EngineDeadError as exc:
+            finished = True
+            yield self._error(request_id, str(exc), "unavailable")
+        finally:
+            if not finished:  # cancelled: AsyncEngine.generate has aborted it
+                self.num_aborted += 1
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by Serve for the request router (see request_router.py)."""
+        return {**self.engine.last_stats, "is_healthy": self.engine.is_healthy,
+                "num_requests_total": self.num_requests, "num_aborted_total": self.num_aborted}
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.record_routing_stats(), "group_id": self.group_id}
+
+    def check_health(self) -> None:
+        if not self.engine.is_healthy:
+            raise RuntimeError(f"replica group {self.group_id} has failed: {self.engine.engine.dead_error}")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    # ---- plain-dict deltas -----------------------------------------------------------------------
+    def _delta(self, out: RequestOutput) -> dict[str, Any]:
+        outputs = []
+        for c in out.outputs:
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = [{str(tid): [lp.logprob, lp.rank, lp.decoded_token] for tid, lp in pos.items()}
+                            for pos in c.logprobs]
+            outputs.append({"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                            "logprobs": logprobs, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+        error_type = "unavailable" if out.error else None
+        return {"request_id": out.request_id, "group_id": self.group_id, "outputs": outputs,
+                "finished": out.finished, "num_prompt_tokens": len(out.prompt_token_ids),
+                "num_cached_tokens": out.num_cached_tokens, "error": out.error, "error_type": error_type}
+
+    def _error(self, request_id: str, message: str, error_type: str) -> dict[str, Any]:
+        return {"request_id": request_id, "group_id": self.group_id, "outputs": [], "finished": True,
+                "num_prompt_tokens": 0, "num_cached_tokens": 0, "error": message, "error_type": error_type}

@@ -1,0 +1,233 @@
+"""tandem's gRPC API (router/tandem.proto) as methods of the Serve ingress deployment.
+
+Ray Serve's gRPC proxy calls the ingress method whose name equals the RPC's, passing the
+request proto and a `grpc_context`. `OpenAIIngress` inherits `GrpcMethods` and provides
+`self.client` (an EngineClient) and `self.api_key`.
+
+Errors: a method sets the status code and details on `grpc_context`. A unary method then
+returns an empty response: the proxy copies the context's code onto the call. A streaming
+method raises instead, because the proxy only copies the context when a message goes out;
+raising after `set_code` makes Serve keep the code (`gRPCStatusError`) rather than INTERNAL.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from tandem.router import tandem_pb2 as pb
+from tandem.router.engine_client import ServiceUnavailable
+from tandem.workers.request import SamplingParams
+
+if TYPE_CHECKING:
+    from ray.serve.grpc_util import RayServegRPCContext
+
+# Proto fields copied to the sampling dict when set (names equal SamplingParams fields).
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "logprobs", "min_tokens", "skip_special_tokens")
+
+
+class RpcError(Exception):
+    """A request that ends with `code`; the message is the status details."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)  # both in args: Ray re-creates the exception from them
+        self.code = code
+        self.details = details
+
+    def __str__(self) -> str:
+        return self.details
+
+
+class GrpcMethods:
+    """The Tandem service's RPCs; mixed into the ingress deployment class."""
+
+    client: Any  # tandem.router.engine_client.EngineClient
+    api_key: str | None
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+                       ) -> pb.GenerateResponse:
+        try:
+            self._authenticate(grpc_context)
+            request_id, token_ids, sampling = self._prepare(request)
+            choices: dict[int, pb.Completion] = {}
+            last: dict[str, Any] = {}
+            async with aclosing(self.client.stream(token_ids, sampling, request_id)) as deltas:
+                async for last in deltas:
+                    _raise_on_error(last)
+                    for output in last["outputs"]:
+                        choice = choices.setdefault(output["index"], pb.Completion(index=output["index"]))
+                        _merge(choice, output, sampling.get("logprobs"))
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            return pb.GenerateResponse()
+        usage = _usage(last, sum(len(c.token_ids) for c in choices.values()))
+        return pb.GenerateResponse(request_id=request_id, model=self.client.model_name,
+                                   choices=[choices[i] for i in sorted(choices)], usage=usage)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+                             ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        try:
+            self._authenticate(grpc_context)
+            request_id, token_ids, sampling = self._prepare(request)
+            num_output_tokens = 0
+            async with aclosing(self.client.stream(token_ids, sampling, request_id)) as deltas:
+                async for delta in deltas:
+                    _raise_on_error(delta)
+                    message = pb.GenerateStreamResponse(request_id=request_id, model=self.client.model_name,
+                                                        finished=bool(delta.get("finished")))
+                    for output in delta["outputs"]:
+                        _merge(message.choices.add(index=output["index"]), output, sampling.get("logprobs"))
+                        num_output_tokens += len(output.get("token_ids") or [])
+                    if message.finished:
+                        message.usage.CopyFrom(_usage(delta, num_output_tokens))
+                    yield message
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            raise
+
+    async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
+                       ) -> pb.TokenizeResponse:
+        try:
+            self._authenticate(grpc_context)
+            self._check_model(request.model)
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            token_ids = self.client.tokenizer(request.text, add_special_tokens=add_special).input_ids
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            return pb.TokenizeResponse()
+        return pb.TokenizeResponse(token_ids=token_ids, count=len(token_ids),
+                                   max_model_len=self.client.max_model_len)
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, grpc_context: RayServegRPCContext
+                        ) -> pb.ModelInfoResponse:
+        try:
+            self._authenticate(grpc_context)
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            return pb.ModelInfoResponse()
+        vocab_size = getattr(self.client, "vocab_size", None) or len(self.client.tokenizer)
+        return pb.ModelInfoResponse(model=self.client.model_name, max_model_len=self.client.max_model_len,
+                                    vocab_size=vocab_size)
+
+    async def Health(self, request: pb.HealthRequest, grpc_context: RayServegRPCContext) -> pb.HealthResponse:
+        """No API key needed: load balancers probe this."""
+        try:
+            healthy = await self.client.health()
+        except Exception as exc:  # a probe answers, it does not fail
+            healthy, reason = False, f"{type(exc).__name__}: {exc}"
+        else:
+            reason = "no replica group is healthy"
+        if not healthy:
+            grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
+            grpc_context.set_details(reason)
+            return pb.HealthResponse()
+        return pb.HealthResponse(status="SERVING")
+
+    # ---- request checks ---------------------------------------------------------------------------
+    def _authenticate(self, grpc_context: RayServegRPCContext) -> None:
+        if not self.api_key:
+            return
+        metadata = dict(grpc_context.invocation_metadata())
+        value = metadata.get("authorization")
+        if not value:
+            raise RpcError(grpc.StatusCode.UNAUTHENTICATED,
+                           "authorization: missing; send metadata 'authorization: Bearer <API key>'")
+        key = value[len("bearer "):] if value[:len("bearer ")].lower() == "bearer " else value
+        if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise RpcError(grpc.StatusCode.UNAUTHENTICATED, "authorization: invalid API key")
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.client.model_name:
+            raise RpcError(grpc.StatusCode.NOT_FOUND,
+                           f"model: {model!r} is not served here; this server serves {self.client.model_name!r}")
+
+    def _prepare(self, request: pb.GenerateRequest) -> tuple[str, list[int], dict[str, Any]]:
+        """(request id, prompt token ids, sampling dict); ValueError names the bad field."""
+        self._check_model(request.model)
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            token_ids = list(self.client.tokenizer(request.text).input_ids)
+        elif kind == "token_ids":
+            token_ids = list(request.token_ids.ids)
+        else:
+            raise ValueError("prompt: set either text or token_ids")
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        sampling = sampling_dict(request.sampling)
+        return request.request_id or f"grpc-{uuid.uuid4().hex}", token_ids, sampling
+
+
+def sampling_dict(proto: pb.SamplingParams) -> dict[str, Any]:
+    """The set fields of a proto SamplingParams as SamplingParams keyword arguments (validated)."""
+    sampling: dict[str, Any] = {name: getattr(proto, name) for name in _OPTIONAL_SAMPLING if proto.HasField(name)}
+    if proto.stop:
+        sampling["stop"] = list(proto.stop)
+    if proto.stop_token_ids:
+        sampling["stop_token_ids"] = list(proto.stop_token_ids)
+    if proto.ignore_eos:
+        sampling["ignore_eos"] = True
+    if proto.include_stop_str_in_output:
+        sampling["include_stop_str_in_output"] = True
+    SamplingParams(**sampling)  # fail here, before any work, with the field's name
+    return sampling
+
+
+# ---- proto building ---------------------------------------------------------------------------------
+def _merge(choice: pb.Completion, output: dict[str, Any], num_top: int | None) -> None:
+    """Append one output delta to a Completion."""
+    choice.text += output.get("text") or ""
+    token_ids = output.get("token_ids") or []
+    choice.token_ids.extend(token_ids)
+    if output.get("logprobs"):
+        choice.logprobs.extend(_token_logprobs(token_ids, output["logprobs"], num_top or 0))
+    if output.get("finish_reason"):
+        choice.finish_reason = output["finish_reason"]
+    stop_reason = output.get("stop_reason")
+    if isinstance(stop_reason, int):
+        choice.stop_token_id = stop_reason
+    elif isinstance(stop_reason, str):
+        choice.stop_str = stop_reason
+
+
+def _token_logprobs(token_ids: list[int], positions: list[dict[str, list]], num_top: int) -> list[pb.TokenLogprob]:
+    """positions[i] = {str(token_id): [logprob, rank, decoded token]}: the chosen token plus the top ones."""
+    out = []
+    for token_id, position in zip(token_ids, positions):
+        logprob, rank, token = position.get(str(token_id), [math.nan, 0, None])
+        top = sorted(position.items(), key=lambda item: item[1][1])[:num_top]
+        out.append(pb.TokenLogprob(
+            token_id=token_id, token=token or "", logprob=logprob, rank=rank,
+            top_logprobs=[pb.TopLogprob(token_id=int(tid), token=alt[2] or "", logprob=alt[0]) for tid, alt in top]))
+    return out
+
+
+def _usage(last_delta: dict[str, Any], num_output_tokens: int) -> pb.Usage:
+    num_prompt = last_delta.get("num_prompt_tokens") or 0
+    return pb.Usage(prompt_tokens=num_prompt, completion_tokens=num_output_tokens,
+                    total_tokens=num_prompt + num_output_tokens, cached_tokens=last_delta.get("num_cached_tokens") or 0)
+
+
+def _raise_on_error(delta: dict[str, Any]) -> None:
+    if delta.get("error"):
+        raise RpcError(grpc.StatusCode.INTERNAL, f"engine: {delta['error']}")
+
+
+def _set_status(grpc_context: RayServegRPCContext, exc: Exception) -> None:
+    """Put the status an exception stands for on the context; unexpected ones stay INTERNAL."""
+    if isinstance(exc, RpcError):
+        code, details = exc.code, exc.details
+    elif isinstance(exc, ValueError):
+        code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    elif isinstance(exc, ServiceUnavailable):
+        code, details = grpc.StatusCode.UNAVAILABLE, str(exc) or "no replica group can serve the request"
+    else:
+        raise exc
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)

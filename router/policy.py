@@ -1,0 +1,50 @@
+"""Which replica group should take the next request: pure scoring, no Serve.
+
+A group reports its load (`GroupServer.record_routing_stats`, polled every second or
+so); the router adds what it knows that is fresher, the requests it has sent a group
+and not yet seen finish. Lower scores are better:
+
+    score = outstanding + waiting_weight * num_waiting + kv_weight * kv_usage
+    outstanding = max(num_running + num_waiting, num_in_flight)
+
+`max`, not a sum: the reported figures already include the router's own requests as
+of the last poll; the in-flight count covers those sent since. Queued requests cost
+extra (they wait for a seat), and a fuller KV cache means preemption sooner. A group
+that says it is unhealthy scores infinity and is tried last. The prefix-cache-aware
+policy adds a (negative) prefix-hit term on the same seam.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoadWeights:
+    waiting: float = 1.0  # a queued request costs this much more than a running one
+    kv_usage: float = 4.0  # a full KV cache costs as much as this many requests
+
+    def __post_init__(self) -> None:
+        if self.waiting < 0 or self.kv_usage < 0:
+            raise ValueError(f"weights: must be >= 0, got {self}")
+
+
+def score_load(stats: Mapping[str, Any], num_in_flight: int = 0, weights: LoadWeights = LoadWeights()) -> float:
+    """Outstanding work of one group; `stats` may be empty (not polled yet)."""
+    if not stats.get("is_healthy", True):
+        return math.inf
+    running = stats.get("num_running", 0)
+    waiting = stats.get("num_waiting", 0)
+    outstanding = max(running + waiting, num_in_flight)
+    return outstanding + weights.waiting * waiting + weights.kv_usage * stats.get("kv_usage", 0.0)
+
+
+def rank_by_score(scores: Mapping[Hashable, float]) -> list[list[Hashable]]:
+    """Tiers of equal score, best first (Serve picks the shortest queue within a tier)."""
+    tiers: dict[float, list[Hashable]] = {}
+    for key, score in scores.items():
+        tiers.setdefault(score, []).append(key)
+    return [tiers[s] for s in sorted(tiers)]

@@ -1,0 +1,81 @@
+"""LoadAwareRouter: the Serve request router between replica groups.
+
+Serve calls `choose_replicas` for each request with the running groups; each carries
+the stats its `record_routing_stats` last returned (polled about once a second).
+Scoring is `policy.py`'s; this class adds what it knows that is fresher: the requests
+it has sent each group and not yet seen finish.
+
+A burst arrives faster than Serve reports sends back (`on_request_routed` comes after
+the group accepted), so each pick counts at once as a *predicted* request of the group
+ranked first (Serve takes the first tier unless that group is full); the prediction
+turns into a routed request when Serve confirms it, or lapses after a few seconds if
+Serve picked another group. Groups of equal score are tried in random order.
+
+NOTE: every group call made while serving one HTTP request (one per prompt of a
+multi-prompt completion) carries that request's `internal_request_id`. Serve's default
+matching of a chosen replica to a pending request is by that id, which would leave all
+but one of them waiting forever; FIFOMixin matches in arrival order instead. For the
+same reason routed requests are counted per id (a multiset), not kept in a set.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter, deque
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from tandem.router.policy import LoadWeights, rank_by_score, score_load
+
+PREDICTION_TTL_S = 5.0
+
+
+class LoadAwareRouter(FIFOMixin, RequestRouter):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.weights = LoadWeights()
+        self._routed: dict[ReplicaID, Counter[str]] = {}  # sent and accepted, not completed
+        self._predicted: dict[ReplicaID, deque[float]] = {}  # picked here, not confirmed yet
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """`request_router_kwargs`: the LoadWeights fields."""
+        self.weights = LoadWeights(**kwargs)
+
+    def num_in_flight(self, replica_id: ReplicaID) -> int:
+        predicted = self._predicted.get(replica_id, deque())
+        now = time.monotonic()
+        while predicted and now - predicted[0] > PREDICTION_TTL_S:
+            predicted.popleft()
+        return sum(self._routed.get(replica_id, Counter()).values()) + len(predicted)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        scores = {rid: score_load(r.routing_stats or {}, self.num_in_flight(rid), self.weights)
+                  for rid, r in by_id.items()}
+        ranked = [rid for tier in rank_by_score(scores) for rid in random.sample(tier, len(tier))]
+        self._predicted.setdefault(ranked[0], deque()).append(time.monotonic())
+        return [[by_id[rid]] for rid in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        predicted = self._predicted.get(replica_id)
+        if predicted:
+            predicted.popleft()
+        self._routed.setdefault(replica_id, Counter())[pending_request.metadata.internal_request_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        # Also called for requests a replica rejected (never routed): those find no count.
+        counts = self._routed.get(replica_id)
+        if counts is not None and counts[internal_request_id] > 0:
+            counts[internal_request_id] -= 1
+            if counts[internal_request_id] == 0:
+                del counts[internal_request_id]
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self._routed.pop(replica_id, None)
+        self._predicted.pop(replica_id, None)
+        super().on_replica_actor_died(replica_id)

@@ -1,0 +1,99 @@
+"""`tandem serve`: the OpenAI-compatible server (and gRPC) on Ray Serve.
+
+With no --address it starts an embedded local Ray instance; with one it joins that
+cluster. Ctrl-C or SIGTERM shuts the application (and a Ray it started) down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import sys
+import time
+
+APP_NAME = "tandem"
+GRPC_SERVICER = "tandem.router.tandem_pb2_grpc.add_TandemServicer_to_server"
+
+
+def register(subparsers, add_engine_args) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI API) and gRPC on Ray Serve")
+    add_engine_args(p)
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    p.add_argument("--num-replicas", type=int, default=1, help="replica groups (each tp x pp workers)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, else none)")
+    p.set_defaults(func=run)
+
+
+def app_args(args: argparse.Namespace) -> dict:
+    """build_app's arguments from the command line."""
+    from tandem.router.cli import engine_options
+
+    options = engine_options(args)
+    options.pop("address", None)
+    if options.get("model"):
+        options["model"] = os.path.abspath(options["model"])  # replicas do not share our cwd
+    options.update(served_model_name=args.served_model_name or args.model, num_replicas=args.num_replicas,
+                   api_key=args.api_key)
+    return options
+
+
+def grpc_servicer_functions() -> list[str]:
+    module = GRPC_SERVICER.rsplit(".", 1)[0]
+    try:
+        return [GRPC_SERVICER] if importlib.util.find_spec(module) is not None else []
+    except ImportError:
+        return []
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from tandem.router.app import build_app, num_cpus_needed
+
+    options = app_args(args)
+    application = build_app(options)  # bad options fail before Ray starts
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        # Logical CPUs: at least what the groups take, so a laptop can hold a TP=2 group
+        # (its workers then share the cores).
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed(options)))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
+        signal.signal(sig, _interrupt)
+    try:
+        servicers = grpc_servicer_functions()
+        serve.start(http_options=HTTPOptions(host=args.host, port=args.port),
+                    grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=servicers))
+        serve.run(application, name=APP_NAME, route_prefix="/")
+        print(f"tandem: HTTP (OpenAI API) listening on http://{args.host}:{args.port}/v1", flush=True)
+        if servicers:
+            print(f"tandem: gRPC listening on {args.host}:{args.grpc_port}", flush=True)
+        else:
+            print("tandem: gRPC not available (tandem.router.tandem_pb2_grpc is not installed)", flush=True)
+        print("tandem: press Ctrl-C to stop", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("tandem: shutting down", file=sys.stderr, flush=True)
+    finally:
+        if args.address:
+            serve.delete(APP_NAME)  # a shared cluster keeps Serve and its other applications
+        else:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _interrupt(signum, frame) -> None:
+    """Ctrl-C or SIGTERM: unwind into the clean-up (once; a second signal does not cut it short)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt

@@ -1,0 +1,60 @@
+"""Serve test helpers: one Serve instance per test module, on free ports, with tiny models."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+APP_NAME = "tandem"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_app(args: dict[str, Any], *, num_cpus: int = 8) -> Iterator[str]:
+    """Start Ray (local, logical CPUs) and Serve with build_app(args); yields the base URL."""
+    import ray
+    from ray import serve
+
+    from tandem.router.app import build_app
+
+    port = free_port()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"group_num_cpus": 1, **args}), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def group_handle():
+    from ray import serve
+
+    return serve.get_deployment_handle("GroupServer", app_name=APP_NAME)
+
+
+def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama() -> str:
+    from tests.conftest import tiny_model
+
+    return tiny_model("llama")

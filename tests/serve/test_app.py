@@ -1,0 +1,49 @@
+"""build_app's deployment options (no Ray needed): placement groups, routing, scaling."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.cluster.config import EngineConfig
+from tandem.router.app import SERVING_DEFAULTS, _group_options, build_app, num_cpus_needed
+
+
+def options(**engine) -> dict:
+    return _group_options(EngineConfig.from_options(**engine), dict(SERVING_DEFAULTS))
+
+
+def test_single_worker_group_runs_in_its_replica():
+    opts = options()
+    assert opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0}
+    assert "placement_group_bundles" not in opts
+    assert opts["num_replicas"] == 1 and opts["max_ongoing_requests"] == 2 * 128
+    assert opts["request_router_config"].request_router_class == "tandem.router.request_router:LoadAwareRouter"
+
+
+def test_parallel_group_gets_a_placement_group_bundle_per_worker():
+    tp = options(tensor_parallel_size=2)
+    assert tp["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
+    assert tp["placement_group_strategy"] == "STRICT_PACK"  # TP ranks share a node
+    pp = options(tensor_parallel_size=2, pipeline_parallel_size=2, device="cuda")
+    assert pp["placement_group_bundles"] == [{"CPU": 1.0}] + [{"GPU": 1.0}] * 4
+    assert pp["placement_group_strategy"] == "PACK"  # stages may span nodes
+    assert pp["ray_actor_options"] == {"num_cpus": 1}  # fits bundle 0
+
+
+def test_autoscaling_replaces_num_replicas():
+    serving = {**SERVING_DEFAULTS, "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}
+    opts = _group_options(EngineConfig(), serving)
+    assert "num_replicas" not in opts and opts["autoscaling_config"].max_replicas == 3
+    build_app({"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
+
+
+def test_unknown_or_bad_args_fail_with_the_field_name():
+    with pytest.raises(ValueError, match="^max_tokenz: unknown engine option"):
+        build_app({"max_tokenz": 3})
+    with pytest.raises(ValueError, match="^tensor_parallel_size:"):
+        build_app({"tensor_parallel_size": 0})
+
+
+def test_logical_cpus_a_local_ray_needs():
+    assert num_cpus_needed({}) == 1
+    assert num_cpus_needed({"tensor_parallel_size": 2, "num_replicas": 2}) == 6

@@ -1,0 +1,385 @@
+"""The gRPC API through Ray Serve's gRPC proxy, with a real grpc client built from the proto.
+
+Most tests run `GrpcMethods` in a small ingress over a fake EngineClient (canned deltas,
+errors on cue); the last one serves the real app on a tiny model and checks greedy
+output against the offline engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import grpc
+import pytest
+import ray
+from ray import cloudpickle, serve
+from ray.serve.config import gRPCOptions
+
+from tandem.router import tandem_pb2 as pb
+from tandem.router import tandem_pb2_grpc as pb_grpc
+from tandem.router.engine_client import ServiceUnavailable
+from tandem.router.grpc_service import GrpcMethods
+from tests.serve.conftest import free_port, wait_for
+
+SERVICER = "tandem.router.tandem_pb2_grpc.add_TandemServicer_to_server"
+FAKE_APP = "fake"
+API_KEY = "sesame"
+AUTH = ("authorization", f"Bearer {API_KEY}")
+BOS = 1
+# Cues: a prompt ending in one of these ids makes the fake client fail.
+UNAVAILABLE_AT_START, UNAVAILABLE_MID_STREAM, CLIENT_VALUE_ERROR = 900, 901, 902
+
+# The fake classes live in this module, which Ray workers cannot import: send them by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class FakeTokenizer:
+    """Text -> [BOS] + code points."""
+
+    class _Encoding:
+        def __init__(self, input_ids: list[int]) -> None:
+            self.input_ids = input_ids
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> _Encoding:
+        return self._Encoding(([BOS] if add_special_tokens else []) + [ord(c) for c in text])
+
+    def __len__(self) -> int:
+        return 300
+
+
+class FakeEngineClient:
+    """Completion i's token at step s is 100 * i + 10 + s, its text "<i.s>".
+
+    A prompt that starts with BOS (any text prompt) is echoed instead: one finished delta
+    whose text is the JSON of what the client received.
+    """
+
+    model_name = "fake-model"
+    max_model_len = 64
+    vocab_size = 1000
+
+    def __init__(self) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.healthy = True
+
+    async def health(self) -> bool:
+        return self.healthy
+
+    async def stream(self, prompt_token_ids: list[int], sampling: dict, request_id: str):
+        cue = prompt_token_ids[-1]
+        if cue == UNAVAILABLE_AT_START:
+            raise ServiceUnavailable("every replica group is busy")
+        if cue == CLIENT_VALUE_ERROR:
+            raise ValueError(f"prompt: token id {cue} is reserved")
+        if prompt_token_ids[0] == BOS:
+            echo = {"prompt_token_ids": prompt_token_ids, "sampling": sampling, "request_id": request_id}
+            yield _delta(request_id, [_output(0, json.dumps(echo, sort_keys=True), [], "stop")], True, 0)
+            return
+        num_steps = sampling.get("max_tokens", 3)
+        stop_ids = sampling.get("stop_token_ids") or []
+        for step in range(num_steps):
+            await asyncio.sleep(0.005)
+            if cue == UNAVAILABLE_MID_STREAM and step == 1:
+                raise ServiceUnavailable("the replica group failed")
+            last = step == num_steps - 1
+            outputs = []
+            for i in range(sampling.get("n", 1)):
+                token = 100 * i + 10 + step
+                out = _output(i, f"<{i}.{step}>", [token], None)
+                if sampling.get("logprobs") is not None:
+                    # The chosen token ranks 2nd; the dict holds it plus the top alternatives.
+                    out["logprobs"] = [{str(token): [-0.5, 2, f"<{i}.{step}>"], str(token + 1): [-0.25, 1, "alt1"],
+                                        str(token + 2): [-3.0, 3, "alt3"]}]
+                if last:
+                    out["finish_reason"] = "stop" if stop_ids else "length"
+                    out["stop_reason"] = stop_ids[0] if stop_ids else None
+                outputs.append(out)
+            yield _delta(request_id, outputs, last, num_cached_tokens=2)
+
+
+def _output(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None,
+            "finish_reason": finish_reason, "stop_reason": None}
+
+
+def _delta(request_id: str, outputs: list[dict], finished: bool, num_cached_tokens: int,
+           num_prompt_tokens: int = 3) -> dict:
+    return {"request_id": request_id, "outputs": outputs, "finished": finished, "num_prompt_tokens": num_prompt_tokens,
+            "num_cached_tokens": num_cached_tokens, "error": None}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class FakeIngress(GrpcMethods):
+    def __init__(self, api_key: str | None) -> None:
+        self.client = FakeEngineClient()
+        self.api_key = api_key
+
+    def set_healthy(self, healthy: bool) -> None:
+        self.client.healthy = healthy
+
+
+# ---- fixtures --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def grpc_address():
+    port = free_port()
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
+                    grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[SERVICER]))
+        serve.run(FakeIngress.bind(API_KEY), name=FAKE_APP, route_prefix=f"/{FAKE_APP}")
+        address = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.TandemStub(channel)
+            assert wait_for(lambda: _is_up(stub, FAKE_APP), timeout_s=60), "the gRPC proxy never answered"
+        yield address
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def channel(grpc_address: str):
+    with grpc.insecure_channel(grpc_address) as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def stub(channel) -> pb_grpc.TandemStub:
+    return pb_grpc.TandemStub(channel)
+
+
+def _is_up(stub: pb_grpc.TandemStub, app: str) -> bool:
+    try:
+        stub.Health(pb.HealthRequest(), metadata=[("application", app)], timeout=5)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def _md(*extra: tuple[str, str], auth: tuple[str, str] | None = AUTH, app: str = FAKE_APP) -> list:
+    return [("application", app)] + ([auth] if auth else []) + list(extra)
+
+
+def _generate(stub, request: pb.GenerateRequest, **md) -> pb.GenerateResponse:
+    return stub.Generate(request, metadata=_md(**md), timeout=30)
+
+
+def _stream(stub, request: pb.GenerateRequest, **md) -> list[pb.GenerateStreamResponse]:
+    return list(stub.GenerateStream(request, metadata=_md(**md), timeout=30))
+
+
+def _ids(*ids: int) -> pb.TokenIds:
+    return pb.TokenIds(ids=list(ids))
+
+
+def _error(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+# ---- tests ------------------------------------------------------------------------------------------
+def test_generate_returns_the_whole_completion(stub) -> None:
+    out = _generate(stub, pb.GenerateRequest(token_ids=_ids(5, 6, 7), request_id="r-1",
+                                             sampling=pb.SamplingParams(max_tokens=3)))
+    assert out.request_id == "r-1" and out.model == "fake-model"
+    assert len(out.choices) == 1
+    choice = out.choices[0]
+    assert choice.text == "<0.0><0.1><0.2>" and list(choice.token_ids) == [10, 11, 12]
+    assert choice.finish_reason == "length" and choice.WhichOneof("stop_reason") is None
+    assert not choice.logprobs
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens,
+            out.usage.cached_tokens) == (3, 3, 6, 2)
+
+
+def test_generate_n_logprobs_and_stop_reason(stub) -> None:
+    sampling = pb.SamplingParams(max_tokens=2, n=2, logprobs=1, stop_token_ids=[77])
+    out = _generate(stub, pb.GenerateRequest(token_ids=_ids(5, 6), sampling=sampling))
+    assert out.request_id.startswith("grpc-")
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == ["<0.0><0.1>", "<1.0><1.1>"]
+    assert [list(c.token_ids) for c in out.choices] == [[10, 11], [110, 111]]
+    assert [c.finish_reason for c in out.choices] == ["stop", "stop"]
+    assert [c.stop_token_id for c in out.choices] == [77, 77]
+    assert out.usage.completion_tokens == 4
+    first = out.choices[1].logprobs[0]
+    assert (first.token_id, first.token, first.logprob, first.rank) == (110, "<1.0>", -0.5, 2)
+    assert [(t.token_id, t.token, t.logprob) for t in first.top_logprobs] == [(111, "alt1", -0.25)]
+    assert len(out.choices[0].logprobs) == 2
+
+
+def test_text_prompt_is_tokenized_and_sampling_fields_reach_the_client(stub) -> None:
+    sampling = pb.SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=0, min_p=0.1, n=1, stop=["x", "yz"],
+                                 seed=-3, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
+                                 logprobs=0, ignore_eos=True, min_tokens=2, include_stop_str_in_output=True,
+                                 skip_special_tokens=False)
+    out = _generate(stub, pb.GenerateRequest(text="hi", model="fake-model", request_id="echo", sampling=sampling))
+    echo = json.loads(out.choices[0].text)
+    assert echo["prompt_token_ids"] == [BOS, ord("h"), ord("i")]
+    assert echo["request_id"] == "echo"
+    assert echo["sampling"] == {
+        "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "min_p": 0.1, "n": 1, "stop": ["x", "yz"],
+        "seed": -3, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logprobs": 0,
+        "ignore_eos": True, "min_tokens": 2, "include_stop_str_in_output": True, "skip_special_tokens": False}
+    # Unset fields stay unset: the engine's defaults apply.
+    out = _generate(stub, pb.GenerateRequest(text="hi"))
+    assert json.loads(out.choices[0].text)["sampling"] == {}
+
+
+def test_generate_stream_sends_deltas_then_usage(stub) -> None:
+    messages = _stream(stub, pb.GenerateRequest(token_ids=_ids(5, 6, 7), request_id="s-1",
+                                                sampling=pb.SamplingParams(max_tokens=4)))
+    assert len(messages) == 4
+    assert all(m.request_id == "s-1" and m.model == "fake-model" for m in messages)
+    assert [m.choices[0].text for m in messages] == ["<0.0>", "<0.1>", "<0.2>", "<0.3>"]
+    assert [list(m.choices[0].token_ids) for m in messages] == [[10], [11], [12], [13]]
+    assert [m.finished for m in messages] == [False, False, False, True]
+    assert [m.choices[0].finish_reason for m in messages] == ["", "", "", "length"]
+    assert not any(m.HasField("usage") for m in messages[:-1])
+    assert (messages[-1].usage.prompt_tokens, messages[-1].usage.completion_tokens,
+            messages[-1].usage.total_tokens) == (3, 4, 7)
+
+
+def test_tokenize(stub) -> None:
+    out = stub.Tokenize(pb.TokenizeRequest(text="hey"), metadata=_md(), timeout=30)
+    assert list(out.token_ids) == [BOS, ord("h"), ord("e"), ord("y")]
+    assert (out.count, out.max_model_len) == (4, 64)
+    out = stub.Tokenize(pb.TokenizeRequest(text="hey", add_special_tokens=False), metadata=_md(), timeout=30)
+    assert list(out.token_ids) == [ord("h"), ord("e"), ord("y")]
+
+
+def test_model_info(stub) -> None:
+    out = stub.ModelInfo(pb.ModelInfoRequest(), metadata=_md(), timeout=30)
+    assert (out.model, out.max_model_len, out.vocab_size) == ("fake-model", 64, 1000)
+
+
+def test_health_needs_no_key_and_reports_unavailable(stub) -> None:
+    assert stub.Health(pb.HealthRequest(), metadata=_md(auth=None), timeout=30).status == "SERVING"
+    ingress = serve.get_app_handle(FAKE_APP)
+    ingress.set_healthy.remote(False).result()
+    try:
+        err = _error(lambda: stub.Health(pb.HealthRequest(), metadata=_md(auth=None), timeout=30))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        ingress.set_healthy.remote(True).result()
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("request_kwargs, field", [
+    (dict(token_ids=_ids(5), sampling=pb.SamplingParams(top_p=2.0)), "top_p"),
+    (dict(token_ids=_ids(5), sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+    (dict(token_ids=_ids(5), sampling=pb.SamplingParams(logprobs=21)), "logprobs"),
+    (dict(token_ids=_ids()), "prompt"),
+    (dict(), "prompt"),
+    (dict(token_ids=_ids(5, CLIENT_VALUE_ERROR)), "prompt"),  # the client's own ValueError
+], ids=["top_p", "max_tokens", "logprobs", "empty", "no-prompt", "client"])
+def test_bad_input_is_invalid_argument(stub, streaming: bool, request_kwargs: dict, field: str) -> None:
+    call = _stream if streaming else _generate
+    err = _error(lambda: call(stub, pb.GenerateRequest(**request_kwargs)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith(f"{field}:"), err.details()
+
+
+@pytest.mark.parametrize("auth", [None, ("authorization", "Bearer wrong"), ("authorization", "wrong")],
+                         ids=["missing", "wrong-bearer", "wrong-bare"])
+def test_api_key_is_checked(stub, auth) -> None:
+    request = pb.GenerateRequest(token_ids=_ids(5))
+    calls = {
+        "Generate": lambda: _generate(stub, request, auth=auth),
+        "GenerateStream": lambda: _stream(stub, request, auth=auth),
+        "Tokenize": lambda: stub.Tokenize(pb.TokenizeRequest(text="a"), metadata=_md(auth=auth), timeout=30),
+        "ModelInfo": lambda: stub.ModelInfo(pb.ModelInfoRequest(), metadata=_md(auth=auth), timeout=30),
+    }
+    for name, call in calls.items():
+        err = _error(call)
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        assert err.details().startswith("authorization:"), (name, err.details())
+
+
+def test_bare_api_key_is_accepted(stub) -> None:
+    out = _generate(stub, pb.GenerateRequest(token_ids=_ids(5)), auth=("authorization", API_KEY))
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_unknown_model_is_not_found(stub) -> None:
+    request = pb.GenerateRequest(token_ids=_ids(5), model="gpt-17")
+    for call in (lambda: _generate(stub, request), lambda: _stream(stub, request),
+                 lambda: stub.Tokenize(pb.TokenizeRequest(text="a", model="gpt-17"), metadata=_md(), timeout=30)):
+        err = _error(call)
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        assert err.details().startswith("model:") and "fake-model" in err.details()
+
+
+def test_no_group_is_unavailable(stub) -> None:
+    request = pb.GenerateRequest(token_ids=_ids(5, UNAVAILABLE_AT_START))
+    for call in (lambda: _generate(stub, request), lambda: _stream(stub, request)):
+        err = _error(call)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "busy" in err.details()
+    # Failing mid-stream: the messages sent so far arrive, then the status.
+    received = []
+    err = _error(lambda: received.extend(stub.GenerateStream(
+        pb.GenerateRequest(token_ids=_ids(5, UNAVAILABLE_MID_STREAM)), metadata=_md(), timeout=30)))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert [m.choices[0].text for m in received] == ["<0.0>"]
+
+
+def test_reflection_lists_describes_and_calls_the_service(channel) -> None:
+    """What a generic tool (grpcurl, Postman) does: discover the service, then call it without generated code."""
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from google.protobuf.message_factory import GetMessageClass
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    database = ProtoReflectionDescriptorDatabase(channel)
+    assert "tandem.v1.Tandem" in database.get_services()
+    service = DescriptorPool(database).FindServiceByName("tandem.v1.Tandem")
+    methods = {m.name: (m.input_type.full_name, m.output_type.full_name, m.server_streaming) for m in service.methods}
+    assert methods == {
+        "Generate": ("tandem.v1.GenerateRequest", "tandem.v1.GenerateResponse", False),
+        "GenerateStream": ("tandem.v1.GenerateRequest", "tandem.v1.GenerateStreamResponse", True),
+        "Tokenize": ("tandem.v1.TokenizeRequest", "tandem.v1.TokenizeResponse", False),
+        "ModelInfo": ("tandem.v1.ModelInfoRequest", "tandem.v1.ModelInfoResponse", False),
+        "Health": ("tandem.v1.HealthRequest", "tandem.v1.HealthResponse", False),
+    }
+    method = service.methods_by_name["Tokenize"]
+    request_class, response_class = GetMessageClass(method.input_type), GetMessageClass(method.output_type)
+    call = channel.unary_unary("/tandem.v1.Tandem/Tokenize", request_serializer=request_class.SerializeToString,
+                               response_deserializer=response_class.FromString)
+    out = call(request_class(text="ok", add_special_tokens=False), metadata=_md(), timeout=30)
+    assert list(out.token_ids) == [ord("o"), ord("k")]
+
+
+# ---- the real app ----------------------------------------------------------------------------------
+def test_real_app_greedy_generate_matches_offline(grpc_address: str, stub) -> None:
+    from tandem.router.app import build_app
+    from tandem.workers.llm import LLM
+    from tandem.workers.request import SamplingParams
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama")
+    serve.run(build_app({"model": model, "group_num_cpus": 1, "kv_cache_memory": 16 << 20}), name="tandem",
+              route_prefix="/tandem")
+    try:
+        assert wait_for(lambda: _is_up(stub, "tandem"), timeout_s=60), "the real app never became healthy"
+        prompt = "Hello there, tandem"
+        sampling = pb.SamplingParams(temperature=0.0, max_tokens=12)
+        out = stub.Generate(pb.GenerateRequest(text=prompt, sampling=sampling), metadata=_md(auth=None, app="tandem"),
+                            timeout=60)
+        streamed = list(stub.GenerateStream(pb.GenerateRequest(text=prompt, sampling=sampling),
+                                            metadata=_md(auth=None, app="tandem"), timeout=60))
+    finally:
+        serve.delete("tandem")
+
+    llm = LLM(model, kv_cache_memory=16 << 20)
+    try:
+        expected = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    completion = expected.outputs[0]
+    assert out.choices[0].text == completion.text
+    assert list(out.choices[0].token_ids) == completion.token_ids
+    assert out.choices[0].finish_reason == completion.finish_reason
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert "".join(m.choices[0].text for m in streamed if m.choices) == completion.text
+    assert streamed[-1].finished and streamed[-1].usage.completion_tokens == len(completion.token_ids)

@@ -1,0 +1,201 @@
+"""The HTTP layer and EngineClient against a scripted fake group: no Ray, so fast and exact.
+
+Covers what a real group rarely does on demand: refusing a request, failing mid-stream,
+Serve's back-pressure (overload), no group running, and the cancel on early exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from unittest import mock
+
+import pytest
+from fastapi.testclient import TestClient
+from ray.serve.exceptions import BackPressureError
+
+from tandem.router import ingress
+from tandem.router.engine_client import EngineClient, ServiceUnavailable
+
+
+def delta(text: str, token_id: int, finish: str | None = None, *, index: int = 0, error: str | None = None,
+          error_type: str | None = None) -> dict:
+    return {"request_id": "r", "group_id": "g0", "finished": finish is not None or error is not None,
+            "num_prompt_tokens": 3, "num_cached_tokens": 0, "error": error, "error_type": error_type,
+            "outputs": [] if error and error_type == "invalid_request" else [
+                {"index": index, "text": text, "token_ids": [token_id], "logprobs": None,
+                 "finish_reason": finish, "stop_reason": None}]}
+
+
+class FakeResponse:
+    """Stands in for a DeploymentResponseGenerator."""
+
+    def __init__(self, items: list) -> None:
+        self.items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        await asyncio.sleep(0)
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeGroup:
+    """A DeploymentHandle to a group whose answers are scripted per call."""
+
+    def __init__(self) -> None:
+        self.script: list = []
+        self.calls: list[dict] = []
+        self.responses: list[FakeResponse] = []
+        self.generate = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, request: dict) -> FakeResponse:
+        self.calls.append(request)
+        self.responses.append(FakeResponse(self.script))
+        return self.responses[-1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    from tandem.workers.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_llama)
+
+
+@pytest.fixture
+def group() -> FakeGroup:
+    return FakeGroup()
+
+
+@pytest.fixture
+def status():
+    with mock.patch.object(EngineClient, "_read_group_status", return_value=(True, True)) as read:
+        yield read
+
+
+@pytest.fixture
+def http(tiny_llama, group, status):
+    # The class as written (Serve's ingress wrapper subclasses it); its routes are on ingress.app.
+    wrapper = ingress.OpenAIIngress.func_or_class
+    cls = next(c for c in wrapper.__mro__[1:] if c.__name__ == "OpenAIIngress")
+    server = cls(group, {"model": tiny_llama, "served_model_name": "tiny", "max_model_len": 64})
+    with mock.patch("ray.serve.get_replica_context") as context:
+        context.return_value.servable_object = server
+        context.return_value.app_name = "tandem"
+        yield TestClient(ingress.app)
+
+
+def post(http, body, path="/v1/completions"):
+    return http.post(path, json={"model": "tiny", **body})
+
+
+def test_streams_the_groups_deltas_as_sse(http, group):
+    group.script = [delta("Hel", 10), delta("lo", 11), delta("!", 12, "stop")]
+    r = post(http, {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["x-tandem-groups"] == "g0"
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["Hel", "lo", "!"]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
+    assert group.calls[0]["sampling"]["max_tokens"] == 16  # the completions default
+
+
+def test_group_refusal_is_a_400_before_any_byte(http, group):
+    group.script = [delta("", 0, error="prompt: 60 tokens need 5 KV blocks but the cache holds 4",
+                          error_type="invalid_request")]
+    for stream in (False, True):
+        r = post(http, {"prompt": "hi", "stream": stream})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "prompt"
+
+
+def test_group_failure_mid_stream_is_an_error_event(http, group):
+    group.script = [delta("a", 10), delta("", 0, error="worker died", error_type="unavailable")]
+    r = post(http, {"prompt": "hi", "stream": True})
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "a"
+    assert json.loads(events[1][6:])["error"]["type"] == "server_error"
+    assert events[-1] == "data: [DONE]"
+    group.script = [delta("a", 10), delta("", 0, error="worker died", error_type="unavailable")]
+    assert post(http, {"prompt": "hi"}).status_code == 503
+
+
+def test_overload_is_503(http, group):
+    group.script = [BackPressureError(num_queued_requests=9, max_queued_requests=8)]
+    r = post(http, {"prompt": "hi"})
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "service_unavailable"
+
+
+def test_no_running_group_is_503_and_unhealthy(http, group, status):
+    status.return_value = (False, False)
+    with mock.patch("tandem.router.engine_client._HEALTH_TTL_S", 0.0):
+        assert post(http, {"prompt": "hi"}).status_code == 503
+        assert http.get("/health").status_code == 503
+        assert group.calls == []  # never sent
+        status.return_value = (False, True)  # one of two groups down: still serves, but not healthy
+        group.script = [delta("x", 10, "length")]
+        assert post(http, {"prompt": "hi", "max_tokens": 1}).status_code == 200
+        assert http.get("/health").status_code == 503
+        status.return_value = (True, True)
+        assert http.get("/health").status_code == 200
+
+
+def test_context_length_is_checked_at_the_ingress(http, group):
+    r = post(http, {"prompt": "hi", "max_tokens": 64})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "maximum context length is 64" in r.json()["error"]["message"]
+    assert group.calls == []
+
+
+def test_early_exit_cancels_the_group_request(tokenizer, group):
+    client = EngineClient(group, tokenizer=tokenizer, model_name="tiny", max_model_len=64, vocab_size=512)
+    client._status = (float("inf"), True, True)  # fresh for ever: no Serve to ask
+    group.script = [delta("a", 10), delta("b", 11), delta("c", 12, "length")]
+
+    async def take_one():
+        stream = client.stream([1, 2, 3], {"max_tokens": 3}, "r1")
+        first = await anext(stream)
+        await stream.aclose()
+        return first
+
+    assert asyncio.run(take_one())["outputs"][0]["text"] == "a"
+    assert group.responses[0].cancelled
+
+
+def test_engine_client_validates_like_the_group(tokenizer, group):
+    client = EngineClient(group, tokenizer=tokenizer, model_name="tiny", max_model_len=64, vocab_size=512)
+    with pytest.raises(ValueError, match="^top_p:"):
+        client.sampling_params([1, 2], {"top_p": 0.0})
+    with pytest.raises(ValueError, match="^prompt:.*vocabulary"):
+        client.sampling_params([1, 512], {})
+    with pytest.raises(ValueError, match="^sampling:"):
+        client.sampling_params([1], {"nonsense": 1})
+    assert client.sampling_params([1] * 60, {"max_tokens": 4}).max_tokens == 4
+
+
+def test_service_unavailable_from_stream(tokenizer, group):
+    client = EngineClient(group, tokenizer=tokenizer, model_name="tiny", max_model_len=64, vocab_size=512)
+    client._status = (float("inf"), True, True)
+    group.script = [BackPressureError(num_queued_requests=1, max_queued_requests=1)]
+
+    async def consume():
+        return [d async for d in client.stream([1, 2], {}, "r")]
+
+    with pytest.raises(ServiceUnavailable, match="overloaded"):
+        asyncio.run(consume())

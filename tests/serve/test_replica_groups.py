@@ -1,0 +1,63 @@
+"""Two replica groups behind one ingress: load-aware routing spreads requests; /health covers all."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.serve.conftest import serve_app, wait_for
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    args = {"model": tiny_llama, "num_replicas": 2, "max_model_len": 256, "num_kv_blocks": 64,
+            "served_model_name": "tiny"}
+    with serve_app(args) as url:
+        yield url
+
+
+def complete(server: str, prompt: str, max_tokens: int = 48) -> requests.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = requests.post(f"{server}/v1/completions", json=body, timeout=60)
+    r.raise_for_status()
+    return r
+
+
+def test_concurrent_requests_are_spread_over_both_groups(server):
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda i: complete(server, f"request number {i}"), range(8)))
+    groups = [r.headers["x-tandem-groups"] for r in responses]
+    assert all(g and "," not in g for g in groups)
+    assert len(set(groups)) == 2, groups
+    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in responses)
+
+
+def test_one_request_with_many_prompts_can_use_both_groups(server):
+    r = complete(server, "x", max_tokens=1)  # warm
+    body = {"model": "tiny", "prompt": [f"prompt {i}" for i in range(6)], "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True}
+    r = requests.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    assert [c["index"] for c in r.json()["choices"]] == list(range(6))
+    assert len(set(r.headers["x-tandem-groups"].split(","))) == 2
+
+
+def test_health_is_503_while_a_group_is_down(server):
+    import ray
+
+    assert requests.get(f"{server}/health", timeout=30).status_code == 200
+    [victim, *_] = [a for a in ray.util.list_named_actors(all_namespaces=True) if "GroupServer" in a["name"]]
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+
+    def health() -> int:
+        return requests.get(f"{server}/health", timeout=30).status_code
+
+    assert wait_for(lambda: health() == 503, timeout_s=30, interval_s=0.2)
+    # The other group keeps serving meanwhile; Serve replaces the dead one.
+    assert complete(server, "still served", max_tokens=4).status_code == 200
+    assert wait_for(lambda: health() == 200, timeout_s=120, interval_s=0.5)
+    time.sleep(0.5)
+    assert complete(server, "both back", max_tokens=4).status_code == 200
