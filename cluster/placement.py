@@ -1,6 +1,6 @@
 """Where a replica group's workers go: one placement group, one bundle per worker.
 
-    bundle index = pp_rank * tp + tp_rank        (the worker's global rank)
+    bundle index = first + pp_rank * tp + tp_rank      (first + the worker's global rank)
 
 A pipeline stage's TP ranks talk on every layer, so they are packed on one node; stages
 only pass hidden states once per micro-batch, so they may sit on different nodes. The
@@ -8,13 +8,19 @@ plan picks a node per stage up front (best fit, so small groups pack together) a
 each bundle there with a node-id label selector. A layout the cluster cannot hold is
 refused here with what was asked and what the cluster has, since Ray would leave such a
 placement group pending forever. The GPUs no group uses are reported, for draft models.
+
+An engine built inside a Serve replica that reserved its own placement group (bundle 0
+for the replica, one per worker after it) uses that group's bundles instead
+(`WorkerBundles.of_existing`); then the replica's deployment options decide the nodes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +107,28 @@ def _unplaceable_message(tp: int, pp: int, nodes: list[NodeResources], resource:
 
 
 # ---- the live cluster ------------------------------------------------------------------------------
+def ensure_ray(address: str | None, min_cpus: int = 1) -> None:
+    """Join the cluster at `address` (or the one already running here), else start a local one.
+
+    A local instance gets at least `min_cpus` logical CPUs, so a laptop can hold a group of
+    more workers than it has cores (they then share the cores, one thread each).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        existing = canonicalize_bootstrap_address(address)
+    except Exception:  # pragma: no cover - private API moved: let ray.init decide
+        existing = address
+    if existing is None:
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False)
+    else:
+        ray.init(address=address, include_dashboard=False)
+
+
 def cluster_nodes() -> list[NodeResources]:
     """Alive nodes with their total and currently available resources."""
     import ray
@@ -119,6 +147,23 @@ def cluster_nodes() -> list[NodeResources]:
         nodes.append(NodeResources(n["NodeID"], n.get("NodeManagerAddress", "?"), total,
                                    {k: float(v) for k, v in available.get(n["NodeID"], total).items()}))
     return nodes
+
+
+def plan_on_cluster(tp: int, pp: int, *, use_gpu: bool, wait_s: float = 10.0) -> PlacementPlan:
+    """Plan against the live cluster. A layout the idle cluster could not hold fails at once;
+    one that only lacks free resources (say, a group just shut down is still releasing
+    them) is retried for up to `wait_s` before failing."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        nodes = cluster_nodes()
+        try:
+            return plan_placement(tp, pp, nodes, use_gpu=use_gpu)
+        except PlacementError as exc:
+            idle = [NodeResources(n.node_id, n.ip, n.total, n.total) for n in nodes]
+            plan_placement(tp, pp, idle, use_gpu=use_gpu)  # raises if it can never fit
+            if time.monotonic() >= deadline:
+                raise PlacementError(f"{exc} (an idle cluster could hold it: resources are in use)") from None
+        time.sleep(0.2)
 
 
 def spare_gpus() -> dict[str, int]:
@@ -151,3 +196,22 @@ def create_placement_group(plan: PlacementPlan, timeout_s: float = 60.0, name: s
     logger.info("placement group ready in %.2f s: stages on nodes %s", time.perf_counter() - start,
                 [n[:8] for n in plan.stage_nodes])
     return pg
+
+
+@dataclass
+class WorkerBundles:
+    """Where the workers go: bundles first .. first + world - 1 of the placement group."""
+
+    first: int
+    use_gpu: bool
+    cpus_per_worker: float
+    nodes: list[str]  # node id per rank
+
+    @staticmethod
+    def of_existing(pg: Any, first: int) -> "WorkerBundles":
+        import ray
+
+        spec = pg.bundle_specs[first]
+        on_node = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+        return WorkerBundles(first, spec.get("GPU", 0) > 0, spec.get("CPU", 1.0) if not spec.get("GPU") else 0,
+                             [on_node[i] for i in range(first, pg.bundle_count)])

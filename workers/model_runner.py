@@ -164,12 +164,21 @@ class ModelRunner:
                           torch.tensor(positions, dtype=torch.long, device=self.device),
                           meta, order, logits_rows, drafts)
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor:
+    def execute(self, out: SchedulerOutput, hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor | None:
         """Run one step. Non-last pipeline stages return hidden states for the next stage."""
         self.update_states(out)
+        return self.execute_batch(out, hidden)
+
+    @torch.inference_mode()
+    def execute_batch(self, out: SchedulerOutput,
+                      hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor | None:
+        """Run requests whose state is already up to date (a step, or one micro-batch of it).
+
+        The last stage's TP rank 0 samples; its other TP ranks only take part in the logits
+        gather and return None.
+        """
         if out.is_empty:
-            return RunnerOutput([], [], [])
+            return RunnerOutput([], [], []) if self.ctx.tp_rank == 0 else None
         inputs = self.prepare_inputs(out)
         hidden = self.model(inputs.input_ids if self.ctx.is_first_stage else None, inputs.positions,
                             inputs.meta, hidden)
@@ -177,11 +186,15 @@ class ModelRunner:
             return hidden
         return self.sample(inputs, hidden)
 
-    def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> RunnerOutput:
+    def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> RunnerOutput | None:
         flat_rows = [i for rows in inputs.logits_rows for i in rows]
         if not flat_rows:
+            if self.ctx.tp_rank != 0:
+                return None
             return RunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids], [None] * len(inputs.req_ids))
         logits = self.model.compute_logits(hidden[torch.tensor(flat_rows, device=self.device)])
+        if self.ctx.tp_rank != 0:
+            return None
         rows: list[SamplingRow] = []
         for req_id, idx, draft in zip(inputs.req_ids, inputs.logits_rows, inputs.drafts):
             state = self.states[req_id]

@@ -1,8 +1,8 @@
 """Where this process sits in its group, and the collectives the layers use.
 
 With tp_size == 1 every collective is a no-op, so the single-process engine runs
-the same layer code as a sharded worker. Process groups are created by the
-worker (gloo on CPU, nccl on CUDA); this module only uses them.
+the same layer code as a sharded worker. A worker calls `init_groups` once
+(gloo on CPU, nccl on CUDA) to get its context with the TP and PP subgroups.
 """
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ class ParallelContext:
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: Any = None  # torch.distributed ProcessGroup of this stage's TP ranks
+    pp_group: Any = None  # ProcessGroup of this TP rank's column across stages (send/recv)
+    prev_rank: int = -1  # global rank of the same TP rank on the previous / next stage
+    next_rank: int = -1
+    num_overlap_chunks: int = 1  # > 1: row-parallel all-reduces overlap the next chunk's GEMMs
+    # Fewer tokens per chunk than this and a chunk's GEMMs are too short to hide anything
+    # (decode steps): the step runs serially instead.
+    min_chunk_tokens: int = 32
     skip_collectives: bool = False  # benchmark only: measures compute without communication
 
     @property
@@ -30,6 +37,10 @@ class ParallelContext:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    @property
+    def overlaps_comm(self) -> bool:
+        return self.tp_size > 1 and self.num_overlap_chunks > 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1 and not self.skip_collectives:
@@ -52,6 +63,44 @@ class ParallelContext:
         else:
             dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
+
+
+    # ---- stage to stage: each TP rank sends its (replicated) hidden states to its peer ----
+    def send_next(self, x: torch.Tensor, tag: int) -> Any:
+        """Start sending hidden states to the next stage; wait on the handle before reusing x."""
+        return dist.isend(x.contiguous(), dst=self.next_rank, group=self.pp_group, tag=tag)
+
+    def recv_prev(self, buf: torch.Tensor, tag: int) -> Any:
+        """Start receiving hidden states from the previous stage into buf."""
+        return dist.irecv(buf, src=self.prev_rank, group=self.pp_group, tag=tag)
+
+
+def init_groups(rank: int, tp_size: int, pp_size: int, backend: str, init_method: str,
+                timeout_s: float = 300.0, **kwargs: Any) -> ParallelContext:
+    """Join the group's default process group, then build the TP and PP subgroups.
+
+    Global rank = pp_rank * tp_size + tp_rank. Every rank creates every subgroup, in the
+    same order (torch.distributed requires it), and keeps the ones it belongs to.
+    """
+    from datetime import timedelta
+
+    world = tp_size * pp_size
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    pp_rank, tp_rank = divmod(rank, tp_size)
+    tp_group = pp_group = None
+    for stage in range(pp_size):
+        group = dist.new_group([stage * tp_size + t for t in range(tp_size)])
+        if stage == pp_rank:
+            tp_group = group
+    for t in range(tp_size):
+        group = dist.new_group([stage * tp_size + t for stage in range(pp_size)])
+        if t == tp_rank:
+            pp_group = group
+    return ParallelContext(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, tp_group=tp_group,
+        pp_group=pp_group, prev_rank=rank - tp_size if pp_rank > 0 else -1,
+        next_rank=rank + tp_size if pp_rank < pp_size - 1 else -1, **kwargs)
 
 
 def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:

@@ -4,6 +4,9 @@ Per layer, with tokens flattened over the whole step ([num_tokens, hidden]):
 
     x -> RMSNorm -> qkv (column-parallel) -> RoPE -> paged attention -> o (row-parallel) -> all-reduce -> +x
       -> RMSNorm -> gate|up (column-parallel) -> SiLU(gate) * up -> down (row-parallel) -> all-reduce -> +x
+
+With TP > 1 and overlap on, the per-token parts run in micro-chunks so each all-reduce
+overlaps the next chunk's GEMMs (`LlamaForCausalLM._forward_overlapped`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tandem.workers.layers import (
     rope_inv_freq,
 )
 from tandem.workers.models.hf_config import HFModelConfig
+from tandem.workers.overlap import Pending, chunk_bounds, settle, split_metadata
 from tandem.workers.parallel import ParallelContext, stage_layers
 
 
@@ -48,15 +52,17 @@ class LlamaAttention(nn.Module):
         self.value_cache: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x), meta))  # partial sum when TP > 1
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE + paged attention over the step's merged q|k|v; [num_tokens, num_heads * head_dim]."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
-        out = paged_attention(q, k, v, self.key_cache, self.value_cache, meta, self.scale, self.window)
-        return self.o_proj(out)  # partial sum when TP > 1
+        return paged_attention(q, k, v, self.key_cache, self.value_cache, meta, self.scale, self.window)
 
 
 class LlamaMLP(nn.Module):
@@ -110,9 +116,48 @@ class LlamaForCausalLM(nn.Module):
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Stage 0 takes token ids; later stages take the previous stage's hidden states."""
         x = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden
-        for layer in self.layers:
-            x = layer(positions, x, meta)
+        ctx = self.ctx
+        num_chunks = min(ctx.num_overlap_chunks, x.shape[0] // ctx.min_chunk_tokens) if ctx.overlaps_comm else 1
+        if num_chunks > 1:
+            x = self._forward_overlapped(positions, x, meta, num_chunks)
+        else:
+            for layer in self.layers:
+                x = layer(positions, x, meta)
         return self.norm(x) if self.norm is not None else x
+
+    def _forward_overlapped(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                            num_chunks: int) -> torch.Tensor:
+        """The same layers, with the step's tokens in micro-chunks and every row-parallel
+        all-reduce started asynchronously, so it runs while the other chunk computes:
+
+            chunk 0:  qkv attn o ─ar─────────────────┐    mlp ─ar──────────────────────┐
+            chunk 1:              qkv attn o ─ar─────┼──┐      mlp ─ar───────────┐      │
+                                                wait ┘  └ wait           (next layer) wait ┘ qkv ...
+
+        Each chunk attends with its own slice of the metadata (workers/overlap.py); residual
+        adds happen in the same order as in the serial path.
+        """
+        bounds = chunk_bounds(x.shape[0], num_chunks)
+        metas = split_metadata(meta, bounds)
+        chunks = [x[a:b] for a, b in bounds]
+        pending: list[Pending | None] = [None] * num_chunks  # the previous MLP's partial sums
+        for layer in self.layers:
+            attn = layer.self_attn
+            o_parts = []
+            for c, (a, b) in enumerate(bounds):
+                chunks[c] = settle(chunks[c], pending[c])
+                out = attn.attend(positions[a:b], attn.qkv_proj(layer.input_layernorm(chunks[c])), metas[c])
+                o_parts.append(self._reduce_async(attn.o_proj(out)))
+            for c in range(num_chunks):
+                chunks[c] = settle(chunks[c], o_parts[c])
+                pending[c] = self._reduce_async(layer.mlp(layer.post_attention_layernorm(chunks[c])))
+        out = torch.empty_like(x)
+        for (a, b), chunk, last in zip(bounds, chunks, pending):
+            out[a:b] = settle(chunk, last)
+        return out
+
+    def _reduce_async(self, partial: torch.Tensor) -> Pending:
+        return Pending(self.ctx.all_reduce_async(partial), partial)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

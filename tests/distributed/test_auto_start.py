@@ -1,0 +1,27 @@
+"""`LLM(..., tensor_parallel_size=2)` with no Ray running starts a local instance itself."""
+
+from __future__ import annotations
+
+from tandem.workers.llm import LLM
+from tandem.workers.request import SamplingParams
+from tests.conftest import hf_greedy, tiny_model
+
+
+def test_llm_starts_local_ray_when_none_is_running() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    model = tiny_model("qwen2")
+    llm = LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2)
+    try:
+        assert ray.is_initialized()
+        # Even on a 2-core machine the local instance has room for all four workers.
+        assert ray.cluster_resources()["CPU"] >= 4
+        prompt = [31, 32, 33, 34, 35]
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
+        assert out[0].outputs[0].token_ids == hf_greedy(model, [prompt], 6)[0]
+    finally:
+        llm.shutdown()
+        ray.shutdown()

@@ -1,0 +1,284 @@
+"""RayExecutor: one replica group's `tp x pp` Worker actors, driven one step at a time.
+
+    engine ──step message──> [compiled graph: shared-memory channel to every worker]
+           <──RunnerOutput── TP rank 0 of the last stage (the others send None)
+
+Set-up: validate and reserve a placement group (cluster/placement.py), start one actor
+per bundle, rendezvous torch.distributed at rank 0's node on a port chosen there at run
+time, load shards, then size the KV cache to what fits on every worker.
+
+Each step reaches all workers as one message through a Ray compiled graph: an empty step
+costs ~0.6 ms with two workers and ~1.6 ms with four on a 2-core machine, against ~1.7 and
+~4.8 ms for plain actor calls (`measure_control_overhead`; `use_compiled_graph=False` falls
+back to those). A worker that raises or dies fails the step: the executor kills the
+whole group at once (peers blocked in a collective would otherwise wait for it) and
+raises, so the engine ends its requests with finish reason "error". A failed executor is
+spent; `shutdown()` and a new executor rebuild the group in the same process.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import statistics
+import time
+from typing import Any
+
+from tandem.cluster.config import EngineConfig
+from tandem.cluster.placement import (
+    PlacementPlan,
+    WorkerBundles,
+    cluster_has_gpus,
+    create_placement_group,
+    ensure_ray,
+    plan_on_cluster,
+)
+from tandem.workers.models.hf_config import HFModelConfig
+from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class GroupFailedError(RuntimeError):
+    """A worker of the group died or raised; the group must be rebuilt."""
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str, *,
+                 use_compiled_graph: bool = True, step_timeout_s: float = 600.0,
+                 placement_timeout_s: float = 60.0) -> None:
+        import ray
+
+        par = config.parallel
+        ensure_ray(par.address, par.world_size)
+        self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
+        self.step_timeout_s = step_timeout_s
+        self.plan: PlacementPlan | None = None  # None when the workers go to an enclosing group
+        self.workers: list[Any] = []
+        self.dead_error: str | None = None
+        self._dag = None
+        self.placement_group = None
+        self._owns_placement_group = False
+        self.worker_info: list[dict[str, Any]] = []
+        try:
+            self.bundles = self._reserve(config, placement_timeout_s)
+            self._start_workers(config, hf_config, model_dir)
+            self.num_kv_blocks = self._init_workers()
+            self.worker_info = ray.get([w.describe.remote() for w in self.workers])
+            if use_compiled_graph:
+                self._dag = self._compile()
+        except BaseException:
+            self._teardown()
+            raise
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    def _reserve(self, config: EngineConfig, timeout_s: float) -> WorkerBundles:
+        """The bundles the workers go to: the enclosing placement group's (a Serve replica
+        that reserved one bundle for itself plus one per worker), else a new one planned here."""
+        from ray.util import get_current_placement_group
+
+        world = self.tp * self.pp
+        current = get_current_placement_group()
+        if current is not None and current.bundle_count == world + 1:
+            self.placement_group = current  # not ours: whoever made it removes it
+            bundles = WorkerBundles.of_existing(current, first=1)
+            if config.model.device == "cuda" and not bundles.use_gpu:
+                raise ValueError("device: cuda was asked for but the placement group's worker bundles have no GPU")
+            split = [s for s in range(self.pp) if len(set(bundles.nodes[s * self.tp:(s + 1) * self.tp])) > 1]
+            if split:
+                logger.warning("pipeline stage(s) %s have TP ranks on several nodes: every layer's "
+                               "all-reduce crosses the network", split)
+            return bundles
+        use_gpu = config.model.device != "cpu" and cluster_has_gpus()
+        if config.model.device == "cuda" and not use_gpu:
+            raise ValueError("device: cuda was asked for but the Ray cluster has no GPUs")
+        self.plan = plan_on_cluster(self.tp, self.pp, use_gpu=use_gpu)
+        self.placement_group = create_placement_group(self.plan, timeout_s)
+        self._owns_placement_group = True
+        return WorkerBundles(0, use_gpu, self.plan.cpus_per_worker,
+                             [self.plan.node_of(rank // self.tp) for rank in range(world)])
+
+    def _start_workers(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from tandem.workers.worker import Worker
+
+        bundles = self.bundles
+        actor_cls = ray.remote(Worker)
+        for rank, node in enumerate(bundles.nodes):
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group,
+                                                        placement_group_bundle_index=bundles.first + rank)
+            self.workers.append(actor_cls.options(
+                num_cpus=0 if bundles.use_gpu else bundles.cpus_per_worker, num_gpus=1 if bundles.use_gpu else 0,
+                scheduling_strategy=strategy,
+            ).remote(config, hf_config, model_dir, rank, bundles.nodes.count(node)))
+
+    def _init_workers(self) -> int:
+        import ray
+
+        info = ray.get(self.workers[0].describe.remote())
+        port = ray.get(self.workers[0].free_port.remote())
+        host = info["ip"]
+        init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        ray.get([w.init_distributed.remote(init_method) for w in self.workers])
+        fits = ray.get([w.load_model.remote() for w in self.workers])
+        num_blocks = min(fits)
+        if num_blocks < 1:
+            raise ValueError("kv_cache_memory: too small for one KV block on some worker")
+        ray.get([w.init_kv_cache.remote(num_blocks) for w in self.workers])
+        logger.info("replica group up: tp=%d pp=%d, %d KV blocks per worker", self.tp, self.pp, num_blocks)
+        return num_blocks
+
+    def _compile(self):
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as step:
+            dag = MultiOutputNode([w.execute_step.bind(step) for w in self.workers])
+        return dag.experimental_compile(_submit_timeout=self.step_timeout_s)
+
+    @property
+    def output_rank(self) -> int:
+        return (self.pp - 1) * self.tp  # TP rank 0 of the last stage
+
+    # ---- steps -------------------------------------------------------------------------------------
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        if self.dead_error is not None:
+            raise GroupFailedError(f"the replica group has failed: {self.dead_error}")
+        try:
+            results = self._broadcast(step)
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        return results[self.output_rank]
+
+    def _broadcast(self, step: SchedulerOutput) -> list[Any]:
+        import ray
+
+        if self._dag is not None:
+            return ray.get(self._dag.execute(step), timeout=self.step_timeout_s)
+        return ray.get([w.execute_step.remote(step) for w in self.workers], timeout=self.step_timeout_s)
+
+    def _fail(self, exc: BaseException) -> GroupFailedError:
+        """Kill the whole group (peers may be blocked in a collective with the failed worker)."""
+        self.dead_error = _describe(exc, self.workers, self.worker_info, self.tp)
+        dead = self._dead_ranks()
+        if dead and not self.dead_error.startswith(f"worker {dead[0]} "):
+            # A survivor's collective broke first; name the worker whose death caused it.
+            self.dead_error = f"worker {', '.join(dead)} died ({self.dead_error})"
+        logger.error("replica group failed: %s", self.dead_error)
+        self._teardown(failed=True)
+        return GroupFailedError(self.dead_error)
+
+    def _dead_ranks(self, timeout_s: float = 2.0) -> list[str]:
+        """Workers that no longer answer because their process is gone."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = [w.describe.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    dead.append(_rank_name(rank, self.tp))
+        return dead
+
+    def measure_control_overhead(self, num_steps: int = 200) -> dict[str, float]:
+        """Median ms of an empty step round trip: this executor's path vs plain actor calls.
+
+        Interleaved, so both see the same machine load. An empty step (no requests) does
+        no model work, so what is left is the cost of reaching every worker and back.
+        """
+        import ray
+
+        empty = SchedulerOutput(step_id=-1)
+        times: dict[str, list[float]] = {"step_ms": [], "actor_calls_ms": []}
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            self.execute(empty)
+            times["step_ms"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            ray.get([w.execute_step.remote(empty) for w in self.workers])
+            times["actor_calls_ms"].append(time.perf_counter() - start)
+        return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()} | {
+            "compiled_graph": self._dag is not None, "num_workers": len(self.workers)}
+
+    # ---- shutdown ----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._teardown()
+
+    def _teardown(self, failed: bool = False) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self._dag is not None and not failed:
+            _quiet_teardown(self._dag, logging.WARNING)
+        for w in self.workers:  # kill, not exit: a worker may be blocked in a collective
+            try:
+                ray.kill(w)
+            except Exception:  # pragma: no cover - already gone
+                pass
+        if self._dag is not None and failed:
+            _quiet_teardown(self._dag, logging.CRITICAL)
+        self._dag = None
+        self.workers = []
+        if self.placement_group is not None and self._owns_placement_group:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:  # pragma: no cover
+                pass
+        self.placement_group = None
+
+
+def _describe(exc: BaseException, workers: list[Any], worker_info: list[dict[str, Any]], tp: int) -> str:
+    """One line naming the worker that failed (when Ray says which) and why."""
+    actor_id = getattr(exc, "actor_id", None)  # RayActorError: the dead actor
+    found = re.search(r"\(pid=(\d+),", str(exc))  # RayTaskError: "ray::Worker() (pid=..., ip=...)"
+    pid = int(found.group(1)) if found else None
+    where = "a worker"
+    for rank, w in enumerate(workers):
+        info = worker_info[rank] if rank < len(worker_info) else {}
+        if (actor_id is not None and w._actor_id.hex() == actor_id) or (pid is not None and info.get("pid") == pid):
+            where = f"worker {_rank_name(rank, tp)}"
+    cause = getattr(exc, "cause", None)
+    kind = type(cause if isinstance(cause, BaseException) else exc).__name__
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else kind
+    verb = "died" if actor_id is not None else "failed"
+    return f"{where} {verb}: {last if last.startswith(kind) else f'{kind}: {last}'}"
+
+
+def _rank_name(rank: int, tp: int) -> str:
+    return f"pp_rank={rank // tp} tp_rank={rank % tp}"
+
+
+def _quiet_teardown(dag: Any, level: int) -> None:
+    """Tear down a compiled graph, keeping Ray's teardown logs below `level` out of the output."""
+    saved = _DAG_LOGGER.level
+    _DAG_LOGGER.setLevel(level)
+    try:
+        dag.teardown()
+    except Exception:  # the actors are killed right after (or were before) anyway
+        logger.debug("compiled graph teardown failed", exc_info=True)
+    finally:
+        _DAG_LOGGER.setLevel(saved)
+
+
+class _KilledActorFilter(logging.Filter):
+    """Drops Ray's traceback for cancelling a compiled graph's loop on an actor we killed.
+
+    When a worker fails, the graph's monitor thread tears the graph down on its own, while
+    `_fail` kills the group; each dead actor would otherwise be logged as an error.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from ray.exceptions import RayActorError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage() == "Error cancelling worker task" and isinstance(exc, RayActorError))
+
+
+_DAG_LOGGER = logging.getLogger("ray.dag.compiled_dag_node")
+_DAG_LOGGER.addFilter(_KilledActorFilter())

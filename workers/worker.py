@@ -1,0 +1,161 @@
+"""Worker: one (pipeline rank, tensor rank) of a replica group, run as a Ray actor.
+
+A worker loads only its shard (its stage's layers, its TP slice of each), sizes and
+owns the KV tensors of those layers, and executes steps. Each step message reaches
+every worker; a stage splits the step's requests into up to `pp` micro-batches so that
+the stages work as a pipeline within the step:
+
+    stage 0:  mb0 ──send──> mb1 ──send──> mb2
+    stage 1:        recv mb0 ──────> recv mb1 ──────> recv mb2
+                    (stage 1 runs mb i while stage 0 runs mb i+1)
+
+Hidden states go stage to stage by torch.distributed point-to-point (each TP rank to
+its peer on the next stage), never through the object store. Only TP rank 0 of the last
+stage returns the step's RunnerOutput; the others return None.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch
+
+from tandem.cluster.config import EngineConfig
+from tandem.workers.model_runner import ModelRunner
+from tandem.workers.models.hf_config import HFModelConfig
+from tandem.workers.parallel import ParallelContext, init_groups
+from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str, rank: int,
+                 workers_on_node: int) -> None:
+        from tandem.workers.executor import pick_device
+
+        self.config = config
+        self.hf_config = hf_config
+        self.model_dir = model_dir
+        self.rank = rank
+        self.device = pick_device(config.model.device)
+        if self.device.type == "cpu":
+            # The node's cores, shared evenly by this group's workers on it: more threads
+            # than that and the workers fight over cores (and every collective waits on the slowest).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers_on_node))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.ctx: ParallelContext | None = None
+        self.runner: ModelRunner | None = None
+
+    # ---- set-up (called once each, in this order, by RayExecutor) ---------------------------------
+    def describe(self) -> dict[str, Any]:
+        """Where this worker runs and (once loaded) what it holds; for set-up, tests and logs."""
+        import ray
+
+        info: dict[str, Any] = {
+            "rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "device": str(self.device),
+            "num_threads": torch.get_num_threads(), "gpu_ids": ray.get_gpu_ids()}
+        if self.runner is not None and self.runner.model is not None:
+            model = self.runner.model
+            info.update(layers=(model.start_layer, model.end_layer), num_kv_blocks=self.runner.num_blocks,
+                        num_kv_heads=model.attention_layers[0].num_kv_heads if model.layers else 0,
+                        num_params=sum(p.numel() for p in model.parameters()))
+        return info
+
+    def free_port(self) -> int:
+        """A port free on this node right now, for the group's rendezvous (rank 0 only)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def init_distributed(self, init_method: str) -> None:
+        par = self.config.parallel
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.ctx = init_groups(self.rank, par.tensor_parallel_size, par.pipeline_parallel_size, backend,
+                               init_method, num_overlap_chunks=par.num_overlap_chunks if par.overlap_comm else 1)
+
+    def load_model(self) -> int:
+        """Load this shard; returns how many KV blocks fit beside it on this worker."""
+        self.runner = ModelRunner(self.config, self.hf_config, self.model_dir, self.ctx, self.device)
+        self.runner.load_model(show_progress=False)
+        return self.runner.num_blocks_fit()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def execute_step(self, step: SchedulerOutput) -> RunnerOutput | None:
+        runner, ctx = self.runner, self.ctx
+        runner.update_states(step)
+        is_output_rank = ctx.is_last_stage and ctx.tp_rank == 0
+        if step.is_empty:  # only finished ids: nothing to run or send
+            return RunnerOutput([], [], []) if is_output_rank else None
+        batches = split_micro_batches(step, ctx.pp_size)
+        recvs: list[tuple[Any, torch.Tensor]] = []
+        if not ctx.is_first_stage:  # post every receive now; they complete in the background
+            for i, mb in enumerate(batches):
+                buf = torch.empty(mb.total_num_scheduled_tokens, self.hf_config.hidden_size,
+                                  dtype=runner.dtype, device=self.device)
+                recvs.append((ctx.recv_prev(buf, tag=i), buf))
+        sends: list[tuple[Any, torch.Tensor]] = []
+        results: list[RunnerOutput] = []
+        for i, mb in enumerate(batches):
+            hidden = None
+            if recvs:
+                handle, hidden = recvs[i]
+                handle.wait()
+            out = runner.execute_batch(mb, hidden)
+            if not ctx.is_last_stage:
+                sends.append((ctx.send_next(out, tag=i), out))  # keep `out` alive until sent
+            elif out is not None:
+                results.append(out)
+        for handle, _ in sends:
+            handle.wait()
+        return merge_outputs(results) if is_output_rank else None
+
+
+def split_micro_batches(step: SchedulerOutput, num: int) -> list[SchedulerOutput]:
+    """Split a step's requests into up to `num` contiguous micro-batches of similar token counts.
+
+    Deterministic, so every worker derives the same split from the same message. Worker-side
+    request state must already be updated (the micro-batches carry no finished ids).
+    """
+    req_ids = list(step.num_scheduled_tokens)
+    num = min(num, len(req_ids))
+    if num <= 1:
+        return [step]
+    total = step.total_num_scheduled_tokens
+    groups: list[list[str]] = [[] for _ in range(num)]
+    seen = 0
+    for req_id in req_ids:
+        n = step.num_scheduled_tokens[req_id]
+        # A request goes to the micro-batch its token midpoint falls in.
+        groups[min(num - 1, (2 * seen + n) * num // (2 * total))].append(req_id)
+        seen += n
+    batches = []
+    for group in groups:
+        if not group:
+            continue
+        ids = set(group)
+        batches.append(SchedulerOutput(
+            step_id=step.step_id,
+            new_requests=[r for r in step.new_requests if r.req_id in ids],
+            cached_requests=[r for r in step.cached_requests if r.req_id in ids],
+            num_scheduled_tokens={r: step.num_scheduled_tokens[r] for r in group},
+            spec_token_ids={r: d for r, d in step.spec_token_ids.items() if r in ids}))
+    return batches
+
+
+def merge_outputs(outputs: list[RunnerOutput]) -> RunnerOutput:
+    if len(outputs) == 1:
+        return outputs[0]
+    merged = RunnerOutput([], [], [])
+    for out in outputs:
+        merged.req_ids.extend(out.req_ids)
+        merged.sampled_token_ids.extend(out.sampled_token_ids)
+        merged.logprobs.extend(out.logprobs)
+        merged.num_draft_tokens += out.num_draft_tokens
+        merged.num_accepted_draft_tokens += out.num_accepted_draft_tokens
+    return merged
