@@ -21,7 +21,8 @@ from tandem.workers.models.hf_config import HFModelConfig
 from tandem.workers.models.llama import LlamaForCausalLM
 from tandem.workers.parallel import ParallelContext
 from tandem.workers.request import SamplingParams
-from tandem.workers.sampler import Sampler, SamplingRow
+from tandem.workers.rejection_sampler import rejection_sample
+from tandem.workers.sampler import Sampler, SamplingRow, compute_logprobs
 from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
 
 
@@ -210,16 +211,30 @@ class ModelRunner:
         for idx, draft in zip(inputs.logits_rows, inputs.drafts):
             tokens = result.token_ids[k:k + len(idx)]
             lps = result.logprobs[k:k + len(idx)]
+            if draft and not rows[k].params.is_greedy:
+                tokens, lps = self._verify_sampled(logits[k:k + len(idx)], rows[k:k + len(idx)], draft)
+            else:
+                # Greedy: keep drafts while they equal the target's argmax, then its next token.
+                accepted = 0
+                while accepted < len(draft) and tokens[accepted] == draft[accepted]:
+                    accepted += 1
+                tokens, lps = tokens[:accepted + 1], lps[:accepted + 1]
             k += len(idx)
-            accepted = 0
-            while accepted < len(draft) and tokens[accepted] == draft[accepted]:
-                accepted += 1
-            keep = len(idx) and accepted + 1
-            sampled.append(tokens[:keep])
-            logprobs.append(lps[:keep] if lps and lps[0] is not None else None)
+            sampled.append(tokens if idx else [])
+            logprobs.append(lps if idx and lps[0] is not None else None)
             num_drafts += len(draft)
-            num_accepted += accepted if idx else 0
+            num_accepted += len(tokens) - 1 if idx and draft else 0
         return RunnerOutput(inputs.req_ids, sampled, logprobs, num_drafts, num_accepted)
+
+    def _verify_sampled(self, logits: torch.Tensor, rows: list[SamplingRow],
+                        draft: list[int]) -> tuple[list[int], list]:
+        """Rejection-sample a sampled request's drafts against its processed target distribution."""
+        probs = self.sampler.probs(logits, rows)
+        # Seeded from (seed, first draft position): reproducible whatever the batch.
+        tokens = rejection_sample(probs, draft, None, self.sampler.generator_for(rows[0], logits.device))
+        num_top = rows[0].params.logprobs
+        lps = compute_logprobs(logits[:len(tokens)], tokens, [num_top] * len(tokens))
+        return tokens, lps
 
     def _suppressed(self, params: SamplingParams, num_outputs: int) -> tuple[int, ...]:
         if num_outputs >= params.min_tokens:
