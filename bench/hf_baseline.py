@@ -1,0 +1,136 @@
+"""The `transformers` baselines: one request at a time, and static batches with padding.
+
+Every call is `generate(max_new_tokens=n, min_new_tokens=n, do_sample=False)`: greedy, and
+EOS is suppressed until n tokens exist, so exactly n come out (the HF way to ignore EOS).
+
+Static batching takes the request set in order, 16 at a time, left-padded to the longest
+prompt of the batch, and generates for the longest output of the batch. Only each request's
+own requested output tokens count as useful output: tokens generated past a request's
+length (because a batch-mate wanted more) are waste, as in any static batcher, and are
+reported separately as `num_generated_tokens`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from tandem.bench.hardware import sync
+from tandem.bench.workload import BenchRequest
+
+STATIC_BATCH_SIZE = 16
+# Runs a measurement (returning its seconds) and returns what it returned, possibly after
+# redoing it (hardware.ContentionLog.run); the default runs it once.
+Guard = Callable[[Callable[[], float]], float]
+
+
+def _once(fn: Callable[[], float]) -> float:
+    return fn()
+
+
+@dataclass
+class HFRun:
+    elapsed_s: float
+    num_output_tokens: int  # useful: what the requests asked for
+    num_generated_tokens: int  # including static-batch overrun
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s
+
+
+@torch.inference_mode()
+def _generate(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_new: int) -> torch.Tensor:
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=num_new,
+                         min_new_tokens=num_new, do_sample=False, pad_token_id=_pad_id(model))
+    return out[:, input_ids.shape[1]:]
+
+
+def _pad_id(model: Any) -> int:
+    pad = model.generation_config.pad_token_id
+    return pad if pad is not None else 0
+
+
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def run_sequential(model: Any, requests: list[BenchRequest], device: torch.device, *, desc: str = "hf sequential",
+                   show_progress: bool = True, guard: Guard = _once) -> HFRun:
+    """One `generate` call per request, batch 1, no padding; elapsed = the sum of the calls' times.
+
+    Each call is timed on its own (through `guard`), so a call disturbed by another process can
+    be redone without redoing the whole run.
+    """
+    bar = tqdm(total=sum(r.output_len for r in requests), desc=desc, unit="tok", leave=False,
+               disable=not show_progress)
+    elapsed = 0.0
+    for req in requests:
+        ids = torch.tensor([req.prompt_token_ids], device=device)
+
+        def call() -> None:
+            out = _generate(model, ids, torch.ones_like(ids), req.output_len)
+            assert out.shape[1] == req.output_len, f"generated {out.shape[1]}, asked for {req.output_len}"
+
+        elapsed += guard(lambda: _timed(call, device))
+        bar.update(req.output_len)
+    bar.close()
+    num = sum(r.output_len for r in requests)
+    return HFRun(elapsed, num, num)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, max_len] ids, [B, max_len] attention mask) with padding on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
+def run_static(model: Any, requests: list[BenchRequest], device: torch.device, *,
+               batch_size: int = STATIC_BATCH_SIZE, desc: str = "hf static", show_progress: bool = True,
+               guard: Guard = _once) -> HFRun:
+    """Batches of `batch_size` in request order; each runs to its longest output.
+
+    elapsed = the sum of the batches' times (each timed on its own, through `guard`).
+    """
+    bar = tqdm(total=sum(r.output_len for r in requests), desc=desc, unit="tok", leave=False,
+               disable=not show_progress)
+    generated = 0
+    elapsed = 0.0
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        ids, mask = left_pad([r.prompt_token_ids for r in batch], _pad_id(model), device)
+        num_new = max(r.output_len for r in batch)
+
+        def call() -> None:
+            out = _generate(model, ids, mask, num_new)
+            assert out.shape == (len(batch), num_new), f"generated {tuple(out.shape)}"
+
+        elapsed += guard(lambda: _timed(call, device))
+        generated += len(batch) * num_new
+        bar.update(sum(r.output_len for r in batch))
+    bar.close()
+    return HFRun(elapsed, sum(r.output_len for r in requests), generated)
+
+
+def time_per_output_token(model: Any, req: BenchRequest, device: torch.device) -> float:
+    """Batch-1 decode seconds per token: (T(n tokens) - T(1 token)) / (n - 1).
+
+    Subtracting a 1-token run removes the prefill and generate()'s set-up, leaving the
+    n - 1 decode steps, the same steps tandem's TPOT averages over.
+    """
+    assert req.output_len >= 2, "need at least two output tokens"
+    ids = torch.tensor([req.prompt_token_ids], device=device)
+    mask = torch.ones_like(ids)
+    times = [_timed(lambda: _generate(model, ids, mask, num_new), device) for num_new in (req.output_len, 1)]
+    return (times[0] - times[1]) / (req.output_len - 1)

@@ -1,0 +1,194 @@
+"""`tandem bench latency`: batch-1 decode latency, bandwidth use, engine overhead, batch sweep.
+
+Per repeat (tandem and transformers in an order rotated per repeat, probes first):
+- tandem TPOT: the mean `engine.step()` time over the decode steps of one request;
+  transformers TPOT: (T(generate n tokens) - T(generate 1 token)) / (n - 1), same request.
+- MBU = bytes one decode step must read (all weights incl. lm_head, plus the KV cache at the
+  mean decode context; see `model_cost`) / TPOT / the large-tensor copy bandwidth (read +
+  write). MBU against the GEMV read bandwidth is reported too (`mbu_vs_gemv_read`).
+- engine overhead = median engine step / median bare forward + logits on the same step
+  inputs (see `tandem_runs`).
+Then a sweep over batch sizes: B identical requests decoding together. Per batch: TPOT (the
+median pure-decode step), tokens/s = B / TPOT, MFU and MBU of a decode step, and engine
+overhead. Decoding counts as compute-bound from the first batch whose MFU >= its MBU (the
+resource closer to its peak is the one that binds); the roofline ridge (matmul FLOP/s over
+copy bandwidth) predicts the same crossover from the probes alone and is reported beside it.
+Every figure is the median over repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from tandem.bench import hf_baseline
+from tandem.bench.hardware import copy_bandwidth, gemv_read_bandwidth, matmul_flops
+from tandem.bench.report import Figures, sweep_batches
+from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
+from tandem.bench.tandem_runs import median_or_nan, run_tandem, time_bare_forward
+from tandem.bench.workload import BenchRequest, fixed_length_requests
+
+
+@dataclass(frozen=True)
+class LatencyShape:
+    prompt_len: int  # batch-1 request
+    output_len: int
+    sweep_prompt_len: int
+    sweep_output_len: int
+    sweep_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+
+LATENCY_FULL = LatencyShape(prompt_len=256, output_len=128, sweep_prompt_len=128, sweep_output_len=32)
+LATENCY_QUICK = LatencyShape(prompt_len=128, output_len=32, sweep_prompt_len=32, sweep_output_len=12)
+
+
+@dataclass
+class _Repeat:
+    copy_bw: float
+    gemv_bw: float
+    peak_flops: float
+    tpot_tandem: float = 0.0
+    tpot_hf: float = 0.0
+    engine_step: float = 0.0
+    bare_forward: float = 0.0
+    sweep_step: dict[int, float] | None = None
+    sweep_bare: dict[int, float] | None = None
+
+
+def run_latency(opts: BenchOptions, shape: LatencyShape | None = None) -> Figures:
+    shape = shape or (LATENCY_QUICK if opts.quick else LATENCY_FULL)
+    repeats = opts.num_repeats(default_full=3, default_quick=2)
+    vocab = vocab_size_of(resolve_model_dir(opts))
+    single = fixed_length_requests(1, shape.prompt_len, shape.output_len, vocab, seed=1)
+    sweep = {b: fixed_length_requests(b, shape.sweep_prompt_len, shape.sweep_output_len, vocab, seed=100 + b)
+             for b in shape.sweep_batches}
+    systems = load_systems(opts, [single, sweep[max(shape.sweep_batches)]])
+    _warm_up(systems, vocab)
+
+    tasks = tqdm(total=repeats * (3 + len(shape.sweep_batches)), desc="latency", unit="run",
+                 disable=not opts.show_progress)
+    runs = []
+    log = opts.contention_log()
+    device = systems.device
+    for rep in range(repeats):
+        tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: probes")
+        run = log.run(lambda: _Repeat(copy_bandwidth(device), gemv_read_bandwidth(device, systems.dtype),
+                                      matmul_flops(device, systems.dtype)), device)
+        tasks.update(1)
+        for name in ("tandem", "hf") if rep % 2 == 0 else ("hf", "tandem"):
+            tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: {name} batch 1")
+            if name == "tandem":
+                run.tpot_tandem, run.engine_step, run.bare_forward = log.run(
+                    lambda: _batch1_tandem(systems, single, opts.show_progress), device)
+            else:
+                run.tpot_hf = log.run(lambda: hf_baseline.time_per_output_token(systems.hf_model, single[0], device),
+                                      device)
+            tasks.update(1)
+        run.sweep_step, run.sweep_bare = {}, {}
+        for batch, requests in sweep.items():
+            tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: sweep batch {batch}")
+            run.sweep_step[batch], run.sweep_bare[batch] = log.run(
+                lambda: _sweep_point(systems, requests, f"batch {batch}", opts.show_progress), device)
+            tasks.update(1)
+        runs.append(run)
+    tasks.close()
+    fig = _figures(shape, systems, runs, opts)
+    fig.update(log.figures())
+    return fig
+
+
+def _warm_up(systems: Systems, vocab: int) -> None:
+    warm = fixed_length_requests(2, 16, 4, vocab, seed=99)
+    result = run_tandem(systems.llm, warm, record_inputs=True, show_progress=False)
+    time_bare_forward(systems.runner.model, result.decode_inputs, systems.device)
+    hf_baseline.time_per_output_token(systems.hf_model, warm[0], systems.device)
+
+
+def _batch1_tandem(systems: Systems, single: list[BenchRequest], show_progress: bool) -> tuple[float, float, float]:
+    """(TPOT = mean decode step, median decode step, median bare forward), in seconds."""
+    result = run_tandem(systems.llm, single, desc="tandem batch 1", record_inputs=True, show_progress=show_progress)
+    bare = time_bare_forward(systems.runner.model, result.decode_inputs, systems.device)
+    return statistics.fmean(result.decode_step_s), statistics.median(result.decode_step_s), statistics.median(bare)
+
+
+def _sweep_point(systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool) -> tuple[float, float]:
+    """(median decode step, median bare forward on the same steps), in seconds."""
+    result = run_tandem(systems.llm, requests, desc=desc, record_inputs=True, show_progress=show_progress)
+    bare = time_bare_forward(systems.runner.model, result.decode_inputs, systems.device)
+    return median_or_nan(result.decode_step_s), median_or_nan(bare)
+
+
+def _figures(shape: LatencyShape, systems: Systems, runs: list[_Repeat], opts: BenchOptions) -> Figures:
+    cost = systems.cost
+    median = statistics.median
+    ctx = shape.prompt_len + shape.output_len / 2  # mean keys attended over the decode steps
+    step_bytes = cost.decode_step_bytes(1, ctx)
+    fig: Figures = {
+        "benchmark": "latency", "model": systems.model_dir, "device": str(systems.device),
+        "dtype": str(systems.dtype).removeprefix("torch."), "quick": opts.quick, "repeats": len(runs),
+        "prompt_len": shape.prompt_len, "output_len": shape.output_len,
+        "sweep_prompt_len": shape.sweep_prompt_len, "sweep_output_len": shape.sweep_output_len,
+        "copy_bandwidth_bytes_s": median(r.copy_bw for r in runs),
+        "gemv_read_bandwidth_bytes_s": median(r.gemv_bw for r in runs),
+        "peak_matmul_flops": median(r.peak_flops for r in runs),
+        "weight_bytes": cost.weight_bytes, "kv_bytes_per_token": cost.kv_bytes_per_token,
+        "decode_step_bytes_b1": step_bytes,
+        "tpot_tandem_ms": median(r.tpot_tandem for r in runs) * 1e3,
+        "tpot_hf_ms": median(r.tpot_hf for r in runs) * 1e3,
+        "tpot_ratio_vs_hf": median(r.tpot_tandem / r.tpot_hf for r in runs),
+        "mbu": median(step_bytes / r.tpot_tandem / r.copy_bw for r in runs),
+        "mbu_vs_gemv_read": median(step_bytes / r.tpot_tandem / r.gemv_bw for r in runs),
+        "hf_mbu": median(step_bytes / r.tpot_hf / r.copy_bw for r in runs),
+        "engine_step_ms": median(r.engine_step for r in runs) * 1e3,
+        "bare_forward_ms": median(r.bare_forward for r in runs) * 1e3,
+        "engine_overhead": median(r.engine_step / r.bare_forward for r in runs),
+    }
+    sweep_ctx = shape.sweep_prompt_len + shape.sweep_output_len / 2
+    compute_bound_from = None
+    for b in shape.sweep_batches:
+        step = median(r.sweep_step[b] for r in runs)
+        fig[f"sweep_b{b}_tpot_ms"] = step * 1e3
+        fig[f"sweep_b{b}_tok_s"] = b / step
+        fig[f"sweep_b{b}_mfu"] = median(cost.decode_step_flops(b, sweep_ctx) / r.sweep_step[b] / r.peak_flops
+                                        for r in runs)
+        fig[f"sweep_b{b}_mbu"] = median(cost.decode_step_bytes(b, sweep_ctx) / r.sweep_step[b] / r.copy_bw
+                                        for r in runs)
+        fig[f"sweep_b{b}_engine_overhead"] = median(r.sweep_step[b] / r.sweep_bare[b] for r in runs)
+        if compute_bound_from is None and fig[f"sweep_b{b}_mfu"] >= fig[f"sweep_b{b}_mbu"]:
+            compute_bound_from = b
+    fig["compute_bound_from_batch"] = compute_bound_from
+    fig["roofline_crossover_batch"] = cost.roofline_crossover_batch(
+        sweep_ctx, fig["peak_matmul_flops"], fig["copy_bandwidth_bytes_s"])
+    return fig
+
+
+def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
+    rows = [
+        ("tpot_tandem_ms", fig["tpot_tandem_ms"], "ms"),
+        ("tpot_hf_ms", fig["tpot_hf_ms"], "ms"),
+        ("tpot_ratio_vs_hf", fig["tpot_ratio_vs_hf"], "x"),
+        ("copy_bandwidth_bytes_s", fig["copy_bandwidth_bytes_s"] / 1e9, "GB/s (read+write)"),
+        ("gemv_read_bandwidth_bytes_s", fig["gemv_read_bandwidth_bytes_s"] / 1e9, "GB/s"),
+        ("mbu", fig["mbu"], "vs copy"),
+        ("mbu_vs_gemv_read", fig["mbu_vs_gemv_read"], "vs GEMV read"),
+        ("hf_mbu", fig["hf_mbu"], "vs copy"),
+        ("engine_step_ms", fig["engine_step_ms"], "ms"),
+        ("bare_forward_ms", fig["bare_forward_ms"], "ms"),
+        ("engine_overhead", fig["engine_overhead"], "x"),
+        ("peak_matmul_flops", fig["peak_matmul_flops"] / 1e9, "GFLOP/s"),
+    ]
+    for b in sweep_batches(fig):
+        rows.append((f"sweep_b{b}", f"{fig[f'sweep_b{b}_tpot_ms']:.2f} ms  {fig[f'sweep_b{b}_tok_s']:.0f} tok/s",
+                     f"MFU {fig[f'sweep_b{b}_mfu']:.2f} MBU {fig[f'sweep_b{b}_mbu']:.2f} "
+                     f"overhead {fig[f'sweep_b{b}_engine_overhead']:.2f}"))
+    rows.append(("compute_bound_from_batch", fig["compute_bound_from_batch"], "measured (MFU >= MBU)"))
+    rows.append(("roofline_crossover_batch", fig["roofline_crossover_batch"], "predicted by the probes"))
+    return rows
+
+
+def title(fig: Figures) -> str:
+    return (f"tandem bench latency: batch 1, prompt {fig['prompt_len']}, {fig['output_len']} output tokens; "
+            f"sweep prompt {fig['sweep_prompt_len']}, {fig['sweep_output_len']} tokens; {fig['device']} "
+            f"{fig['dtype']}; median of {fig['repeats']} repeats")

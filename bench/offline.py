@@ -1,0 +1,133 @@
+"""`tandem bench offline`: one seeded request set through tandem and two transformers baselines.
+
+Systems: (a) tandem's engine, all requests submitted at once; (b) `transformers` static
+batching (batch 16, left padding); (c) `transformers` one request at a time. Each repeat runs
+all three, in an order rotated per repeat, plus the matmul probe; every figure is the median
+over repeats, and each ratio is the median of the per-repeat (paired) ratios. A transformers
+run's time is the sum of its `generate` calls' times (each call guarded against CPU
+contention on its own); tandem's is one continuous run.
+
+MFU = model FLOPs of the request set (see `model_cost`) / elapsed seconds / the probe's
+matmul FLOP/s. tandem's MFU is the headline `mfu`; all requests are in flight together, so
+apart from the last requests' tail the engine runs saturated.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tandem.bench import hf_baseline
+from tandem.bench.hardware import matmul_flops
+from tandem.bench.report import Figures
+from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
+from tandem.bench.tandem_runs import run_tandem
+from tandem.bench.workload import (OFFLINE_FULL, OFFLINE_QUICK, BenchRequest, WorkloadSpec, make_workload,
+                                   num_output_tokens, num_prompt_tokens)
+
+SYSTEMS = ("tandem", "hf_static", "hf_sequential")
+_WARMUP = WorkloadSpec(num_requests=2, prompt_len=(16, 24), output_len=(4, 4), seed=99)
+
+
+def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None) -> Figures:
+    spec = spec or (OFFLINE_QUICK if opts.quick else OFFLINE_FULL)
+    repeats = opts.num_repeats(default_full=3, default_quick=2)
+    model_dir = resolve_model_dir(opts)
+    vocab = vocab_size_of(model_dir)
+    requests = make_workload(spec, vocab)
+    systems = load_systems(opts, [requests])
+    warmup = make_workload(_WARMUP, vocab)
+    for name in SYSTEMS:
+        _run_system(name, systems, warmup, "warm-up", show_progress=False)
+
+    results: dict[str, list] = {name: [] for name in SYSTEMS}
+    peaks: list[float] = []
+    log = opts.contention_log()
+    tasks = tqdm(total=repeats * (len(SYSTEMS) + 1), desc="offline", unit="run", disable=not opts.show_progress)
+    for rep in range(repeats):
+        tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: matmul probe")
+        peaks.append(log.run(lambda: matmul_flops(systems.device, systems.dtype), systems.device))
+        tasks.update(1)
+        for name in SYSTEMS[rep % 3:] + SYSTEMS[:rep % 3]:  # rotate the order per repeat
+            tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: {name}")
+            results[name].append(_run_system(name, systems, requests, name, opts.show_progress,
+                                             guard=lambda fn: log.run(fn, systems.device)))
+            tasks.update(1)
+    tasks.close()
+    fig = _figures(spec, requests, systems, results, peaks, opts, repeats)
+    fig.update(log.figures())
+    return fig
+
+
+def _run_system(name: str, systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool,
+                guard: Callable[[Callable[[], Any]], Any] | None = None) -> Any:
+    """One run of `requests` on one system. `guard` (a ContentionLog's run) wraps the whole tandem
+    run, but each transformers call separately: their runs are sums of independent calls."""
+    guard = guard or (lambda fn: fn())
+    if name == "tandem":
+        return guard(lambda: run_tandem(systems.llm, requests, desc=desc, show_progress=show_progress))
+    if name == "hf_static":
+        return hf_baseline.run_static(systems.hf_model, requests, systems.device, desc=desc,
+                                      show_progress=show_progress, guard=guard)
+    return hf_baseline.run_sequential(systems.hf_model, requests, systems.device, desc=desc,
+                                      show_progress=show_progress, guard=guard)
+
+
+def _figures(spec: WorkloadSpec, requests: list[BenchRequest], systems: Systems, results: dict[str, list],
+             peaks: list[float], opts: BenchOptions, repeats: int) -> Figures:
+    cost = systems.cost
+    flops = sum(cost.request_flops(len(r.prompt_token_ids), r.output_len) for r in requests)
+    flops_all_logits = sum(cost.request_flops(len(r.prompt_token_ids), r.output_len, lm_head_every_token=True)
+                           for r in requests)
+    median = statistics.median
+    fig: Figures = {
+        "benchmark": "offline", "model": systems.model_dir, "device": str(systems.device),
+        "dtype": str(systems.dtype).removeprefix("torch."), "quick": opts.quick, "repeats": repeats,
+        "num_requests": len(requests), "num_prompt_tokens": num_prompt_tokens(requests),
+        "num_output_tokens": num_output_tokens(requests),
+        "prompt_len_min": spec.prompt_len[0], "prompt_len_max": spec.prompt_len[1],
+        "output_len_min": spec.output_len[0], "output_len_max": spec.output_len[1], "workload_seed": spec.seed,
+        "hf_static_batch_size": hf_baseline.STATIC_BATCH_SIZE,
+        "model_flops": flops, "peak_matmul_flops": median(peaks),
+        "non_embedding_params": cost.non_embedding_params, "lm_head_params": cost.lm_head_params,
+    }
+    for name in SYSTEMS:
+        runs = results[name]
+        fig[f"{name}_output_tok_s"] = median(r.tokens_per_s for r in runs)
+        fig[f"{name}_output_tok_s_repeats"] = [r.tokens_per_s for r in runs]
+        fig[f"{name}_elapsed_s"] = median(r.elapsed_s for r in runs)
+        fig[f"{name}_mfu"] = median(flops / r.elapsed_s / p for r, p in zip(runs, peaks))
+    fig["mfu"] = fig["tandem_mfu"]
+    fig["mfu_lm_head_every_token"] = median(flops_all_logits / r.elapsed_s / p
+                                            for r, p in zip(results["tandem"], peaks))
+    for name in ("hf_static", "hf_sequential"):
+        fig[f"throughput_ratio_vs_{name}"] = median(
+            t.tokens_per_s / b.tokens_per_s for t, b in zip(results["tandem"], results[name]))
+    generated = results["hf_static"][0].num_generated_tokens
+    fig["hf_static_generated_tokens"] = generated
+    fig["hf_static_useful_fraction"] = num_output_tokens(requests) / generated
+    return fig
+
+
+def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
+    return [
+        ("tandem_output_tok_s", fig["tandem_output_tok_s"], "tok/s"),
+        ("hf_static_output_tok_s", fig["hf_static_output_tok_s"], "tok/s"),
+        ("hf_sequential_output_tok_s", fig["hf_sequential_output_tok_s"], "tok/s"),
+        ("throughput_ratio_vs_hf_static", fig["throughput_ratio_vs_hf_static"], "x"),
+        ("throughput_ratio_vs_hf_sequential", fig["throughput_ratio_vs_hf_sequential"], "x"),
+        ("peak_matmul_flops", fig["peak_matmul_flops"] / 1e9, "GFLOP/s"),
+        ("mfu", fig["mfu"], "tandem"),
+        ("hf_static_mfu", fig["hf_static_mfu"], ""),
+        ("hf_sequential_mfu", fig["hf_sequential_mfu"], ""),
+        ("hf_static_useful_fraction", fig["hf_static_useful_fraction"], "of generated tokens"),
+    ]
+
+
+def title(fig: Figures) -> str:
+    return (f"tandem bench offline: {fig['num_requests']} requests, prompts {fig['prompt_len_min']}-"
+            f"{fig['prompt_len_max']}, outputs {fig['output_len_min']}-{fig['output_len_max']} tokens; "
+            f"{fig['device']} {fig['dtype']}; median of {fig['repeats']} repeats")

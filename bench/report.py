@@ -1,0 +1,163 @@
+"""Presenting a benchmark's figures: a table on stdout, one flat JSON object, PNG plots.
+
+Figures are one flat dict of named numbers (plus a few strings naming the set-up). The names
+are an interface: later issues read them and add their own. Plots are drawn from that dict
+alone, so a JSON file can be re-plotted without re-running anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+# The issue's targets (2-core CPU, built-in benchmark model, float32, TP = 1).
+TARGETS: dict[str, tuple[str, float]] = {
+    "throughput_ratio_vs_hf_static": (">=", 3.0),
+    "throughput_ratio_vs_hf_sequential": (">=", 8.0),
+    "mfu": (">=", 0.5),
+    "tpot_ratio_vs_hf": ("<=", 1.0),
+    "mbu": (">=", 0.6),
+    "engine_overhead": ("<=", 1.15),
+}
+
+Figures = dict[str, Any]
+
+
+def meets_target(name: str, value: float) -> bool | None:
+    if name not in TARGETS or value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    op, bound = TARGETS[name]
+    return value >= bound if op == ">=" else value <= bound
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if math.isnan(value) or math.isinf(value):
+        return str(value)
+    magnitude = abs(value)
+    if magnitude >= 1e9:
+        return f"{value:.3g}"
+    if magnitude >= 100:
+        return f"{value:,.1f}"
+    return f"{value:.3f}"
+
+
+def print_table(title: str, rows: list[tuple[str, Any, str]], file: Any = None) -> None:
+    """rows: (name, value, unit). Rows with a target get a target column and PASS/FAIL."""
+    lines = []
+    for name, value, unit in rows:
+        target = ""
+        if name in TARGETS:
+            op, bound = TARGETS[name]
+            ok = meets_target(name, value)
+            target = f"{op} {bound:g}  " + ("PASS" if ok else "FAIL" if ok is False else "-")
+        lines.append((name, format_value(value), unit, target))
+    widths = [max(len(row[i]) for row in lines + [("figure", "value", "unit", "target")]) for i in range(4)]
+    rule = "-" * (sum(widths) + 6)
+    out = [title, rule, _row(("figure", "value", "unit", "target"), widths), rule]
+    out += [_row(row, widths) for row in lines]
+    out.append(rule)
+    print("\n".join(out), file=file, flush=True)
+
+
+def _row(cells: tuple[str, str, str, str], widths: list[int]) -> str:
+    name, value, unit, target = cells
+    return f"{name:<{widths[0]}}  {value:>{widths[1]}}  {unit:<{widths[2]}}  {target}".rstrip()
+
+
+def write_json(path: str, figures: Figures) -> None:
+    """One flat JSON object; NaN/inf become null so any JSON reader can load it."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in figures.items()}
+    assert all(not isinstance(v, dict) for v in clean.values()), "figures must stay flat"
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(clean, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+# ---- plots -------------------------------------------------------------------------------------
+def _pyplot() -> Any:
+    import matplotlib
+    matplotlib.use("Agg")  # files only: works with no display, and in threads
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_offline(path: str, figures: Figures) -> None:
+    """Output tokens/s per system, each bar labelled with tandem's ratio over it."""
+    plt = _pyplot()
+    systems = [("tandem", "tandem"), ("hf_static", "transformers\nstatic batch 16"),
+               ("hf_sequential", "transformers\none at a time")]
+    values = [figures[f"{key}_output_tok_s"] for key, _ in systems]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bars = ax.bar([label for _, label in systems], values, color=["tab:blue", "tab:orange", "tab:gray"])
+    for bar, (key, _) in zip(bars, systems):
+        ratio = figures["tandem_output_tok_s"] / figures[f"{key}_output_tok_s"]
+        ax.annotate(f"{bar.get_height():,.0f} tok/s\n(tandem {ratio:.2f}x)", (bar.get_x() + bar.get_width() / 2,
+                    bar.get_height()), ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("output tokens / s (median of repeats)")
+    ax.set_ylim(0, max(values) * 1.25)
+    ax.set_title(f"Offline throughput, {figures['num_requests']} requests "
+                 f"({figures['device']}, {figures['dtype']}; MFU {figures['mfu']:.2f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def sweep_batches(figures: Figures) -> list[int]:
+    return sorted(int(k[len("sweep_b"):-len("_tpot_ms")]) for k in figures
+                  if k.startswith("sweep_b") and k.endswith("_tpot_ms"))
+
+
+def plot_latency(path: str, figures: Figures) -> None:
+    """Three panels: batch-1 TPOT; throughput against TPOT over the batch sweep; MFU/MBU by batch."""
+    plt = _pyplot()
+    batches = sweep_batches(figures)
+    tpot = [figures[f"sweep_b{b}_tpot_ms"] for b in batches]
+    tok_s = [figures[f"sweep_b{b}_tok_s"] for b in batches]
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [1, 1.6, 1.6]})
+
+    names = ["tandem\nengine step", "tandem\nbare forward", "transformers\ngenerate"]
+    values = [figures["tpot_tandem_ms"], figures["bare_forward_ms"], figures["tpot_hf_ms"]]
+    bars = ax0.bar(names, values, color=["tab:blue", "tab:cyan", "tab:orange"])
+    for bar in bars:
+        ax0.annotate(f"{bar.get_height():.2f} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                     ha="center", va="bottom", fontsize=9)
+    ax0.set_ylabel("ms per output token (batch 1)")
+    ax0.set_title(f"Batch-1 TPOT: ratio {figures['tpot_ratio_vs_hf']:.2f}, overhead "
+                  f"{figures['engine_overhead']:.2f}", fontsize=10)
+
+    knee = figures.get("compute_bound_from_batch")
+    ax1.plot(tpot, tok_s, "o-", color="tab:blue")
+    for b, x, y in zip(batches, tpot, tok_s):
+        ax1.annotate(f"B={b}", (x, y), textcoords="offset points", xytext=(4, -12), fontsize=8)
+        if b == knee:
+            ax1.plot([x], [y], "r*", markersize=16, label=f"compute-bound from B={b}")
+    ax1.set_xlabel("time per output token (ms)")
+    ax1.set_ylabel("output tokens / s")
+    ax1.set_title("Decode throughput against latency as the batch grows", fontsize=10)
+    if knee is not None:
+        ax1.legend(loc="lower right", fontsize=8)
+
+    ax2.plot(batches, [figures[f"sweep_b{b}_mbu"] for b in batches], "s-", label="MBU (copy bandwidth)")
+    ax2.plot(batches, [figures[f"sweep_b{b}_mfu"] for b in batches], "o-", label="MFU (matmul FLOP/s)")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(batches, [str(b) for b in batches])
+    ax2.set_xlabel("batch size (requests decoding together)")
+    ax2.set_ylabel("utilisation")
+    if knee is not None:
+        ax2.axvline(knee, color="red", linestyle="--", label=f"measured: compute-bound from B={knee}")
+    roof = figures.get("roofline_crossover_batch")
+    if roof is not None and math.isfinite(roof):
+        ax2.axvline(roof, color="gray", linestyle=":", label=f"roofline ridge at B={roof:g}")
+    ax2.legend(fontsize=8)
+    ax2.set_title("Memory-bound (MBU > MFU) turning compute-bound", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

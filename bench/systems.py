@@ -1,0 +1,122 @@
+"""The systems a benchmark compares, loaded once per run: tandem's engine and transformers.
+
+Both run the same checkpoint in the same dtype on the same device, in this process, with the
+same torch thread count, so the ratios compare engines and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tandem.bench.hardware import ContentionLog
+from tandem.bench.model_cost import ModelCost
+from tandem.bench.workload import BenchRequest
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str | None = None  # None = the built-in benchmark model
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    quick: bool = False
+    repeats: int | None = None  # None = the subcommand's default
+    engine_options: dict[str, Any] = field(default_factory=dict)  # extra tandem engine options
+    show_progress: bool = True
+    idle_wait_s: float = 60.0  # CPU: wait up to this for other processes to go quiet; 0 = never redo
+
+    def __post_init__(self) -> None:
+        if self.repeats is not None and self.repeats < 1:
+            raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
+        if self.idle_wait_s < 0:
+            raise ValueError(f"idle_wait: must be >= 0 seconds, got {self.idle_wait_s}")
+
+    def contention_log(self) -> ContentionLog:
+        return ContentionLog(max_wait_s=self.idle_wait_s, max_attempts=3 if self.idle_wait_s > 0 else 1)
+
+    def num_repeats(self, default_full: int, default_quick: int) -> int:
+        if self.repeats is not None:
+            return self.repeats
+        return default_quick if self.quick else default_full
+
+
+@dataclass
+class Systems:
+    llm: Any  # tandem.workers.llm.LLM
+    hf_model: Any  # transformers PreTrainedModel, eval mode
+    cost: ModelCost
+    model_dir: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def runner(self) -> Any:
+        return self.llm.engine.executor.runner
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.engine.hf_config.vocab_size
+
+
+def resolve_device(option: str) -> torch.device:
+    from tandem.workers.executor import pick_device
+    return pick_device(option)
+
+
+def resolve_dtype(option: str, device: torch.device) -> str:
+    """The issue's convention: float32 on CPU, bfloat16 on a GPU, unless asked otherwise."""
+    if option != "auto":
+        return option
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def load_systems(opts: BenchOptions, max_kv_tokens: list[list[BenchRequest]]) -> Systems:
+    """Load tandem (KV cache sized for the largest request set in `max_kv_tokens`) and transformers.
+
+    On CPU the KV cache gets room for every request of the largest set at once, so the
+    benchmark measures batching, not preemption; `--kv-cache-memory` overrides that.
+    """
+    from tandem.workers.llm import LLM
+    from tandem.workers.models.hf_config import HFModelConfig
+
+    model_dir = resolve_model_dir(opts)
+    device = resolve_device(opts.device)
+    dtype_name = resolve_dtype(opts.dtype, device)
+    options = dict(opts.engine_options)
+    options.update(model=model_dir, dtype=dtype_name, device=device.type)
+    if device.type == "cpu" and "kv_cache_memory" not in options and "num_kv_blocks" not in options:
+        hf_config = HFModelConfig.from_dir(model_dir)
+        dtype = hf_config.resolve_dtype(dtype_name, device)
+        options["kv_cache_memory"] = _kv_bytes_for(max_kv_tokens, hf_config, dtype,
+                                                   options.get("block_size", 16))
+    llm = LLM(**options)
+    runner = llm.engine.executor.runner
+    cost = ModelCost.from_tandem_model(runner.model, runner.dtype.itemsize)
+    hf_model = load_hf_model(model_dir, runner.dtype, runner.device)
+    return Systems(llm, hf_model, cost, model_dir, runner.device, runner.dtype)
+
+
+def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device).eval()
+
+
+def _kv_bytes_for(request_sets: list[list[BenchRequest]], hf_config: Any, dtype: torch.dtype,
+                  block_size: int) -> int:
+    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * hf_config.head_dim * dtype.itemsize
+    tokens = max(sum(-(-(len(r.prompt_token_ids) + r.output_len) // block_size) + 1 for r in requests)
+                 for requests in request_sets) * block_size
+    return max(int(tokens * per_token * 1.1), 64 << 20)
+
+
+def resolve_model_dir(opts: BenchOptions) -> str:
+    from tandem.workers.demo_model import bench_model_path
+    return opts.model or bench_model_path()
+
+
+def vocab_size_of(model_dir: str) -> int:
+    from tandem.workers.models.hf_config import HFModelConfig
+    return HFModelConfig.from_dir(model_dir).vocab_size

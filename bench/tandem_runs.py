@@ -1,0 +1,131 @@
+"""Driving tandem's engine for a benchmark, and timing its bare forward pass.
+
+`run_tandem` feeds a request set to `GroupEngine` and steps it to the end, timing every
+`engine.step()`: that is everything a user pays per step (scheduling, input tensors,
+forward, logits, sampling, detokenisation and output building).
+
+Engine overhead compares that step time with the model alone on the very same inputs: while
+the engine runs, the `StepInputs` its runner prepared for each pure-decode step are kept;
+afterwards `time_bare_forward` replays them as `model(input_ids, positions, meta)` plus
+`compute_logits` and nothing else. Timing `runner.execute` instead would leave the scheduler
+and output processing out of the numerator, which is the overhead we want to see.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from tandem.bench.hardware import sync
+from tandem.bench.workload import BenchRequest
+from tandem.workers.request import SamplingParams
+
+_run_ids = itertools.count()
+
+
+@dataclass
+class TandemRun:
+    elapsed_s: float
+    num_output_tokens: int
+    decode_step_s: list[float] = field(default_factory=list)  # steps where every request decoded
+    decode_inputs: list[Any] = field(default_factory=list)  # StepInputs of those steps (if recorded)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s
+
+
+class _StepCapture:
+    """Wraps the runner's prepare_inputs on this instance to see each step's inputs."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.last: Any = None
+
+    def __enter__(self) -> "_StepCapture":
+        inner = self.runner.prepare_inputs
+
+        def prepare_inputs(out: Any) -> Any:
+            self.last = inner(out)
+            return self.last
+
+        self.runner.prepare_inputs = prepare_inputs
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.runner.prepare_inputs  # back to the class's method
+
+
+def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", record_inputs: bool = False,
+               show_progress: bool = True) -> TandemRun:
+    """Run `requests` greedily with ignore_eos to their exact output lengths."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests(), "the engine must be idle"
+    engine.pool.reset_prefix_cache()  # repeats of a request set must not hit each other's prefixes
+    run = next(_run_ids)
+    ids = [f"bench{run}-{i}" for i in range(len(requests))]
+    produced = dict.fromkeys(ids, 0)
+    bar = tqdm(total=sum(r.output_len for r in requests), desc=desc, unit="tok", leave=False,
+               disable=not show_progress)
+    result = TandemRun(0.0, 0)
+    with _StepCapture(engine.executor.runner) as capture:
+        start = time.perf_counter()
+        for request_id, req in zip(ids, requests):
+            params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+            engine.add_request(request_id, {"prompt_token_ids": req.prompt_token_ids}, params)
+        while engine.has_unfinished_requests():
+            capture.last = None
+            step_start = time.perf_counter()
+            outputs = engine.step()
+            step_s = time.perf_counter() - step_start
+            new = 0
+            for out in outputs:
+                num = len(out.outputs[0].token_ids)
+                new += num - produced[out.request_id]
+                produced[out.request_id] = num
+            bar.update(new)
+            inputs = capture.last
+            if inputs is not None and not inputs.meta.prefills and inputs.meta.num_decodes == len(requests):
+                result.decode_step_s.append(step_s)
+                if record_inputs:
+                    result.decode_inputs.append(inputs)
+        result.elapsed_s = time.perf_counter() - start
+    bar.close()
+    for request_id, req in zip(ids, requests):
+        assert produced[request_id] == req.output_len, (
+            f"{request_id}: {produced[request_id]} tokens, asked for {req.output_len}")
+    result.num_output_tokens = sum(produced.values())
+    return result
+
+
+@torch.inference_mode()
+def time_bare_forward(model: Any, inputs: list[Any], device: torch.device) -> list[float]:
+    """Seconds of `model(...)` + `compute_logits` on each recorded step's inputs.
+
+    The per-step masks cached on the metadata are cleared first: building them is part of
+    the forward pass the engine paid for. Replaying writes each step's K/V into the slots it
+    wrote before (freed blocks by now), which changes nothing any request will read.
+    """
+    times = []
+    for step in inputs:
+        meta = step.meta
+        meta.decode_masks.clear()
+        for seq in meta.prefills:
+            seq.masks.clear()
+        sync(device)
+        start = time.perf_counter()
+        hidden = model(step.input_ids, step.positions, meta)
+        model.compute_logits(hidden)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median_or_nan(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")

@@ -1,0 +1,207 @@
+"""`tandem bench serve` against a fake OpenAI streaming server: metrics math, requests sent, outputs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import threading
+
+import pytest
+from aiohttp import web
+
+from tandem.bench import report
+from tandem.bench import serve as bench_serve
+from tandem.bench.serve import LoadLevel, RequestRecord, arrival_offsets, run_serve_bench, summarize
+from tandem.bench.workload import BenchRequest, WorkloadSpec, make_workload
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FIRST_TOKEN_S = 0.08  # the fake server's time to first token
+TOKEN_GAP_S = 0.02  # and between tokens
+SPEC = WorkloadSpec(num_requests=6, prompt_len=(4, 9), output_len=(3, 5), seed=1)
+
+
+class FakeOpenAIServer:
+    """/v1/completions streaming one chunk per token at fixed delays, then usage; /v1/models."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.fail_prompt_len: int | None = None  # prompts of this length get a 400
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        assert self._ready.wait(10), "fake server did not start"
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        runner = web.AppRunner(app)
+        self._loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.port = runner.addresses[0][1]
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if len(body["prompt"]) == self.fail_prompt_len:
+            return web.json_response({"error": {"message": "prompt: too long", "type": "invalid_request_error"}},
+                                     status=400)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(FIRST_TOKEN_S if i == 0 else TOKEN_GAP_S)
+            last = i == body["max_tokens"] - 1
+            chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": "length" if last else None}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"],
+                 "total_tokens": len(body["prompt"]) + body["max_tokens"]}
+        await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+
+@pytest.fixture
+def fake_server():
+    server = FakeOpenAIServer()
+    with server as url:
+        yield server, url
+
+
+# ---- pure math ------------------------------------------------------------------------------------
+def test_summarize_exact() -> None:
+    records = [
+        RequestRecord(ok=True, ttft_s=0.1, e2e_s=0.4, itl_s=[0.1, 0.2], num_prompt_tokens=10, num_output_tokens=3),
+        RequestRecord(ok=True, ttft_s=0.3, e2e_s=0.3, itl_s=[], num_prompt_tokens=5, num_output_tokens=1),
+        RequestRecord(ok=False, error="HTTP 503: busy"),
+    ]
+    assert records[0].tpot_s == pytest.approx(0.15) and records[1].tpot_s == 0.0
+    f = summarize("rate2", records, duration_s=2.0, slo_ttft_ms=200.0, slo_tpot_ms=200.0)
+    assert f["rate2_num_completed"] == 2 and f["rate2_num_failed"] == 1
+    assert f["rate2_first_error"] == "HTTP 503: busy"
+    assert f["rate2_request_throughput"] == pytest.approx(1.0)
+    assert f["rate2_output_tok_s"] == pytest.approx(2.0)  # 4 tokens / 2 s
+    assert f["rate2_total_tok_s"] == pytest.approx(9.5)  # (15 + 4) / 2 s
+    assert f["rate2_ttft_p50_ms"] == pytest.approx(200.0) and f["rate2_ttft_mean_ms"] == pytest.approx(200.0)
+    assert f["rate2_ttft_p99_ms"] == pytest.approx(298.0)  # linear interpolation between 100 and 300
+    assert f["rate2_tpot_p50_ms"] == pytest.approx(150.0)  # single-token outputs have no TPOT
+    assert f["rate2_itl_p50_ms"] == pytest.approx(150.0) and f["rate2_itl_p90_ms"] == pytest.approx(190.0)
+    assert f["rate2_e2e_p90_ms"] == pytest.approx(390.0)
+    # Only the first request meets TTFT <= 200 ms (the second's 300 ms does not); the failed one counts as missed.
+    assert f["rate2_goodput_req_s"] == pytest.approx(0.5)
+    assert f["rate2_slo_attainment"] == pytest.approx(1 / 3)
+
+
+def test_summarize_with_no_successes_gives_nan_latencies() -> None:
+    f = summarize("conc4", [RequestRecord(error="x")], duration_s=1.0, slo_ttft_ms=1.0, slo_tpot_ms=1.0)
+    assert math.isnan(f["conc4_ttft_p50_ms"]) and f["conc4_output_tok_s"] == 0.0 and f["conc4_num_failed"] == 1
+
+
+def test_arrivals_are_seeded_poisson() -> None:
+    offsets = arrival_offsets(2000, rate=4.0, seed=3)
+    assert offsets == arrival_offsets(2000, rate=4.0, seed=3) != arrival_offsets(2000, rate=4.0, seed=4)
+    assert offsets[0] == 0.0 and all(b >= a for a, b in zip(offsets, offsets[1:]))
+    assert offsets[-1] / 1999 == pytest.approx(0.25, rel=0.1)  # mean gap 1 / rate
+    assert arrival_offsets(3, rate=math.inf, seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_level_keys() -> None:
+    assert [LoadLevel(rate=r).key for r in (2.0, 0.5, math.inf)] == ["rate2", "rate0p5", "rateinf"]
+    assert LoadLevel(concurrency=8).key == "conc8"
+
+
+# ---- against the fake server -------------------------------------------------------------------------
+def test_run_serve_bench_measures_the_fake_server(fake_server, tmp_path) -> None:
+    server, url = fake_server
+    figures = run_serve_bench(url + "/v1/", True, spec=SPEC, request_rates=[50.0, math.inf], vocab_size=100,
+                              slo_ttft_ms=1000.0, slo_tpot_ms=1000.0, show_progress=False)
+    assert figures["model"] == "fake-model" and figures["load_levels"] == "rate50,rateinf"
+    bodies = server.bodies[2:]  # after two warm-up requests
+    assert len(bodies) == 2 * SPEC.num_requests
+    for body in bodies:
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["ignore_eos"] is True and body["temperature"] == 0.0 and body["model"] == "fake-model"
+        assert 4 <= len(body["prompt"]) <= 9 and all(5 <= t < 100 for t in body["prompt"])
+        assert 3 <= body["max_tokens"] <= 5
+    # Level i sends the request set of seed SPEC.seed + i (no prefix-cache hits across levels).
+    for i, level_bodies in enumerate((bodies[:6], bodies[6:])):
+        expected = make_workload(WorkloadSpec(6, (4, 9), (3, 5), seed=SPEC.seed + i), vocab_size=100)
+        assert sorted((b["prompt"], b["max_tokens"]) for b in level_bodies) == sorted(
+            (r.prompt_token_ids, r.output_len) for r in expected)
+    for key in ("rate50", "rateinf"):
+        assert figures[f"{key}_num_completed"] == SPEC.num_requests and figures[f"{key}_num_failed"] == 0
+        # The server's delays are lower bounds; the upper bounds leave room for a busy CI machine
+        # (chunks sent apart can arrive together, so single gaps may be short, never the sums).
+        assert FIRST_TOKEN_S * 1000 <= figures[f"{key}_ttft_p50_ms"] < FIRST_TOKEN_S * 1000 + 500
+        assert figures[f"{key}_e2e_p50_ms"] >= (FIRST_TOKEN_S + 2 * TOKEN_GAP_S) * 1000
+        assert figures[f"{key}_e2e_p99_ms"] >= (FIRST_TOKEN_S + 4 * TOKEN_GAP_S) * 1000
+        assert 0 < figures[f"{key}_itl_p50_ms"] < TOKEN_GAP_S * 1000 + 300
+        assert 0 < figures[f"{key}_tpot_p50_ms"] < TOKEN_GAP_S * 1000 + 300
+        assert figures[f"{key}_ttft_p50_ms"] <= figures[f"{key}_ttft_p90_ms"] <= figures[f"{key}_ttft_p99_ms"]
+        duration = figures[f"{key}_duration_s"]
+        num_output = sum(b["max_tokens"] for b in (bodies[:6] if key == "rate50" else bodies[6:]))
+        assert figures[f"{key}_output_tok_s"] == pytest.approx(num_output / duration)
+        assert figures[f"{key}_goodput_req_s"] == pytest.approx(SPEC.num_requests / duration)
+
+    path = tmp_path / "serve.json"
+    report.write_json(str(path), figures)
+    loaded = json.loads(path.read_text())
+    assert all(not isinstance(v, (dict, list)) for v in loaded.values())
+    for key in ("rate50", "rateinf"):
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            for p in (50, 90, 99):
+                assert f"{key}_{metric}_p{p}_ms" in loaded
+        for name in ("request_throughput", "output_tok_s", "total_tok_s", "goodput_req_s", "duration_s"):
+            assert f"{key}_{name}" in loaded
+    for name in ("slo_ttft_ms", "slo_tpot_ms", "num_requests", "url", "model"):
+        assert name in loaded
+    bench_serve.plot_serve(str(tmp_path / "serve.png"), loaded)
+    assert (tmp_path / "serve.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_fixed_concurrency_and_failures(fake_server, capsys) -> None:
+    server, url = fake_server
+    requests = [BenchRequest([7] * 4, 3), BenchRequest([7] * 6, 3), BenchRequest([7] * 4, 3), BenchRequest([7] * 4, 3)]
+    server.fail_prompt_len = 6
+    records, duration = asyncio.run(bench_serve.run_level(url, requests, LoadLevel(concurrency=2), model=None))
+    assert [r.ok for r in records] == [True, False, True, True]
+    assert records[1].error.startswith("HTTP 400") and "too long" in records[1].error
+    assert all("model" not in b for b in server.bodies)
+    # Two in flight: three 3-token requests need two rounds of ~(80 + 2 * 20) ms.
+    assert duration >= 2 * (FIRST_TOKEN_S + 2 * TOKEN_GAP_S)
+    assert records[0].num_output_tokens == 3 and len(records[0].itl_s) == 2
+
+
+def test_cli_hook_parses_and_prints(fake_server, tmp_path, capsys, monkeypatch) -> None:
+    from tandem.router.cli import _add_engine_args
+
+    _, url = fake_server
+    monkeypatch.setattr(bench_serve, "SERVE_FULL", SPEC)  # short outputs: a fast test
+    parser = argparse.ArgumentParser()
+    bench_serve.register_serve(parser.add_subparsers(dest="bench_command"), _add_engine_args)
+    out_json = tmp_path / "out.json"
+    args = parser.parse_args(["serve", "--url", url, "--num-requests", "3", "--concurrency", "1,3",
+                              "--vocab-size", "50", "--output-json", str(out_json)])
+    assert args.func(args) == 0
+    figures = json.loads(out_json.read_text())
+    assert figures["load_levels"] == "conc1,conc3" and figures["num_requests"] == 3
+    assert figures["conc3_num_completed"] == 3
+    printed = capsys.readouterr().out
+    assert "conc1" in printed and "TTFT p50" in printed
