@@ -143,7 +143,8 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         "threads_per_rank": 1,
         "max_abs_diff_serial_vs_overlap": max_diff,
         "t_compute_chunked_ms": round(med["compute_chunked"] * 1e3, 2),
-        "cpu_ms_per_rank": {m: round(statistics.median(c) * 1e3, 2) for m, c in cpu.items()},
+        # Flat keys: --output-json writes one flat object of named figures.
+        **{f"cpu_ms_per_rank_{m}": round(statistics.median(c) * 1e3, 2) for m, c in cpu.items()},
         "model": os.path.basename(spec["model_dir"].rstrip("/")),
     }
 
