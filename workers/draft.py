@@ -131,6 +131,15 @@ class DraftModelCore:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def describe(self) -> dict:
+        """Where this draft runs (node and GPUs when it is a Ray actor), for logs and tests."""
+        import ray
+
+        if not ray.is_initialized():
+            return {"node_id": None, "gpu_ids": [], "device": str(self.runner.device)}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": ray.get_gpu_ids(),
+                "device": str(self.runner.device)}
+
 
 class DraftModelProposer:
     """Engine-side proposer over a DraftModelCore in this process or in a DraftWorker actor."""

@@ -60,6 +60,9 @@ class RayExecutor:
         self.placement_group = None
         self._owns_placement_group = False
         self.worker_info: list[dict[str, Any]] = []
+        self.config = config
+        self.draft_actor = None
+        self.draft_placement: str | None = None
         try:
             self.bundles = self._reserve(config, placement_timeout_s)
             self._start_workers(config, hf_config, model_dir)
@@ -205,6 +208,37 @@ class RayExecutor:
         return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()} | {
             "compiled_graph": self._dag is not None, "num_workers": len(self.workers)}
 
+    # ---- speculative draft ---------------------------------------------------------------------------
+    def place_draft(self, spec: Any) -> Any:
+        """A DraftWorker (a DraftModelCore actor) on a GPU no group uses; where there is none,
+        beside the group's first worker, sharing its device. The choice is logged."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+        from tandem.cluster.placement import spare_gpus
+        from tandem.workers.draft import DraftModelCore
+
+        cfg = self.config
+        spare = spare_gpus() if self.bundles.use_gpu else {}
+        if spare:
+            node = max(spare, key=spare.get)
+            options: dict[str, Any] = dict(num_cpus=0, num_gpus=1,
+                                           scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            self.draft_placement = f"a spare GPU on node {node}"
+        else:
+            first = self.worker_info[0] if self.worker_info else {}
+            options = dict(num_cpus=0, num_gpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=self.bundles.first))
+            if first.get("gpu_ids"):  # see the first worker's GPU without reserving it again
+                options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, first["gpu_ids"]))}}
+            self.draft_placement = "the group's first device (no spare device in the cluster)"
+        logger.info("speculative draft model %s placed on %s", spec.speculative_model, self.draft_placement)
+        self.draft_actor = ray.remote(DraftModelCore).options(**options).remote(
+            spec.speculative_model, spec.num_speculative_tokens, block_size=cfg.cache.block_size,
+            kv_cache_memory=cfg.cache.kv_cache_memory, dtype=cfg.model.dtype, device=cfg.model.device,
+            max_model_len=cfg.model.max_model_len)
+        return self.draft_actor
+
     # ---- shutdown ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._teardown()
@@ -215,7 +249,8 @@ class RayExecutor:
 
         if self._dag is not None and not failed:
             _quiet_teardown(self._dag, logging.WARNING)
-        for w in self.workers:  # kill, not exit: a worker may be blocked in a collective
+        for w in self.workers + ([self.draft_actor] if self.draft_actor is not None else []):
+            # kill, not exit: a worker may be blocked in a collective
             try:
                 ray.kill(w)
             except Exception:  # pragma: no cover - already gone
@@ -224,6 +259,7 @@ class RayExecutor:
             _quiet_teardown(self._dag, logging.CRITICAL)
         self._dag = None
         self.workers = []
+        self.draft_actor = None
         if self.placement_group is not None and self._owns_placement_group:
             try:
                 remove_placement_group(self.placement_group)

@@ -1,0 +1,75 @@
+"""The draft model goes to a GPU no group uses; with none spare it shares the group's first."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.workers.llm import LLM
+from tandem.workers.request import SamplingParams
+from tests.conftest import hf_greedy, mixed_prompts
+
+
+@pytest.fixture(scope="module")
+def three_gpu_node():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    node = cluster.add_node(num_cpus=2, num_gpus=3)
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield node
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _draft_where(llm: LLM) -> dict:
+    import ray
+
+    return ray.get(llm.engine.executor.draft_actor.describe.remote())
+
+
+def test_tp2_group_on_a_three_gpu_node_puts_its_draft_on_the_third_gpu(three_gpu_node, llama_dir: str) -> None:
+    from tandem.cluster.placement import spare_gpus
+
+    prompts = mixed_prompts(seed=51, lengths=(11,))
+    llm = LLM(llama_dir, tensor_parallel_size=2, speculative_model=llama_dir, num_speculative_tokens=2)
+    try:
+        executor = llm.engine.executor
+        assert executor.draft_placement.startswith("a spare GPU on node " + three_gpu_node.node_id)
+        where = _draft_where(llm)  # the actor is up: its GPU is taken
+        assert spare_gpus() == {}  # two GPUs for the group, the third for the draft
+        assert where["node_id"] == three_gpu_node.node_id and len(where["gpu_ids"]) == 1
+        group_gpus = {g for w in executor.worker_info for g in w["gpu_ids"]}
+        assert len(group_gpus) == 2 and set(where["gpu_ids"]).isdisjoint(group_gpus)  # the third GPU
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llama_dir, prompts, 10)
+        assert llm.engine.num_accepted_draft_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_without_a_spare_gpu_the_draft_shares_the_first_device(three_gpu_node, llama_dir: str) -> None:
+    import ray
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    class Occupant:  # another tenant holding the third GPU
+        def ready(self) -> bool:
+            return True
+
+    occupant = Occupant.remote()
+    ray.get(occupant.ready.remote())
+    prompts = mixed_prompts(seed=52, lengths=(8,))
+    llm = LLM(llama_dir, tensor_parallel_size=2, speculative_model=llama_dir, num_speculative_tokens=2)
+    try:
+        assert llm.engine.executor.draft_placement.startswith("the group's first device")
+        assert _draft_where(llm)["node_id"] == llm.engine.executor.worker_info[0]["node_id"]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llama_dir, prompts, 10)
+    finally:
+        llm.shutdown()
+        ray.kill(occupant)
