@@ -20,6 +20,10 @@ TARGETS: dict[str, tuple[str, float]] = {
     "tpot_ratio_vs_hf": ("<=", 1.0),
     "mbu": (">=", 0.6),
     "engine_overhead": ("<=", 1.15),
+    "hidden_fraction": (">=", 0.5),
+    "server_vs_offline_throughput": (">=", 0.9),
+    "tpot_speedup": (">=", 2.0),
+    "saturation_throughput_ratio": (">=", 0.95),
 }
 
 Figures = dict[str, Any]
