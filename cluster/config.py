@@ -16,7 +16,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 
 
-def _require(ok: bool, field_name: str, message: str) -> None:
+def require_field(ok: bool, field_name: str, message: str) -> None:
+    """Raise ValueError("field: message") unless ok: every validation error names its field."""
     if not ok:
         raise ValueError(f"{field_name}: {message}")
 
@@ -33,11 +34,11 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda
 
     def __post_init__(self) -> None:
-        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
-        _require(self.device in ("auto", "cpu", "cuda"), "device",
+        require_field(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        require_field(self.device in ("auto", "cpu", "cuda"), "device",
                  f"must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None:
-            _require(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+            require_field(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,11 @@ class ParallelConfig:
     address: str | None = None  # Ray address to join; None = local / in-process
 
     def __post_init__(self) -> None:
-        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+        require_field(self.tensor_parallel_size >= 1, "tensor_parallel_size",
                  f"must be >= 1, got {self.tensor_parallel_size}")
-        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
+        require_field(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
                  f"must be >= 1, got {self.pipeline_parallel_size}")
-        _require(self.num_overlap_chunks >= 1, "num_overlap_chunks",
+        require_field(self.num_overlap_chunks >= 1, "num_overlap_chunks",
                  f"must be >= 1, got {self.num_overlap_chunks}")
 
     @property
@@ -70,15 +71,15 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+        require_field(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                  f"must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_memory is not None:
-            _require(self.kv_cache_memory > 0, "kv_cache_memory",
+            require_field(self.kv_cache_memory > 0, "kv_cache_memory",
                      f"must be > 0 bytes, got {self.kv_cache_memory}")
-        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+        require_field(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None:
-            _require(self.num_kv_blocks >= 1, "num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+            require_field(self.num_kv_blocks >= 1, "num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,14 @@ class SchedulerConfig:
     num_lookahead_slots: int = 0  # extra KV slots reserved per decode for speculative tokens
 
     def __post_init__(self) -> None:
-        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+        require_field(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        require_field(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")
-        _require(self.num_lookahead_slots >= 0, "num_lookahead_slots",
+        require_field(self.num_lookahead_slots >= 0, "num_lookahead_slots",
                  f"must be >= 0, got {self.num_lookahead_slots}")
         # Every running request must be able to take its decode token (plus lookahead)
         # in one step, or decodes could starve behind each other.
-        _require(self.max_num_batched_tokens >= self.max_num_seqs * (1 + self.num_lookahead_slots),
+        require_field(self.max_num_batched_tokens >= self.max_num_seqs * (1 + self.num_lookahead_slots),
                  "max_num_batched_tokens",
                  f"must be >= max_num_seqs * (1 + num_lookahead_slots) = "
                  f"{self.max_num_seqs * (1 + self.num_lookahead_slots)}, got {self.max_num_batched_tokens}")
@@ -111,13 +112,13 @@ class SpeculativeConfig:
     disable_batch_size: int = 16  # no drafts while more requests than this run (compute-bound)
 
     def __post_init__(self) -> None:
-        _require(self.num_speculative_tokens >= 0, "num_speculative_tokens",
+        require_field(self.num_speculative_tokens >= 0, "num_speculative_tokens",
                  f"must be >= 0, got {self.num_speculative_tokens}")
-        _require(1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max,
+        require_field(1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max,
                  "ngram_prompt_lookup_min",
                  "must satisfy 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max")
         if self.speculative_model is not None:
-            _require(self.num_speculative_tokens >= 1, "num_speculative_tokens",
+            require_field(self.num_speculative_tokens >= 1, "num_speculative_tokens",
                      "must be >= 1 when speculative_model is set")
 
     @property

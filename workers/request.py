@@ -5,10 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-
-def _require(ok: bool, field_name: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"{field_name}: {message}")
+from tandem.cluster.config import require_field
 
 
 @dataclass
@@ -42,33 +39,33 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
-        _require(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
-        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+        require_field(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        require_field(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        require_field(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        require_field(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k",
                  f"must be -1 (off) or >= 1, got {self.top_k!r}")
-        _require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+        require_field(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        require_field(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
                  f"must be in [-2, 2], got {self.presence_penalty}")
-        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+        require_field(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                  f"must be in [-2, 2], got {self.frequency_penalty}")
-        _require(self.repetition_penalty > 0.0, "repetition_penalty",
+        require_field(self.repetition_penalty > 0.0, "repetition_penalty",
                  f"must be > 0, got {self.repetition_penalty}")
         if self.max_tokens is not None:
-            _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+            require_field(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
                      f"must be an integer >= 1, got {self.max_tokens!r}")
-        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+        require_field(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
                  f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None:
-            _require(self.min_tokens <= self.max_tokens, "min_tokens",
+            require_field(self.min_tokens <= self.max_tokens, "min_tokens",
                      f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
-            _require(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs",
+            require_field(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs",
                      f"must be an integer in [0, 20], got {self.logprobs!r}")
-        _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        require_field(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        require_field(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "must be non-negative integers")
-        _require(self.output_kind in ("cumulative", "delta"), "output_kind",
+        require_field(self.output_kind in ("cumulative", "delta"), "output_kind",
                  f"must be 'cumulative' or 'delta', got {self.output_kind!r}")
 
     @property
