@@ -7,11 +7,13 @@ from tandem.workers.request import SamplingParams
 from tests.conftest import hf_greedy, tiny_model
 
 
-def test_llm_starts_local_ray_when_none_is_running() -> None:
+def test_llm_starts_local_ray_when_none_is_running(monkeypatch) -> None:
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    # Hermetic: never join a cluster something else on this machine may have started.
+    monkeypatch.setenv("RAY_ADDRESS", "local")
     model = tiny_model("qwen2")
     llm = LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2)
     try:
