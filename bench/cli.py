@@ -30,7 +30,7 @@ def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser
                 action.help = "auto = float32 on CPU, bfloat16 on CUDA"
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         p.add_argument("--repeats", type=int, default=None,
-                       help="repeats to take the median of (default 3; 2 with --quick)")
+                       help="repeats to take the median of (default 3; offline --quick: 2)")
         p.add_argument("--idle-wait", type=float, default=60.0, metavar="SECONDS",
                        help="CPU only: before each run wait up to this long for other processes to go quiet, "
                        "and redo a run they disturbed (up to twice); 0 = measure at once, never redo")

@@ -123,14 +123,33 @@ def run_static(model: Any, requests: list[BenchRequest], device: torch.device, *
     return HFRun(elapsed, sum(r.output_len for r in requests), generated)
 
 
-def time_per_output_token(model: Any, req: BenchRequest, device: torch.device) -> float:
-    """Batch-1 decode seconds per token: (T(n tokens) - T(1 token)) / (n - 1).
+class _StepClock:
+    """A logits processor that only notes the time: generate() calls it once per new token."""
 
-    Subtracting a 1-token run removes the prefill and generate()'s set-up, leaving the
-    n - 1 decode steps, the same steps tandem's TPOT averages over.
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def time_per_output_token(model: Any, req: BenchRequest, device: torch.device) -> float:
+    """Batch-1 decode seconds per token: the mean gap between consecutive tokens of one generate().
+
+    The gaps are generate()'s decode steps (forward, logits, its own sampling and bookkeeping),
+    the same span as a tandem engine step; prefill and set-up fall before the first token.
     """
+    from transformers import LogitsProcessorList
+
     assert req.output_len >= 2, "need at least two output tokens"
     ids = torch.tensor([req.prompt_token_ids], device=device)
-    mask = torch.ones_like(ids)
-    times = [_timed(lambda: _generate(model, ids, mask, num_new), device) for num_new in (req.output_len, 1)]
-    return (times[0] - times[1]) / (req.output_len - 1)
+    clock = _StepClock(device)
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.output_len,
+                       min_new_tokens=req.output_len, do_sample=False, pad_token_id=_pad_id(model),
+                       logits_processor=LogitsProcessorList([clock]))
+    assert len(clock.times) == req.output_len, f"{len(clock.times)} steps for {req.output_len} tokens"
+    return (clock.times[-1] - clock.times[0]) / (req.output_len - 1)

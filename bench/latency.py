@@ -2,7 +2,8 @@
 
 Per repeat (tandem and transformers in an order rotated per repeat, probes first):
 - tandem TPOT: the mean `engine.step()` time over the decode steps of one request;
-  transformers TPOT: (T(generate n tokens) - T(generate 1 token)) / (n - 1), same request.
+  transformers TPOT: the mean gap between consecutive tokens of one `generate()` of the same
+  request (timed by a logits processor that only reads the clock).
 - MBU = bytes one decode step must read (all weights incl. lm_head, plus the KV cache at the
   mean decode context; see `model_cost`) / TPOT / the large-tensor copy bandwidth (read +
   write). MBU against the GEMV read bandwidth is reported too (`mbu_vs_gemv_read`).
@@ -59,7 +60,7 @@ class _Repeat:
 
 def run_latency(opts: BenchOptions, shape: LatencyShape | None = None) -> Figures:
     shape = shape or (LATENCY_QUICK if opts.quick else LATENCY_FULL)
-    repeats = opts.num_repeats(default_full=3, default_quick=2)
+    repeats = opts.num_repeats(default_full=3, default_quick=3)
     vocab = vocab_size_of(resolve_model_dir(opts))
     single = fixed_length_requests(1, shape.prompt_len, shape.output_len, vocab, seed=1)
     sweep = {b: fixed_length_requests(b, shape.sweep_prompt_len, shape.sweep_output_len, vocab, seed=100 + b)
@@ -138,6 +139,8 @@ def _figures(shape: LatencyShape, systems: Systems, runs: list[_Repeat], opts: B
         "tpot_tandem_ms": median(r.tpot_tandem for r in runs) * 1e3,
         "tpot_hf_ms": median(r.tpot_hf for r in runs) * 1e3,
         "tpot_ratio_vs_hf": median(r.tpot_tandem / r.tpot_hf for r in runs),
+        "tpot_tandem_ms_repeats": [r.tpot_tandem * 1e3 for r in runs],
+        "tpot_hf_ms_repeats": [r.tpot_hf * 1e3 for r in runs],
         "mbu": median(step_bytes / r.tpot_tandem / r.copy_bw for r in runs),
         "mbu_vs_gemv_read": median(step_bytes / r.tpot_tandem / r.gemv_bw for r in runs),
         "hf_mbu": median(step_bytes / r.tpot_hf / r.copy_bw for r in runs),

@@ -72,11 +72,13 @@ def resolve_dtype(option: str, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
-def load_systems(opts: BenchOptions, max_kv_tokens: list[list[BenchRequest]]) -> Systems:
-    """Load tandem (KV cache sized for the largest request set in `max_kv_tokens`) and transformers.
+def load_systems(opts: BenchOptions, request_sets: list[list[BenchRequest]]) -> Systems:
+    """Load tandem (KV cache sized for the largest of `request_sets`) and transformers.
 
     On CPU the KV cache gets room for every request of the largest set at once, so the
-    benchmark measures batching, not preemption; `--kv-cache-memory` overrides that.
+    benchmark measures batching, not preemption; `--kv-cache-memory` overrides that. On a GPU
+    tandem takes half the memory (`--gpu-memory-utilization` overrides), leaving transformers
+    the rest.
     """
     from tandem.workers.llm import LLM
     from tandem.workers.models.hf_config import HFModelConfig
@@ -89,8 +91,11 @@ def load_systems(opts: BenchOptions, max_kv_tokens: list[list[BenchRequest]]) ->
     if device.type == "cpu" and "kv_cache_memory" not in options and "num_kv_blocks" not in options:
         hf_config = HFModelConfig.from_dir(model_dir)
         dtype = hf_config.resolve_dtype(dtype_name, device)
-        options["kv_cache_memory"] = _kv_bytes_for(max_kv_tokens, hf_config, dtype,
+        options["kv_cache_memory"] = _kv_bytes_for(request_sets, hf_config, dtype,
                                                    options.get("block_size", 16))
+    if device.type == "cuda":
+        # transformers is loaded after tandem has sized its KV cache: leave it room.
+        options.setdefault("gpu_memory_utilization", 0.5)
     llm = LLM(**options)
     runner = llm.engine.executor.runner
     cost = ModelCost.from_tandem_model(runner.model, runner.dtype.itemsize)
