@@ -4,7 +4,8 @@ The engine thread calls `submit(events, usage)` after each step; that only appen
 to a buffer. A background thread publishes the buffer every `interval_s`. When the
 allocator answers "unknown group" (it restarted) or cannot be reached, the client
 keeps retrying and re-registers with a full snapshot of the group's cached hashes,
-which the engine thread supplies at its next submit. Serving never waits on any of it.
+which the engine thread supplies at its next submit (`wake_engine` makes an idle engine
+submit). Serving never waits on any of it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ class GroupIdentity:
     block_size: int
     device_blocks: int
     node_id: str
+    host_bytes: int = 0  # the host-tier bytes the group holds (re-claimed on re-registration)
+    kv_layout: str = ""
 
 
 class AllocatorClient:
     def __init__(self, get_actor: Callable[[], Any], identity: GroupIdentity, interval_s: float = 0.1,
-                 call_timeout_s: float = 2.0) -> None:
+                 call_timeout_s: float = 2.0, wake_engine: Callable[[], None] = lambda: None) -> None:
         self._get_actor = get_actor
+        self._wake_engine = wake_engine  # an idle engine must still hand over a snapshot
         self.identity = identity
         self.interval_s = interval_s
         self.call_timeout_s = call_timeout_s
@@ -41,6 +45,7 @@ class AllocatorClient:
         self.want_snapshot = True  # the first contact registers with everything held
         self.reachable = False
         self.num_registrations = 0
+        self._actor: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-allocator-client", daemon=True)
         self._thread.start()
@@ -61,7 +66,7 @@ class AllocatorClient:
         self._stop.set()
         self._thread.join(timeout=5)
         try:
-            self._get_actor().unregister.remote(self.identity.group_id)
+            (self._actor or self._get_actor()).unregister.remote(self.identity.group_id)
         except Exception:  # best effort: the allocator may be gone already
             pass
 
@@ -75,11 +80,12 @@ class AllocatorClient:
             if snapshot is None and not events and not usage:
                 continue
             try:
-                actor = self._get_actor()
+                actor = self._actor = self._actor or self._get_actor()
                 if snapshot is not None:
                     ident = self.identity
                     ray.get(actor.register.remote(ident.group_id, ident.model_id, ident.block_size,
-                                                  ident.device_blocks, ident.node_id, snapshot),
+                                                  ident.device_blocks, ident.node_id, snapshot,
+                                                  host_bytes=ident.host_bytes, kv_layout=ident.kv_layout),
                             timeout=self.call_timeout_s)
                     self.num_registrations += 1
                 known = ray.get(actor.publish.remote(self.identity.group_id, events, usage),
@@ -87,9 +93,15 @@ class AllocatorClient:
                 self.reachable = True
                 if not known:
                     logger.info("allocator does not know group %s; registering again", self.identity.group_id)
-                    self.want_snapshot = True
+                    self._ask_snapshot()
             except Exception as exc:  # unreachable or restarting: keep serving, resync later
                 if self.reachable:
                     logger.warning("KV allocator unreachable (%s); routing falls back to load only", exc)
                 self.reachable = False
-                self.want_snapshot = True
+                self._actor = None  # find it again (it may have been replaced)
+                self._ask_snapshot()
+
+    def _ask_snapshot(self) -> None:
+        with self._lock:
+            self.want_snapshot = True
+        self._wake_engine()

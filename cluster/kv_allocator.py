@@ -27,6 +27,7 @@ class GroupRecord:
     device_blocks: int  # the device lease
     node_id: str
     host_bytes: int = 0  # the host lease
+    kv_layout: str = ""  # groups with equal layouts can copy KV blocks between them
     usage: dict[str, Any] = field(default_factory=dict)
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -34,23 +35,28 @@ class GroupRecord:
 class KVAllocatorState:
     """All the allocator's logic, plain Python (the actor is a thin wrapper)."""
 
-    def __init__(self, host_bytes_per_node: int = 0) -> None:
-        self.host_bytes_per_node = host_bytes_per_node
+    def __init__(self, host_bytes_per_node: int | None = None) -> None:
+        self.host_bytes_per_node = host_bytes_per_node  # None: no node budget, grant every ask
         self.groups: dict[GroupId, GroupRecord] = {}
         self.directory = PrefixDirectory()
         self.started_at = time.time()
 
     # ---- membership and leases ------------------------------------------------------------------
     def register(self, group_id: GroupId, model_id: str, block_size: int, device_blocks: int, node_id: str,
-                 cached_hashes: list[int] | None = None) -> dict[str, Any]:
-        """(Re-)register a group with its device lease and the prefix blocks it already holds."""
+                 cached_hashes: list[int] | None = None, *, host_bytes: int = 0,
+                 kv_layout: str = "") -> dict[str, Any]:
+        """(Re-)register a group: its device lease, the host bytes it holds or asks for, and
+        the prefix blocks it already holds. Returns the host grant (a re-registering group
+        gets back what it held unless the node's budget has been given to others since)."""
         if device_blocks < 1 or block_size < 1:
             raise ValueError(f"device_blocks and block_size must be >= 1, got {device_blocks}, {block_size}")
         self.directory.remove_group(group_id)
-        self.groups[group_id] = GroupRecord(group_id, model_id, block_size, device_blocks, node_id)
+        self.groups[group_id] = GroupRecord(group_id, model_id, block_size, device_blocks, node_id,
+                                            kv_layout=kv_layout)
         self.directory.add_group(group_id)
         self.directory.apply(group_id, [("stored", h) for h in cached_hashes or ()])
-        return {"started_at": self.started_at}
+        granted = self.lease_host(group_id, host_bytes) if host_bytes else 0
+        return {"started_at": self.started_at, "host_bytes": granted}
 
     def unregister(self, group_id: GroupId) -> None:
         self.groups.pop(group_id, None)
@@ -59,6 +65,9 @@ class KVAllocatorState:
     def lease_host(self, group_id: GroupId, num_bytes: int) -> int:
         """Grant up to num_bytes of its node's host budget to a group; returns the grant."""
         record = self.groups[group_id]
+        if self.host_bytes_per_node is None:
+            record.host_bytes = max(0, num_bytes)
+            return record.host_bytes
         held = sum(g.host_bytes for g in self.groups.values() if g.node_id == record.node_id and g is not record)
         record.host_bytes = max(0, min(num_bytes, self.host_bytes_per_node - held))
         return record.host_bytes
@@ -80,6 +89,11 @@ class KVAllocatorState:
             counts = {g: n for g, n in counts.items() if self.groups[g].model_id == model_id}
         return counts
 
+    def holders(self, block_hashes: list[int], kv_layout: str) -> dict[GroupId, int]:
+        """Like `match`, only groups whose KV layout is `kv_layout` (they can send blocks)."""
+        return {g: n for g, n in self.directory.match(block_hashes).items()
+                if self.groups[g].kv_layout == kv_layout}
+
     def usage(self) -> dict[GroupId, dict[str, Any]]:
         return {g: {**r.usage, "device_blocks": r.device_blocks, "host_bytes": r.host_bytes,
                     "directory_blocks": self.directory.num_blocks(g), "node_id": r.node_id}
@@ -89,7 +103,8 @@ class KVAllocatorState:
         nodes = {r.node_id for r in self.groups.values()}
         return {
             "device_blocks": sum(r.device_blocks for r in self.groups.values()),
-            "host_bytes_total": self.host_bytes_per_node * len(nodes),
+            "host_bytes_total": (-1 if self.host_bytes_per_node is None  # -1: no budget set
+                                 else self.host_bytes_per_node * len(nodes)),
             "host_bytes_leased": sum(r.host_bytes for r in self.groups.values()),
             "num_groups": len(self.groups),
         }
@@ -98,15 +113,19 @@ class KVAllocatorState:
         return self.started_at
 
 
+ALLOCATOR_NAMESPACE = "tandem"
+
+
 def allocator_name(app_name: str) -> str:
     return f"tandem-kv-allocator-{app_name}"
 
 
-def get_or_create_allocator(app_name: str, host_bytes_per_node: int = 0, namespace: str = "tandem") -> Any:
+def get_or_create_allocator(app_name: str, host_bytes_per_node: int | None = None,
+                            namespace: str = ALLOCATOR_NAMESPACE) -> Any:
     """The application's allocator actor, created by whichever group asks first.
 
     Detached (it outlives the replica that created it) and restarted by Ray if it dies;
-    the application's teardown kills it.
+    the application's teardown (`kill_allocator`) kills it.
     """
     import ray
 
@@ -114,3 +133,15 @@ def get_or_create_allocator(app_name: str, host_bytes_per_node: int = 0, namespa
     return actor_cls.options(name=allocator_name(app_name), namespace=namespace, get_if_exists=True,
                              lifetime="detached", max_restarts=-1, max_task_retries=0,
                              num_cpus=0).remote(host_bytes_per_node)
+
+
+def kill_allocator(app_name: str, namespace: str = ALLOCATOR_NAMESPACE) -> bool:
+    """End the application's allocator for good (application teardown); False if none."""
+    import ray
+
+    try:
+        actor = ray.get_actor(allocator_name(app_name), namespace=namespace)
+    except ValueError:
+        return False
+    ray.kill(actor, no_restart=True)
+    return True

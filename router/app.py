@@ -37,7 +37,13 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "health_check_period_s": 2.0,
     "ingress_num_replicas": 1,
     "ingress_num_cpus": 0,  # tokenizing is light; a laptop's CPUs go to the groups
+    "routing": "prefix",  # "prefix": prefix-cache-aware (router/policy.py); "load": load only
+    "routing_tokens_per_request": 256.0,  # prefix routing: cached tokens worth one queued request
+    "routing_max_imbalance": 4.0,  # prefix routing: queued requests above the least loaded group
+    "host_kv_memory_per_node": None,  # bytes of host KV tier the groups of one node may lease
 }
+
+ROUTING_POLICIES = ("prefix", "load")
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -49,9 +55,13 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         elif key != "address" and value is not None:  # where to join Ray: the caller's business
             engine_options[key] = value
     config = EngineConfig.from_options(**engine_options)  # unknown or bad options fail here
+    if serving["routing"] not in ROUTING_POLICIES:
+        raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {serving['routing']!r}")
     served_model_name = serving["served_model_name"] or config.model.model or DEMO_MODEL_NAME
 
-    group = GroupServer.options(**_group_options(config, serving)).bind(engine_options)
+    group_options = {"kv_allocator": config.cache.enable_prefix_caching,
+                     "host_kv_memory_per_node": serving["host_kv_memory_per_node"]}
+    group = GroupServer.options(**_group_options(config, serving)).bind(engine_options, group_options)
     ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
                       "max_model_len": config.model.max_model_len, "api_key": serving["api_key"]}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
@@ -77,6 +87,7 @@ def _group_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, A
         "health_check_period_s": serving["health_check_period_s"],
         "request_router_config": RequestRouterConfig(
             request_router_class="tandem.router.request_router:LoadAwareRouter",
+            request_router_kwargs=_router_kwargs(config, serving),
             request_routing_stats_period_s=serving["routing_stats_period_s"]),
     }
     if serving["autoscaling_config"] is not None:
@@ -93,6 +104,13 @@ def _group_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, A
         # A stage's TP ranks talk every layer: one node. Stages may span nodes.
         options["placement_group_strategy"] = "STRICT_PACK" if par.pipeline_parallel_size == 1 else "PACK"
     return options
+
+
+def _router_kwargs(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any]:
+    prefix = serving["routing"] == "prefix" and config.cache.enable_prefix_caching
+    return {"routing": "prefix" if prefix else "load", "block_size": config.cache.block_size,
+            "tokens_per_request": serving["routing_tokens_per_request"],
+            "max_imbalance": serving["routing_max_imbalance"]}
 
 
 def _use_gpu(device: str) -> bool:

@@ -15,6 +15,11 @@ A delta, as `generate` yields it:
 
 `error` is set (with `error_type` "invalid_request" or "unavailable") on the only delta
 of a request the group refused, or on the last one of a request the group failed.
+
+With prefix caching on, the group registers with the application's cluster KV allocator
+(cluster/kv_allocator.py; created by the first group to start) and publishes its block
+events and usage after every step through an `AllocatorClient`, which batches them on a
+thread of its own: serving never waits on the allocator, and carries on if it dies.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from typing import Any
 
 from ray import serve
 
+from tandem.cluster.allocator_client import AllocatorClient, GroupIdentity
 from tandem.cluster.config import EngineConfig
+from tandem.cluster.kv_allocator import get_or_create_allocator
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine import EngineDeadError
 from tandem.workers.request import RequestOutput, SamplingParams
@@ -35,16 +42,38 @@ logger = logging.getLogger(__name__)
 
 @serve.deployment(name="GroupServer")
 class GroupServer:
-    def __init__(self, engine_options: dict[str, Any]) -> None:
+    def __init__(self, engine_options: dict[str, Any], group_options: dict[str, Any] | None = None) -> None:
         from tandem.workers.llm import build_engine  # torch and the model: only in the group
 
+        group_options = group_options or {}
         config = EngineConfig.from_options(**engine_options)
+        self.config = config
         self.engine = AsyncEngine(build_engine(config, show_progress=False))
-        self.group_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.group_id = context.replica_id.unique_id
         self.num_requests = 0
         self.num_aborted = 0  # left before the end (a client that went away)
+        self.allocator: AllocatorClient | None = None
+        if group_options.get("kv_allocator", True) and config.cache.enable_prefix_caching:
+            self.allocator = self._link_allocator(context.app_name, group_options)
         logger.info("replica group %s ready: %d KV blocks", self.group_id,
                     self.engine.last_stats.get("kv_blocks_total", 0))
+
+    def _link_allocator(self, app_name: str, group_options: dict[str, Any]) -> AllocatorClient:
+        import ray
+
+        engine = self.engine.engine
+        identity = GroupIdentity(
+            group_id=self.group_id, model_id=self.config.model.model or "tandem-demo",
+            block_size=self.config.cache.block_size, device_blocks=engine.pool.num_blocks,
+            node_id=ray.get_runtime_context().get_node_id(), kv_layout=kv_layout(self.config))
+        budget = group_options.get("host_kv_memory_per_node")
+        client = AllocatorClient(lambda: get_or_create_allocator(app_name, budget), identity,
+                                 wake_engine=self.engine.notify_step_listeners)
+        engine.enable_block_events()
+        self.engine.add_step_listener(
+            lambda eng: client.submit(eng.drain_block_events(), eng.usage(), eng.cached_block_hashes))
+        return client
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request's deltas; a cancelled call aborts it and frees its blocks."""
@@ -84,6 +113,9 @@ class GroupServer:
             raise RuntimeError(f"replica group {self.group_id} has failed: {self.engine.engine.dead_error}")
 
     def __del__(self) -> None:
+        allocator = getattr(self, "allocator", None)
+        if allocator is not None:
+            allocator.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -107,3 +139,10 @@ class GroupServer:
     def _error(self, request_id: str, message: str, error_type: str) -> dict[str, Any]:
         return {"request_id": request_id, "group_id": self.group_id, "outputs": [], "finished": True,
                 "num_prompt_tokens": 0, "num_cached_tokens": 0, "error": message, "error_type": error_type}
+
+
+def kv_layout(config: EngineConfig) -> str:
+    """Groups with equal layouts hold KV blocks of the same shape on each rank."""
+    par, model = config.parallel, config.model
+    return (f"{model.model or 'tandem-demo'}|{model.dtype}|bs{config.cache.block_size}"
+            f"|tp{par.tensor_parallel_size}|pp{par.pipeline_parallel_size}")

@@ -10,8 +10,21 @@ and not yet seen finish. Lower scores are better:
 `max`, not a sum: the reported figures already include the router's own requests as
 of the last poll; the in-flight count covers those sent since. Queued requests cost
 extra (they wait for a seat), and a fuller KV cache means preemption sooner. A group
-that says it is unhealthy scores infinity and is tried last. The prefix-cache-aware
-policy adds a (negative) prefix-hit term on the same seam.
+that says it is unhealthy scores infinity and is tried last.
+
+Prefix-cache-aware routing (`score_prefix`) subtracts a credit for the prompt tokens a
+group already holds, priced in the same unit (outstanding requests):
+
+    score = load - cached_tokens / tokens_per_request     if load <= min_load + max_imbalance
+    score = load                                          otherwise
+
+`tokens_per_request`: how many prompt tokens a group can skip recomputing for the
+saving to be worth one more request in its queue (a prefill of that many tokens costs
+about one decode slot's share of a step budget). So a 900-token hit outweighs a queue
+a few requests longer, a 16-token hit hardly counts. `max_imbalance` bounds what a hot
+prefix can do: a group more than that many outstanding requests above the least loaded
+one gets no credit, so its prefix's requests spill to the others (which then cache it
+too) instead of piling onto one group.
 """
 
 from __future__ import annotations
@@ -40,6 +53,27 @@ def score_load(stats: Mapping[str, Any], num_in_flight: int = 0, weights: LoadWe
     waiting = stats.get("num_waiting", 0)
     outstanding = max(running + waiting, num_in_flight)
     return outstanding + weights.waiting * waiting + weights.kv_usage * stats.get("kv_usage", 0.0)
+
+
+@dataclass(frozen=True)
+class PrefixWeights:
+    tokens_per_request: float = 256.0  # cached prompt tokens worth one outstanding request
+    max_imbalance: float = 4.0  # outstanding requests above the least loaded group: no credit
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_request <= 0 or self.max_imbalance < 0:
+            raise ValueError(f"prefix weights: tokens_per_request must be > 0 and max_imbalance >= 0, got {self}")
+
+
+def score_prefix(loads: Mapping[Hashable, float], cached_tokens: Mapping[Hashable, int],
+                 weights: PrefixWeights = PrefixWeights()) -> dict[Hashable, float]:
+    """Each group's load minus its prefix credit (see the module docstring); lower is better."""
+    finite = [load for load in loads.values() if load != math.inf]
+    if not finite:
+        return dict(loads)
+    bound = min(finite) + weights.max_imbalance
+    return {g: load - cached_tokens.get(g, 0) / weights.tokens_per_request if load <= bound else load
+            for g, load in loads.items()}
 
 
 def rank_by_score(scores: Mapping[Hashable, float]) -> list[list[Hashable]]:

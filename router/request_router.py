@@ -3,7 +3,10 @@
 Serve calls `choose_replicas` for each request with the running groups; each carries
 the stats its `record_routing_stats` last returned (polled about once a second).
 Scoring is `policy.py`'s; this class adds what it knows that is fresher: the requests
-it has sent each group and not yet seen finish.
+it has sent each group and not yet seen finish. With `routing="prefix"` it also asks
+the cluster prefix directory (through `PrefixLookup`) how much of the prompt each
+group holds, and scores with `score_prefix`; the directory never holds a request up
+longer than the lookup's timeout, and when it is down routing is by load alone.
 
 A burst arrives faster than Serve reports sends back (`on_request_routed` comes after
 the group accepted), so each pick counts at once as a *predicted* request of the group
@@ -27,7 +30,8 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from tandem.router.policy import LoadWeights, rank_by_score, score_load
+from tandem.router.policy import LoadWeights, PrefixWeights, rank_by_score, score_load, score_prefix
+from tandem.router.prefix_lookup import PrefixLookup, allocator_matcher
 
 PREDICTION_TTL_S = 5.0
 
@@ -36,12 +40,22 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.weights = LoadWeights()
+        self.prefix_weights = PrefixWeights()
+        self.prefix: PrefixLookup | None = None
+        self.num_prefix_routed = 0  # requests whose group a prefix credit decided
         self._routed: dict[ReplicaID, Counter[str]] = {}  # sent and accepted, not completed
         self._predicted: dict[ReplicaID, deque[float]] = {}  # picked here, not confirmed yet
 
     def initialize_state(self, **kwargs: Any) -> None:
-        """`request_router_kwargs`: the LoadWeights fields."""
+        """`request_router_kwargs`: `routing` ("prefix" | "load"), `block_size`, and the
+        PrefixWeights and LoadWeights fields."""
+        routing = kwargs.pop("routing", "load")
+        block_size = kwargs.pop("block_size", 16)
+        self.prefix_weights = PrefixWeights(**{k: kwargs.pop(k) for k in ("tokens_per_request", "max_imbalance")
+                                               if k in kwargs})
         self.weights = LoadWeights(**kwargs)
+        if routing == "prefix":
+            self.prefix = PrefixLookup(block_size, allocator_matcher(self._deployment_id.app_name))
 
     def num_in_flight(self, replica_id: ReplicaID) -> int:
         predicted = self._predicted.get(replica_id, deque())
@@ -57,9 +71,31 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         scores = {rid: score_load(r.routing_stats or {}, self.num_in_flight(rid), self.weights)
                   for rid, r in by_id.items()}
+        hashes = self._prompt_hashes(pending_request)
+        if hashes:
+            held = await self.prefix.cached_tokens(hashes)
+            by_group = {rid: held.get(rid.unique_id, 0) for rid in by_id}
+            load_best = min(scores, key=scores.get)
+            scores = score_prefix(scores, by_group, self.prefix_weights)
+            if min(scores, key=scores.get) != load_best:
+                self.num_prefix_routed += 1
         ranked = [rid for tier in rank_by_score(scores) for rid in random.sample(tier, len(tier))]
         self._predicted.setdefault(ranked[0], deque()).append(time.monotonic())
+        if hashes:
+            # Serve takes the first tier unless that group is full; if it does not, the
+            # directory corrects the record within a publish interval.
+            self.prefix.recent.record(hashes, ranked[0].unique_id)
         return [[by_id[rid]] for rid in ranked]
+
+    def _prompt_hashes(self, pending_request: PendingRequest | None) -> list[int]:
+        """The prompt's block hash chain, for a `generate` call under prefix routing."""
+        if self.prefix is None or pending_request is None or pending_request.metadata.call_method != "generate":
+            return []
+        args = pending_request.args
+        request = args[0] if args else pending_request.kwargs.get("request")
+        if not isinstance(request, dict) or not isinstance(request.get("prompt_token_ids"), list):
+            return []
+        return self.prefix.block_hashes(request["prompt_token_ids"])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         predicted = self._predicted.get(replica_id)
@@ -77,5 +113,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self._routed.pop(replica_id, None)
+        if self.prefix is not None:
+            self.prefix.recent.forget_group(replica_id.unique_id)
         self._predicted.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)

@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
+    from tandem.cluster.kv_allocator import kill_allocator
     from tandem.router.app import build_app, num_cpus_needed
 
     options = app_args(args)
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if args.address:
             serve.delete(APP_NAME)  # a shared cluster keeps Serve and its other applications
+            kill_allocator(APP_NAME)  # detached: it would outlive the application
         else:
             serve.shutdown()
         ray.shutdown()

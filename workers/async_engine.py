@@ -32,6 +32,15 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
 class AsyncEngine:
     def __init__(self, engine: GroupEngine) -> None:
         self.engine = engine
@@ -40,6 +49,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self.last_stats: dict[str, Any] = engine.stats()
+        self._step_listeners: list[Callable[[GroupEngine], None]] = []
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -70,6 +80,30 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def add_step_listener(self, listener: Callable[[GroupEngine], None]) -> None:
+        """Call `listener(engine)` on the engine thread after every step (keep it quick)."""
+        self._post(lambda: self._step_listeners.append(listener))
+
+    def notify_step_listeners(self) -> None:
+        """Run the step listeners soon, even if the engine is idle."""
+        self._post(self._after_step)
+
+    def run_on_engine(self, fn: Callable[[GroupEngine], Any]) -> asyncio.Future:
+        """Run `fn(engine)` on the engine thread between two steps; await its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def call() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._post(call)
+        return future
+
     def abort(self, request_id: str) -> None:
         self._post(lambda: self._abort(request_id))
 
@@ -96,6 +130,14 @@ class AsyncEngine:
         self.engine.abort_request(request_id)
         self._streams.pop(request_id, None)
 
+    def _after_step(self) -> None:
+        self.last_stats = self.engine.stats()
+        for listener in self._step_listeners:
+            try:
+                listener(self.engine)
+            except Exception:  # a listener (the allocator link) must never stop serving
+                logger.exception("step listener failed")
+
     def _loop(self) -> None:
         while not self._stopped:
             while True:
@@ -104,7 +146,7 @@ class AsyncEngine:
                 except queue.Empty:
                     break
             if not self.engine.has_unfinished_requests():
-                self.last_stats = self.engine.stats()
+                self._after_step()
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -119,4 +161,4 @@ class AsyncEngine:
                     stream.put(out)
                     if out.finished:
                         del self._streams[out.request_id]
-            self.last_stats = self.engine.stats()
+            self._after_step()

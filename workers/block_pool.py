@@ -58,6 +58,18 @@ def hash_block(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) 
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """The hash chain of a prompt's full blocks that a prefix cache can serve.
+
+    Stops one token short of the end, as `KVCacheManager.get_computed_blocks` does:
+    the last prompt token is always computed (its logits give the first output).
+    """
+    hashes: list[int] = []
+    for i in range((len(token_ids) - 1) // block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
 @dataclass(frozen=True)
 class BlockEvent:
     """A change to the prefix cache, published (in batches) to the cluster directory."""
@@ -76,7 +88,7 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * self.num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
         self._cached: dict[int, int] = {}
-        self._record_events = record_events
+        self.record_events = record_events
         self.events: list[BlockEvent] = []
 
     # ---- queries ---------------------------------------------------------------------------
@@ -91,6 +103,9 @@ class BlockPool:
     @property
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._cached)
 
     def lookup(self, block_hash: int) -> int | None:
         return self._cached.get(block_hash)
@@ -130,7 +145,7 @@ class BlockPool:
             return  # the same prefix was computed twice (e.g. in one step); keep the first
         self.block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
-        if self._record_events:
+        if self.record_events:
             self.events.append(BlockEvent("stored", block_hash, parent_hash))
 
     def reset_prefix_cache(self) -> None:
@@ -150,7 +165,7 @@ class BlockPool:
             return
         self.block_hash[block_id] = None
         del self._cached[block_hash]
-        if self._record_events:
+        if self.record_events:
             self.events.append(BlockEvent("removed", block_hash))
 
     def check_all_free(self) -> None:

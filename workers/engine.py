@@ -199,5 +199,23 @@ class GroupEngine:
                 "spec_acceptance_rate": spec.acceptance_rate,
                 "spec_mean_accepted_length": spec.mean_accepted_length}
 
+    # ---- the cluster allocator's view ----------------------------------------------------------
+    def enable_block_events(self) -> None:
+        """Record prefix-cache block events for `drain_block_events` (someone must drain them)."""
+        self.pool.record_events = True
+
+    def drain_block_events(self) -> list[tuple[str, int]]:
+        return [(e.kind, e.block_hash) for e in self.pool.drain_events()]
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every prefix block this group can serve from its cache (a re-registration snapshot)."""
+        return self.pool.cached_hashes()
+
+    def usage(self) -> dict[str, Any]:
+        """The figures the allocator keeps per group (for routing and admission)."""
+        stats = self.scheduler.stats()
+        return {key: stats[key] for key in ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free",
+                                            "kv_blocks_cached", "kv_usage")}
+
     def shutdown(self) -> None:
         self.executor.shutdown()

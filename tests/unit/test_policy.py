@@ -49,3 +49,50 @@ def test_fuller_cache_loses_a_tie_on_requests():
 def test_negative_weights_are_refused():
     with pytest.raises(ValueError, match="weights"):
         LoadWeights(waiting=-1.0)
+
+
+# ---- prefix-aware scoring -------------------------------------------------------------------------
+from tandem.router.policy import PrefixWeights, score_prefix  # noqa: E402
+
+
+def test_prefix_credit_is_cached_tokens_over_tokens_per_request():
+    weights = PrefixWeights(tokens_per_request=256, max_imbalance=4)
+    scores = score_prefix({"a": 2.0, "b": 1.0}, {"a": 512}, weights)
+    assert scores == {"a": 0.0, "b": 1.0}  # a's 512 cached tokens outweigh one more queued request
+
+
+def test_a_short_hit_does_not_outweigh_a_longer_queue():
+    scores = score_prefix({"a": 3.0, "b": 1.0}, {"a": 32}, PrefixWeights(tokens_per_request=256))
+    assert rank_by_score(scores)[0] == ["b"]
+
+
+def test_no_credit_beyond_the_imbalance_bound():
+    weights = PrefixWeights(tokens_per_request=100, max_imbalance=4)
+    # a holds the whole prompt but is 5 requests above b: over the bound, scored on load alone.
+    assert score_prefix({"a": 5.0, "b": 0.0}, {"a": 10_000}, weights) == {"a": 5.0, "b": 0.0}
+    # at the bound it still gets its credit
+    assert score_prefix({"a": 4.0, "b": 0.0}, {"a": 1000}, weights) == {"a": -6.0, "b": 0.0}
+
+
+def test_hot_prefix_spills_once_the_holder_is_over_the_bound():
+    weights = PrefixWeights(tokens_per_request=100, max_imbalance=3)
+    loads = {"a": 0.0, "b": 0.0}
+    picks = []
+    for _ in range(12):  # one hot prefix, only `a` holds it, nothing finishes
+        scores = score_prefix(loads, {"a": 10_000}, weights)
+        best = rank_by_score(scores)[0][0]
+        picks.append(best)
+        loads[best] += 1
+    assert picks[:4] == ["a"] * 4  # up to the bound
+    assert max(loads.values()) - min(loads.values()) <= weights.max_imbalance + 1
+
+
+def test_unhealthy_groups_are_left_alone_and_bound_uses_healthy_ones():
+    scores = score_prefix({"a": math.inf, "b": 1.0}, {"a": 1000, "b": 0}, PrefixWeights())
+    assert scores == {"a": math.inf, "b": 1.0}
+    assert score_prefix({"a": math.inf}, {"a": 5}, PrefixWeights()) == {"a": math.inf}
+
+
+def test_bad_prefix_weights_are_refused():
+    with pytest.raises(ValueError, match="tokens_per_request"):
+        PrefixWeights(tokens_per_request=0)
