@@ -69,6 +69,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory on CUDA
     num_kv_blocks: int | None = None  # exact override (tests, benchmarks)
     enable_prefix_caching: bool = True
+    # Host memory for evicted prefix blocks (bytes, the whole group); 0 = no host tier.
+    host_kv_cache_memory: int = 0
 
     def __post_init__(self) -> None:
         require_field(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
@@ -80,6 +82,10 @@ class CacheConfig:
                  f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None:
             require_field(self.num_kv_blocks >= 1, "num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+        require_field(self.host_kv_cache_memory >= 0, "host_kv_cache_memory",
+                      f"must be >= 0 bytes, got {self.host_kv_cache_memory}")
+        require_field(self.host_kv_cache_memory == 0 or self.enable_prefix_caching, "host_kv_cache_memory",
+                      "the host tier keeps prefix-cache blocks: it needs enable_prefix_caching")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -90,6 +91,9 @@ class BlockPool:
         self._cached: dict[int, int] = {}
         self.record_events = record_events
         self.events: list[BlockEvent] = []
+        # Called with (block_id, hash) as a cached block is evicted for reuse; True = its
+        # contents were kept elsewhere (the host tier), so the group still holds the prefix.
+        self.on_evict: Callable[[int, int], bool] | None = None
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -150,7 +154,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self._free):
-            self._evict(block_id)
+            self._evict(block_id, keep=False)
 
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []
@@ -159,14 +163,19 @@ class BlockPool:
     def close(self) -> None:
         self._source.release(self.num_blocks)
 
-    def _evict(self, block_id: int) -> None:
+    def record_removed(self, block_hash: int) -> None:
+        """The group no longer holds this prefix block anywhere (also for the host tier)."""
+        if self.record_events:
+            self.events.append(BlockEvent("removed", block_hash))
+
+    def _evict(self, block_id: int, keep: bool = True) -> None:
         block_hash = self.block_hash[block_id]
         if block_hash is None:
             return
         self.block_hash[block_id] = None
         del self._cached[block_hash]
-        if self.record_events:
-            self.events.append(BlockEvent("removed", block_hash))
+        if not (keep and self.on_evict is not None and self.on_evict(block_id, block_hash)):
+            self.record_removed(block_hash)
 
     def check_all_free(self) -> None:
         """The accounting invariant once no request holds blocks."""

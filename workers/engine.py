@@ -139,7 +139,7 @@ class GroupEngine:
                 self.proposer.propose(candidates)
                 self.spec_policy.stats.num_steps_with_drafts += 1
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty and not sched_out.finished_req_ids:
+        if not sched_out.has_work:
             return []
         try:
             result = self.executor.execute(sched_out)
@@ -193,11 +193,26 @@ class GroupEngine:
 
     def stats(self) -> dict[str, float]:
         spec = self.spec_policy.stats
-        return {**self.scheduler.stats(),
+        host = self.scheduler.kv.host
+        host_stats = {} if host is None else {"host_kv_blocks_total": host.num_slots, "host_kv_blocks_used": len(host),
+                                              "host_kv_blocks_saved": host.num_saved,
+                                              "host_kv_blocks_loaded": host.num_loaded}
+        return {**self.scheduler.stats(), **host_stats,
                 "spec_num_draft_tokens": spec.num_draft_tokens,
                 "spec_num_accepted_tokens": spec.num_accepted_tokens,
                 "spec_acceptance_rate": spec.acceptance_rate,
                 "spec_mean_accepted_length": spec.mean_accepted_length}
+
+    # ---- the host KV tier ----------------------------------------------------------------------
+    def enable_host_tier(self, num_bytes: int) -> int:
+        """Keep evicted prefix blocks in `num_bytes` of host memory; returns the slots made."""
+        num_slots = num_bytes // self.executor.kv_bytes_per_block()
+        if num_slots < 1:
+            raise ValueError(f"host_kv_cache_memory: {num_bytes} bytes hold no KV block "
+                             f"({self.executor.kv_bytes_per_block()} bytes each)")
+        self.executor.init_host_cache(num_slots)
+        self.scheduler.kv.enable_host_tier(num_slots)
+        return num_slots
 
     # ---- the cluster allocator's view ----------------------------------------------------------
     def enable_block_events(self) -> None:
@@ -209,7 +224,8 @@ class GroupEngine:
 
     def cached_block_hashes(self) -> list[int]:
         """Every prefix block this group can serve from its cache (a re-registration snapshot)."""
-        return self.pool.cached_hashes()
+        host = self.scheduler.kv.host
+        return list(set(self.pool.cached_hashes()).union(host.hashes() if host is not None else ()))
 
     def usage(self) -> dict[str, Any]:
         """The figures the allocator keeps per group (for routing and admission)."""

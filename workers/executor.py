@@ -6,7 +6,7 @@ shards live stays behind this seam.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -21,6 +21,18 @@ class Executor(Protocol):
     num_kv_blocks: int
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput: ...
+
+    def kv_bytes_per_block(self) -> int:
+        """One block's KV over the whole group (every rank's shard)."""
+        ...
+
+    def init_host_cache(self, num_slots: int) -> None: ...
+
+    def export_blocks(self, block_ids: list[int]) -> list[Any]:
+        """Each rank's KV of these blocks (CPU tensors, or object refs to them), in rank order."""
+        ...
+
+    def import_host_blocks(self, slots: list[int], per_rank: list[Any]) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -49,6 +61,19 @@ class UniProcExecutor:
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(step)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def init_host_cache(self, num_slots: int) -> None:
+        self.runner.init_host_cache(num_slots)
+
+    def export_blocks(self, block_ids: list[int]) -> list[Any]:
+        return [self.runner.export_blocks(block_ids)]
+
+    def import_host_blocks(self, slots: list[int], per_rank: list[Any]) -> None:
+        [data] = per_rank
+        self.runner.import_host_blocks(slots, data)
 
     def shutdown(self) -> None:
         self.runner = None

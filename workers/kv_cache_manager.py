@@ -4,11 +4,17 @@ A request's block table covers every token whose KV is (or is about to be)
 written: `ceil((num_computed + num_new + lookahead) / block_size)` blocks. Full
 blocks are published to the prefix cache only once their KV is computed (for
 speculative tokens: once verified), so a cache hit never returns unwritten KV.
+
+With a host tier (`enable_host_tier`), a cached block evicted for reuse is saved to
+host memory first, and a prompt's chain continues there past its last device hit:
+such blocks are allocated on the device at admission and filled by a copy at the
+start of the step (see host_tier.py), so they count as computed, like device hits.
 """
 
 from __future__ import annotations
 
 from tandem.workers.block_pool import BlockPool, hash_block
+from tandem.workers.host_tier import HostKVTier
 from tandem.workers.request import Request
 
 
@@ -22,6 +28,20 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._num_cached_blocks: dict[str, int] = {}  # req_id -> leading blocks already published
+        self.host: HostKVTier | None = None
+
+    def enable_host_tier(self, num_slots: int) -> None:
+        self.host = HostKVTier(num_slots)
+        self.pool.on_evict = self._save_to_host
+
+    def _save_to_host(self, block_id: int, block_hash: int) -> bool:
+        kept, dropped = self.host.save(block_id, block_hash)
+        if dropped is not None and self.pool.lookup(dropped) is None:
+            self.pool.record_removed(dropped)
+        return kept
+
+    def drain_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        return self.host.drain() if self.host is not None else ([], [])
 
     @property
     def capacity_tokens(self) -> int:
@@ -53,15 +73,31 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
+    def get_host_hits(self, req: Request, num_device_hits: int) -> list[int]:
+        """Host slots holding the blocks that follow the request's device hits."""
+        if self.host is None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        slots: list[int] = []
+        for block_hash in req.block_hashes[num_device_hits:max_blocks]:
+            slot = self.host.lookup(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None,
-                       num_lookahead: int = 0) -> list[int] | None:
+                       num_lookahead: int = 0, host_slots: list[int] | None = None) -> list[int] | None:
         """Reserve slots for num_new_tokens (+ lookahead); None if the pool is short.
 
-        computed_blocks (prefix hits at admission) are referenced here, atomically with
-        the allocation, so a failed allocation leaves no trace.
+        computed_blocks (device prefix hits at admission) are referenced here, and the
+        blocks host_slots (host hits right after them) are copied into allocated, atomically
+        with the allocation, so a failed allocation leaves no trace.
         """
         computed_blocks = computed_blocks or []
-        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        host_slots = host_slots or []
+        num_hits = len(computed_blocks) + len(host_slots)
+        num_computed = req.num_computed_tokens + num_hits * self.block_size
         num_needed = _cdiv(num_computed + num_new_tokens + num_lookahead, self.block_size)
         num_new_blocks = max(0, num_needed - len(req.block_ids) - len(computed_blocks))
         # Hits sitting in the free queue stop being free once referenced.
@@ -71,10 +107,19 @@ class KVCacheManager:
         if computed_blocks:
             self.pool.touch(computed_blocks)
             req.block_ids.extend(computed_blocks)
-            # Hits are already published; don't publish them again.
-            self._num_cached_blocks[req.request_id] = len(req.block_ids)
+        if host_slots:
+            self.host.pin(host_slots)  # the evictions below must not save over them
         new_blocks = self.pool.allocate(num_new_blocks)
         req.block_ids.extend(new_blocks)
+        for i, (slot, block_id) in enumerate(zip(host_slots, new_blocks)):
+            index = len(computed_blocks) + i
+            block_hash = req.block_hashes[index]
+            self.host.load(slot, block_id, block_hash)
+            # Valid from the start of this step (loads run before the forward): publish now.
+            self.pool.cache(block_id, block_hash, req.block_hashes[index - 1] if index else None)
+        if num_hits:
+            # Hits are already published; don't publish them again.
+            self._num_cached_blocks[req.request_id] = num_hits
         return new_blocks
 
     def cache_blocks(self, req: Request) -> None:
@@ -98,6 +143,12 @@ class KVCacheManager:
             tail = req.block_ids[keep:]
             del req.block_ids[keep:]
             self.pool.free(tail[::-1])
+
+    def reset_host_tier(self) -> None:
+        if self.host is not None:
+            for block_hash in self.host.clear():
+                if self.pool.lookup(block_hash) is None:
+                    self.pool.record_removed(block_hash)
 
     def free(self, req: Request) -> None:
         # Tail first: when these become evictable, the prefix head goes last.

@@ -34,6 +34,8 @@ def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEn
         executor = UniProcExecutor(config, hf_config, model_dir, show_progress=show_progress)
     engine = GroupEngine(config, hf_config, tokenizer, executor)
     engine.proposer = build_proposer(config, hf_config, executor)
+    if config.cache.host_kv_cache_memory:
+        engine.enable_host_tier(config.cache.host_kv_cache_memory)
     return engine
 
 

@@ -64,6 +64,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.model.seed)
         self.model: LlamaForCausalLM | None = None
         self.num_blocks = 0
+        self.host_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, show_progress: bool = True) -> None:
@@ -101,8 +102,57 @@ class ModelRunner:
             attn.key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.value_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    # ---- the host KV tier and block transfer (host_tier.py) -----------------------------------
+    def init_host_cache(self, num_slots: int) -> None:
+        """Host-memory slots for evicted KV blocks: per layer, K and V of this rank's shard."""
+        pin = self.device.type == "cuda"  # pinned pages: the copies run at full PCIe speed
+        self.host_cache = [
+            tuple(torch.zeros((num_slots, self.block_size, attn.num_kv_heads, attn.head_dim), dtype=self.dtype,
+                              pin_memory=pin) for _ in range(2))
+            for attn in self.model.attention_layers]
+
+    def _block_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        views = []
+        for attn in self.model.attention_layers:
+            shape = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            views.append((attn.key_cache.view(shape), attn.value_cache.view(shape)))
+        return views
+
+    @torch.inference_mode()
+    def apply_host_copies(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """Saves (device block -> host slot) first, then loads (host slot -> device block)."""
+        for pairs, to_host in ((saves, True), (loads, False)):
+            if not pairs:
+                continue
+            src, dst = zip(*pairs)
+            for device_kv, host_kv in zip(self._block_views(), self.host_cache):
+                for dev, host in zip(device_kv, host_kv):
+                    if to_host:
+                        blocks = torch.tensor(src, device=self.device)
+                        host.index_copy_(0, torch.tensor(dst), dev.index_select(0, blocks).to("cpu"))
+                    else:
+                        rows = host.index_select(0, torch.tensor(src)).to(self.device, non_blocking=True)
+                        dev.index_copy_(0, torch.tensor(dst, device=self.device), rows)
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's KV of some device blocks, on the CPU: [layers, 2, blocks, block_size, heads, dim]."""
+        index = torch.tensor(block_ids, device=self.device)
+        return torch.stack([torch.stack([kv.index_select(0, index) for kv in layer])
+                            for layer in self._block_views()]).to("cpu")
+
+    @torch.inference_mode()
+    def import_host_blocks(self, slots: list[int], data: torch.Tensor) -> None:
+        """Write blocks exported by another group (same layout) into host slots."""
+        index = torch.tensor(slots)
+        for layer, host_kv in zip(data, self.host_cache):
+            for part, host in zip(layer, host_kv):
+                host.index_copy_(0, index, part.to(host.dtype))
+
     # ---- one step ----------------------------------------------------------------------------
     def update_states(self, out: SchedulerOutput) -> None:
+        if out.host_saves or out.host_loads:
+            self.apply_host_copies(out.host_saves, out.host_loads)
         for req_id in out.finished_req_ids:
             self.states.pop(req_id, None)
         for new in out.new_requests:
@@ -156,8 +206,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=num_decodes,
-            decode_block_tables=_pad_tables(decode_tables, self.device) if decode_tables else None,
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device) if decode_lens else None,
+            decode_block_tables=decode_tables or None,
+            decode_seq_lens=decode_lens or None,
             prefills=prefills,
             block_size=bs,
         )
@@ -241,8 +291,3 @@ class ModelRunner:
             return ()
         eos = () if params.ignore_eos else self.hf_config.eos_token_ids
         return tuple(eos) + tuple(params.stop_token_ids)
-
-
-def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)

@@ -161,6 +161,27 @@ class RayExecutor:
             return ray.get(self._dag.execute(step), timeout=self.step_timeout_s)
         return ray.get([w.execute_step.remote(step) for w in self.workers], timeout=self.step_timeout_s)
 
+    # ---- KV blocks: host tier and transfer between groups --------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        import ray
+
+        return sum(ray.get([w.kv_bytes_per_block.remote() for w in self.workers]))
+
+    def init_host_cache(self, num_slots: int) -> None:
+        import ray
+
+        ray.get([w.init_host_cache.remote(num_slots) for w in self.workers])
+
+    def export_blocks(self, block_ids: list[int]) -> list[Any]:
+        """Object refs, one per rank: the data go worker to worker through the object store."""
+        return [w.export_blocks.remote(block_ids) for w in self.workers]
+
+    def import_host_blocks(self, slots: list[int], per_rank: list[Any]) -> None:
+        import ray
+
+        ray.get([w.import_host_blocks.remote(slots, data) for w, data in zip(self.workers, per_rank)],
+                timeout=self.step_timeout_s)
+
     def _fail(self, exc: BaseException) -> GroupFailedError:
         """Kill the whole group (peers may be blocked in a collective with the failed worker)."""
         self.dead_error = _describe(exc, self.workers, self.worker_info, self.tp)

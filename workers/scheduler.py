@@ -124,6 +124,7 @@ class Scheduler:
         for req in scheduled:
             self._add_to_output(out, req)
         out.finished_req_ids, self._finished_since_last_step = self._finished_since_last_step, set()
+        out.host_saves, out.host_loads = self.kv.drain_host_copies()
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, scheduled: list[Request], budget: int) -> int:
@@ -135,13 +136,14 @@ class Scheduler:
                 skipped.append(req)
                 continue
             hits = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
-            num_cached = len(hits) * self.block_size
+            host_slots = self.kv.get_host_hits(req, len(hits)) if req.num_computed_tokens == 0 else []
+            num_cached = (len(hits) + len(host_slots)) * self.block_size
             num_new = req.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 self.waiting.appendleft(req)
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(req, num_new, hits) is None:
+            if self.kv.allocate_slots(req, num_new, hits, host_slots=host_slots) is None:
                 self.waiting.appendleft(req)
                 break
             if req.status == RequestStatus.WAITING:

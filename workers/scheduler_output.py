@@ -39,6 +39,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # includes draft tokens
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # drop worker state for these
+    # Host KV tier copies, applied before the forward in this order (see host_tier.py).
+    host_saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    host_loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -47,6 +50,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+    @property
+    def has_work(self) -> bool:
+        """Anything for the workers at all: tokens, state to drop, or KV copies."""
+        return bool(self.num_scheduled_tokens or self.finished_req_ids or self.host_saves or self.host_loads)
 
 
 @dataclass

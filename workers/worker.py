@@ -85,6 +85,18 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
 
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def init_host_cache(self, num_slots: int) -> None:
+        self.runner.init_host_cache(num_slots)
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.runner.export_blocks(block_ids)
+
+    def import_host_blocks(self, slots: list[int], data: torch.Tensor) -> None:
+        self.runner.import_host_blocks(slots, data)
+
     # ---- steps -----------------------------------------------------------------------------------
     def execute_step(self, step: SchedulerOutput) -> RunnerOutput | None:
         runner, ctx = self.runner, self.ctx
