@@ -24,6 +24,9 @@ TARGETS: dict[str, tuple[str, float]] = {
     "server_vs_offline_throughput": (">=", 0.9),
     "tpot_speedup": (">=", 2.0),
     "saturation_throughput_ratio": (">=", 0.95),
+    "hit_ttft_ratio": ("<=", 0.3),
+    "routed_ttft_ratio": ("<=", 0.6),
+    "no_share_overhead": ("<=", 0.03),
 }
 
 Figures = dict[str, Any]

@@ -62,6 +62,8 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    group: str = ""  # the replica group that served it (tandem's x-tandem-groups header)
     error: str = ""
 
     @property
@@ -98,6 +100,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
                 body = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {body[:300]}"
                 return record
+            record.group = response.headers.get("x-tandem-groups", "")
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -119,6 +122,8 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
                 if chunk.get("usage"):
                     record.num_prompt_tokens = chunk["usage"].get("prompt_tokens", record.num_prompt_tokens)
                     record.num_output_tokens = chunk["usage"].get("completion_tokens", 0)
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    record.num_cached_tokens = details.get("cached_tokens") or 0
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
@@ -332,7 +337,10 @@ def _offline_run(engine: Any, requests: list[BenchRequest], concurrency: int) ->
 
 @contextmanager
 def local_server(model_dir: str, engine_options: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """tandem on a local Ray (or the cluster at `address`), HTTP on a free port: yields (url, model name)."""
+    """tandem on a local Ray (or the cluster at `address`), HTTP on a free port: yields (url, model name).
+
+    `engine_options` may hold serving options too (num_replicas, group_num_cpus, ...): they
+    override the defaults here (one group with all the cores)."""
     import ray
     from ray import serve
 
@@ -342,7 +350,7 @@ def local_server(model_dir: str, engine_options: dict[str, Any]) -> Iterator[tup
     address = options.pop("address", None)
     cores = os.cpu_count() or 1
     # The group's torch gets as many threads as the offline engine (Ray sets OMP_NUM_THREADS from num_cpus).
-    app = build_app({**options, "model": model_dir, "group_num_cpus": cores, "served_model_name": "tandem-bench"})
+    app = build_app({"group_num_cpus": cores, **options, "model": model_dir, "served_model_name": "tandem-bench"})
     ray.init(address=address or "local", num_cpus=None if address else cores + 4, include_dashboard=False,
              log_to_driver=False)
     port = _free_port()

@@ -1,0 +1,443 @@
+"""`tandem bench prefix`: what prefix-cache-aware routing buys over load-only routing (issue #7).
+
+Workloads (random token ids, seeded; every prompt `prefix_len + suffix_len` tokens, every
+output `output_len` tokens, EOS ignored):
+
+    shared     K prefixes of 900 tokens; a request is one of them (each used equally often,
+               in shuffled order) + 100 tokens of its own: 90% of its prompt is shared
+    no-share   the same lengths, nothing shared
+
+Method. One Ray and Serve on this machine, and one tandem app per routing policy side by
+side (`/prefix`: routing "prefix", `/load`: routing "load"), each with two replica groups
+of one CPU; only one app has work at a time. Each group's KV cache holds `cache_requests`
+whole requests (default K/2 + 0.5): the K prefixes fit in two groups' caches but not in
+one, which is where routing matters. A load-only router sends every prefix to both groups,
+so each group cycles through all K and its LRU cache keeps evicting them; a prefix-aware
+router keeps each prefix on one group. Each repeat draws fresh prefixes (nothing a repeat
+cached helps the next), sends both policies the same requests at the same times, and
+alternates which policy goes first:
+
+    1. one request per prefix, two in flight (not measured: brings the caches to a steady state)
+    2. the shared workload, Poisson arrivals at `request_rate` (measured)
+    3. the no-share workload, in rounds of one request per group, the same rounds to both
+       policies taking turns (ABBA), so the neighbours' load falls on both alike (measured)
+
+Figures (medians over repeats; TTFT = send -> first streamed chunk):
+
+    routed_ttft_ratio   shared workload p50 TTFT, prefix / load routing           target <= 0.6
+    hit_ttft_ratio      TTFT of a request whose 900-token prefix is cached / of a cold
+                        request of the same length, one at a time on the prefix app
+                        (`num_hit_pairs` pairs, median of each)                    target <= 0.3
+    no_share_overhead   no-share workload p50 TTFT, prefix / load routing, - 1    target <= 0.03
+
+On the no-share workload every request is a cold prefill and the prefix router finds nothing
+to match, so `no_share_overhead` weighs the router's hashing and lookup against ~2 s of
+prefill; on a shared 2-core machine run-to-run noise is of the same order as the target.
+
+Per request the `x-tandem-groups` header and `usage.prompt_tokens_details.cached_tokens` are
+kept: per policy, the hit rate (a hit: at least half its shared prefix came from the cache)
+and the groups per prefix (1.0: each prefix was served by one group); on the no-share
+workload, the fraction of rounds whose requests did not get a group each (`same_group_rounds`:
+two cold prefills sharing one group's steps take about twice as long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from tandem.bench.serve import LoadLevel, RequestRecord, run_level
+from tandem.bench.workload import NUM_SPECIAL_TOKENS, BenchRequest
+
+POLICIES = ("prefix", "load")  # the values of build_app's `routing` option
+LABELS = {"prefix": "routed", "load": "load_only"}  # in figure names
+NO_PREFIX = -1  # prefix id of a request that shares nothing
+
+
+@dataclass(frozen=True)
+class PrefixBenchConfig:
+    num_prefixes: int = 4
+    prefix_len: int = 900
+    suffix_len: int = 100
+    output_len: int = 8
+    num_requests: int = 48  # shared workload, per run
+    num_no_share: int = 12  # no-share workload, per run
+    request_rate: float = 0.8  # shared workload, req/s (Poisson)
+    num_groups: int = 2
+    cache_requests: float | None = None  # per group KV cache, in whole requests; None = K/2 + 0.5
+    repeats: int = 3
+    num_hit_pairs: int = 5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefixes", "prefix_len", "suffix_len", "output_len", "num_requests", "num_no_share",
+                     "num_groups", "repeats", "num_hit_pairs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate: must be > 0, got {self.request_rate}")
+        if self.cache_requests is not None and self.cache_requests < 1:
+            raise ValueError(f"cache_requests: must be >= 1 (room for one request), got {self.cache_requests}")
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prefix_len + self.suffix_len
+
+    @property
+    def cache_tokens(self) -> int:
+        """KV cache tokens per group."""
+        per_group = self.cache_requests if self.cache_requests is not None else self.num_prefixes / 2 + 0.5
+        return math.ceil(per_group * (self.prompt_len + self.output_len))
+
+
+PREFIX_FULL = PrefixBenchConfig()
+PREFIX_QUICK = PrefixBenchConfig(num_requests=24, num_no_share=8, repeats=2, num_hit_pairs=3)
+
+
+# ---- workloads --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefixWorkload:
+    requests: list[BenchRequest]
+    prefix_ids: list[int]  # per request: index into `prefixes`, or NO_PREFIX
+    prefixes: list[list[int]] = field(default_factory=list)
+    warmup: list[BenchRequest] = field(default_factory=list)  # one request per prefix, not measured
+
+
+def _tokens(rng: random.Random, num: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(num)]
+
+
+def shared_workload(cfg: PrefixBenchConfig, vocab_size: int, seed: int) -> PrefixWorkload:
+    """`cfg.num_requests` requests over `cfg.num_prefixes` prefixes, each used equally often (+-1)."""
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng, cfg.prefix_len, vocab_size) for _ in range(cfg.num_prefixes)]
+    prefix_ids = [i % cfg.num_prefixes for i in range(cfg.num_requests)]
+    rng.shuffle(prefix_ids)
+    requests = [BenchRequest(prefixes[p] + _tokens(rng, cfg.suffix_len, vocab_size), cfg.output_len)
+                for p in prefix_ids]
+    warmup = [BenchRequest(p + _tokens(rng, cfg.suffix_len, vocab_size), cfg.output_len) for p in prefixes]
+    return PrefixWorkload(requests, prefix_ids, prefixes, warmup)
+
+
+def no_share_workload(cfg: PrefixBenchConfig, vocab_size: int, seed: int) -> PrefixWorkload:
+    rng = random.Random(seed)
+    requests = [BenchRequest(_tokens(rng, cfg.prompt_len, vocab_size), cfg.output_len)
+                for _ in range(cfg.num_no_share)]
+    return PrefixWorkload(requests, [NO_PREFIX] * len(requests))
+
+
+def hit_pairs(cfg: PrefixBenchConfig, vocab_size: int, seed: int) -> list[tuple[BenchRequest, BenchRequest]]:
+    """(cold, hit): two requests of one fresh prefix, different suffixes."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(cfg.num_hit_pairs):
+        prefix = _tokens(rng, cfg.prefix_len, vocab_size)
+        cold, hit = (BenchRequest(prefix + _tokens(rng, cfg.suffix_len, vocab_size), cfg.output_len)
+                     for _ in range(2))
+        pairs.append((cold, hit))
+    return pairs
+
+
+# ---- figures ----------------------------------------------------------------------------------------
+def is_hit(record: RequestRecord, prefix_len: int) -> bool:
+    return record.ok and record.num_cached_tokens >= prefix_len // 2
+
+
+def run_figures(records: list[RequestRecord], prefix_ids: list[int], prefix_len: int) -> dict[str, Any]:
+    """One policy's run of one workload: TTFT/E2E percentiles (ms), hit rate, groups per prefix, TTFTs."""
+    done = [r for r in records if r.ok]
+    ttft = np.asarray([r.ttft_s for r in done]) * 1e3
+    e2e = np.asarray([r.e2e_s for r in done]) * 1e3
+    groups: dict[int, set[str]] = {}
+    for r, p in zip(records, prefix_ids):
+        if r.ok and p != NO_PREFIX:
+            groups.setdefault(p, set()).add(r.group)
+    pct = (lambda a, q: float(np.percentile(a, q)) if a.size else math.nan)
+    figures = {
+        "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "e2e_p50_ms": pct(e2e, 50),
+        "hit_rate": sum(is_hit(r, prefix_len) for r in done) / len(done) if done else math.nan,
+        "num_failed": len(records) - len(done),
+        "ttft_samples_ms": sorted(float(t) for t in ttft),
+    }
+    if any(p != NO_PREFIX for p in prefix_ids):
+        figures["groups_per_prefix"] = statistics.mean(len(g) for g in groups.values()) if groups else math.nan
+    return figures
+
+
+def same_group_rounds(records: list[RequestRecord], num_groups: int) -> float:
+    """Of the rounds of `num_groups` requests sent together, the fraction that did not get a group each."""
+    rounds = [records[i:i + num_groups] for i in range(0, len(records), num_groups)]
+    rounds = [r for r in rounds if len(r) == num_groups and all(x.ok for x in r)]
+    return sum(len({x.group for x in r}) < num_groups for r in rounds) / len(rounds) if rounds else math.nan
+
+
+def summarize(runs: dict[tuple[str, str], list[dict[str, Any]]], hit_ttft_s: list[float],
+              cold_ttft_s: list[float]) -> dict[str, Any]:
+    """Figures over repeats: medians, failures summed, TTFT samples pooled (sorted), p50 per repeat.
+
+    runs[(workload, policy)]: `run_figures` of each repeat, workload "shared" or "no_share"."""
+    figures: dict[str, Any] = {}
+    for (workload, policy), per_run in runs.items():
+        stem = LABELS[policy] if workload == "shared" else f"no_share_{LABELS[policy]}"
+        for key in per_run[0]:
+            values = [run[key] for run in per_run]
+            if key == "ttft_samples_ms":
+                figures[f"{stem}_{key}"] = sorted(v for run in values for v in run)
+            else:
+                figures[f"{stem}_{key}"] = sum(values) if key == "num_failed" else statistics.median(values)
+        figures[f"{stem}_ttft_p50_ms_runs"] = [run["ttft_p50_ms"] for run in per_run]
+    figures["routed_ttft_ratio"] = figures["routed_ttft_p50_ms"] / figures["load_only_ttft_p50_ms"]
+    figures["no_share_overhead"] = (figures["no_share_routed_ttft_p50_ms"]
+                                    / figures["no_share_load_only_ttft_p50_ms"] - 1.0)
+    figures["hit_ttft_ms"] = statistics.median(hit_ttft_s) * 1e3
+    figures["cold_ttft_ms"] = statistics.median(cold_ttft_s) * 1e3
+    figures["hit_ttft_ratio"] = figures["hit_ttft_ms"] / figures["cold_ttft_ms"]
+    return figures
+
+
+def verdicts(figures: dict[str, Any]) -> dict[str, Any]:
+    """`{name}_target` ("<= 0.3") and `{name}_met` (bool, None when not measured) of the issue's three figures."""
+    from tandem.bench.report import TARGETS, meets_target
+
+    out: dict[str, Any] = {}
+    for name in ("routed_ttft_ratio", "hit_ttft_ratio", "no_share_overhead"):
+        op, bound = TARGETS[name]
+        out[f"{name}_target"] = f"{op} {bound:g}"
+        out[f"{name}_met"] = meets_target(name, figures.get(name))
+    return out
+
+
+# ---- running it -------------------------------------------------------------------------------------
+def run_prefix_bench(cfg: PrefixBenchConfig, *, model: str | None = None,
+                     engine_options: dict[str, Any] | None = None, idle_wait_s: float = 60.0,
+                     show_progress: bool = True) -> dict[str, Any]:
+    """Every figure of the benchmark as one flat dict (see the module docstring)."""
+    from tandem.bench.hardware import wait_for_idle
+    from tandem.workers.demo_model import bench_model_path
+    from tandem.workers.models.hf_config import HFModelConfig
+
+    model_dir = os.path.abspath(model or bench_model_path())
+    hf_config = HFModelConfig.from_dir(model_dir)
+    options = {"max_model_len": cfg.prompt_len + cfg.output_len, **(engine_options or {})}
+    if "kv_cache_memory" not in options and "num_kv_blocks" not in options:
+        per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * hf_config.head_dim * 4
+        options["kv_cache_memory"] = cfg.cache_tokens * per_token  # float32; a wider dtype gets more tokens
+    waited = wait_for_idle(idle_wait_s) if idle_wait_s > 0 else 0.0
+    figures: dict[str, Any] = {
+        "model": model_dir, "num_groups": cfg.num_groups, "num_prefixes": cfg.num_prefixes,
+        "prefix_len": cfg.prefix_len, "suffix_len": cfg.suffix_len, "output_len": cfg.output_len,
+        "num_requests": cfg.num_requests, "num_no_share": cfg.num_no_share, "request_rate": cfg.request_rate,
+        "cache_tokens_per_group": cfg.cache_tokens, "kv_cache_memory": options["kv_cache_memory"],
+        "repeats": cfg.repeats, "num_hit_pairs": cfg.num_hit_pairs, "workload_seed": cfg.seed,
+        "idle_waited_s": waited, "load_average_1m": os.getloadavg()[0],
+    }
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    with policy_servers(model_dir, options, cfg.num_groups) as urls:
+        for r in range(cfg.repeats):
+            seed = cfg.seed + 1000 * r
+            shared = shared_workload(cfg, hf_config.vocab_size, seed)
+            no_share = no_share_workload(cfg, hf_config.vocab_size, seed + 1)
+            order = POLICIES if r % 2 == 0 else POLICIES[::-1]
+            for policy in order:
+                _log(show_progress, f"repeat {r + 1}/{cfg.repeats}, routing {policy!r}: {len(shared.warmup)} "
+                     f"warm-up, then {cfg.num_requests} shared requests at {cfg.request_rate:g} req/s")
+                _send(urls[policy], shared.warmup, LoadLevel(concurrency=cfg.num_groups))
+                records = _send(urls[policy], shared.requests, LoadLevel(rate=cfg.request_rate), seed)
+                runs.setdefault(("shared", policy), []).append(run_figures(records, shared.prefix_ids, cfg.prefix_len))
+            _log(show_progress, f"repeat {r + 1}/{cfg.repeats}: {cfg.num_no_share} no-share requests per routing")
+            for policy, records in _no_share_rounds(urls, no_share.requests, cfg.num_groups, order).items():
+                run = run_figures(records, no_share.prefix_ids, cfg.prefix_len)
+                run["same_group_rounds"] = same_group_rounds(records, cfg.num_groups)
+                runs.setdefault(("no_share", policy), []).append(run)
+        _log(show_progress, f"{cfg.num_hit_pairs} cold/hit pairs, one request at a time, routing 'prefix'")
+        hit_s, cold_s, cached = [], [], []
+        for cold, hit in hit_pairs(cfg, hf_config.vocab_size, cfg.seed + 999_999):
+            cold_record, hit_record = (_send(urls["prefix"], [req], LoadLevel(concurrency=1))[0]
+                                       for req in (cold, hit))
+            assert cold_record.ok and hit_record.ok, cold_record.error or hit_record.error
+            cold_s.append(cold_record.ttft_s)
+            hit_s.append(hit_record.ttft_s)
+            cached.append(hit_record.num_cached_tokens)
+    figures.update(summarize(runs, hit_s, cold_s))
+    figures["hit_pair_min_cached_tokens"] = min(cached)
+    figures.update(verdicts(figures))
+    figures["load_average_1m_end"] = os.getloadavg()[0]
+    return figures
+
+
+def _no_share_rounds(urls: dict[str, str], requests: list[BenchRequest], num_groups: int,
+                     order: tuple[str, ...]) -> dict[str, list[RequestRecord]]:
+    """The same requests to every policy in rounds of one per group, the policies taking turns
+    (ABBA), so a neighbour's load lands on both alike."""
+    records: dict[str, list[RequestRecord]] = {policy: [] for policy in order}
+    for j, start in enumerate(range(0, len(requests), num_groups)):
+        for policy in (order if j % 2 == 0 else order[::-1]):
+            level = LoadLevel(concurrency=num_groups)
+            records[policy] += _send(urls[policy], requests[start:start + num_groups], level)
+    return records
+
+
+def _send(url: str, requests: list[BenchRequest], level: LoadLevel, seed: int = 0) -> list[RequestRecord]:
+    records, _ = asyncio.run(run_level(url, requests, level, model="tandem-bench", seed=seed))
+    return records
+
+
+@contextmanager
+def policy_servers(model_dir: str, options: dict[str, Any], num_groups: int) -> Iterator[dict[str, str]]:
+    """One local Ray and Serve; one app per routing policy at /<policy>, warmed up: yields {policy: url}."""
+    import ray
+    from ray import serve
+
+    from tandem.bench.serve import _free_port, httpx
+    from tandem.router.app import build_app
+
+    cores = os.cpu_count() or 1
+    ray.init(address="local", num_cpus=len(POLICIES) * num_groups + 4, include_dashboard=False,
+             log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        urls = {}
+        for policy in POLICIES:
+            # One CPU per group: its torch gets one thread (Ray sets OMP_NUM_THREADS from num_cpus).
+            app = build_app({**options, "model": model_dir, "served_model_name": "tandem-bench", "routing": policy,
+                             "num_replicas": num_groups, "group_num_cpus": max(1, cores // num_groups)})
+            serve.run(app, name=f"tandem-bench-{policy}", route_prefix=f"/{policy}")
+            urls[policy] = f"http://127.0.0.1:{port}/{policy}"
+        for url in urls.values():
+            deadline = time.monotonic() + 120
+            while httpx.get(url + "/health", timeout=10).status_code != 200:
+                assert time.monotonic() < deadline, f"{url} never became healthy"
+                time.sleep(0.5)
+            # Prompts shorter than a block: the first calls' one-off costs, nothing cached.
+            _send(url, [BenchRequest(list(range(NUM_SPECIAL_TOKENS, NUM_SPECIAL_TOKENS + 8)), 4)] * num_groups,
+                  LoadLevel(concurrency=num_groups))
+        yield urls
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _log(show: bool, message: str) -> None:
+    if show:
+        print(f"[bench prefix] {message}", file=sys.stderr, flush=True)
+
+
+# ---- presenting -------------------------------------------------------------------------------------
+def table_rows(figures: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    names = ["routed_ttft_ratio", "hit_ttft_ratio", "no_share_overhead"]
+    for stem in ("routed", "load_only", "no_share_routed", "no_share_load_only"):
+        names += [f"{stem}_{key}" for key in ("ttft_p50_ms", "ttft_p90_ms", "e2e_p50_ms", "hit_rate")]
+        names += [f"{stem}_same_group_rounds" if stem.startswith("no_share") else f"{stem}_groups_per_prefix"]
+        names += [f"{stem}_num_failed"]
+    names += ["hit_ttft_ms", "cold_ttft_ms", "hit_pair_min_cached_tokens", "cache_tokens_per_group",
+              "load_average_1m", "load_average_1m_end", "wall_s"]
+    return [(n, figures[n], "ms" if n.endswith("_ms") else "s" if n.endswith("_s") else "")
+            for n in names if n in figures]
+
+
+def title(figures: dict[str, Any]) -> str:
+    return (f"tandem bench prefix: {figures['num_groups']} groups, {figures['num_prefixes']} prefixes of "
+            f"{figures['prefix_len']} + {figures['suffix_len']} own tokens, {figures['num_requests']} requests "
+            f"at {figures['request_rate']:g} req/s, median of {figures['repeats']} repeats")
+
+
+def plot_prefix(path: str, figures: dict[str, Any]) -> None:
+    """TTFT CDF per policy on both workloads (repeats pooled), and the cold/hit pair medians."""
+    from tandem.bench.report import _pyplot
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, (workload, stem) in zip(axes[:2], (("shared", ""), ("no-share", "no_share_"))):
+        for policy, color in zip(POLICIES, ("tab:blue", "tab:orange")):
+            samples = figures[f"{stem}{LABELS[policy]}_ttft_samples_ms"]
+            fraction = np.arange(1, len(samples) + 1) / max(1, len(samples))
+            ax.step(samples, fraction, where="post", color=color, label=f"routing {policy!r} (p50 "
+                    f"{figures[f'{stem}{LABELS[policy]}_ttft_p50_ms']:.0f} ms)")
+        ratio = figures["routed_ttft_ratio"] if not stem else 1 + figures["no_share_overhead"]
+        ax.set_title(f"{workload} workload, all repeats: TTFT CDF (p50 prefix / load {ratio:.2f})", fontsize=10)
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_xlim(left=0)
+        ax.legend(fontsize=8, loc="lower right")
+    ax = axes[2]
+    bars = ax.bar(["cold prefill", "prefix cached"], [figures["cold_ttft_ms"], figures["hit_ttft_ms"]],
+                  color=["tab:gray", "tab:green"])
+    for bar in bars:
+        ax.annotate(f"{bar.get_height():.0f} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=9)
+    ax.set_title(f"one request alone: hit / cold = {figures['hit_ttft_ratio']:.2f}", fontsize=10)
+    ax.set_ylabel("TTFT (ms, median of pairs)")
+    fig.suptitle(title(figures), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- command line -----------------------------------------------------------------------------------
+def register_prefix(bench_subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add `prefix` to `tandem bench`'s subcommands."""
+    p = bench_subparsers.add_parser("prefix", help="prefix-aware vs load-only routing: TTFT, cache hits, overhead",
+                                    description=__doc__.split("\n\n")[0])
+    add_engine_args(p)
+    for action in p._actions:
+        if action.dest == "model":
+            action.help = "local model directory to serve (default: built-in benchmark model)"
+        elif action.dest == "kv_cache_memory":
+            action.help = "bytes of KV cache per group (default: --cache-requests whole requests)"
+    p.add_argument("--quick", action="store_true", help="fewer requests, 2 repeats (a few minutes on 2 CPU cores)")
+    p.add_argument("--repeats", type=int, default=None, help="repeats to take the median of (default 3; --quick 2)")
+    p.add_argument("--num-requests", type=int, default=None, help="shared-workload requests per run")
+    p.add_argument("--num-prefixes", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=None, help="shared workload, req/s (Poisson)")
+    p.add_argument("--cache-requests", type=float, default=None,
+                   help="each group's KV cache, in whole requests (default: num_prefixes / 2 + 0.5)")
+    p.add_argument("--idle-wait", type=float, default=60.0, metavar="SECONDS",
+                   help="before starting, wait up to this long for other processes to go quiet; 0 = do not wait")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="write every figure as one flat JSON object")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write the plots to this PNG file")
+    p.set_defaults(func=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from tandem.bench import report
+    from tandem.bench.hardware import machine_figures
+    from tandem.bench.systems import resolve_device
+    from tandem.router.cli import engine_options
+
+    cfg = PREFIX_QUICK if args.quick else PREFIX_FULL
+    overrides = {"repeats": args.repeats, "num_requests": args.num_requests, "num_prefixes": args.num_prefixes,
+                 "request_rate": args.request_rate, "cache_requests": args.cache_requests}
+    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    options = engine_options(args)
+    model = options.pop("model", None)
+    if options.pop("address", None):
+        raise ValueError("bench prefix starts its own local Ray (it runs two apps side by side): drop --address")
+    before = machine_figures(resolve_device("cpu"))
+    start = time.perf_counter()
+    figures = run_prefix_bench(cfg, model=model, engine_options=options, idle_wait_s=args.idle_wait)
+    figures.update({k: v for k, v in before.items() if k != "load_average_1m"}, quick=args.quick,
+                   wall_s=time.perf_counter() - start)
+    report.print_table(title(figures), table_rows(figures))
+    if max(figures["load_average_1m"], figures["load_average_1m_end"]) > (figures.get("cpu_count") or 1) + 1:
+        print(f"warning: load average {figures['load_average_1m_end']:.1f} on {figures['cpu_count']} cores: other "
+              "processes shared the CPU, so these figures are unreliable", file=sys.stderr)
+    if args.output_json:
+        report.write_json(args.output_json, figures)
+        print(f"wrote {args.output_json}", file=sys.stderr)
+    if args.plot:
+        plot_prefix(args.plot, figures)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
