@@ -21,6 +21,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from tandem.cluster.config import EngineConfig
 from tandem.router.group_server import GroupServer
 from tandem.router.ingress import OpenAIIngress
+from tandem.router.kv_fetch import FETCH_MODES
 
 DEMO_MODEL_NAME = "tandem-demo"
 
@@ -41,6 +42,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "routing_tokens_per_request": 256.0,  # prefix routing: cached tokens worth one queued request
     "routing_max_imbalance": 4.0,  # prefix routing: queued requests above the least loaded group
     "host_kv_memory_per_node": None,  # bytes of host KV tier the groups of one node may lease
+    "kv_fetch": "auto",  # fetch a missed prefix from another group: "auto" (when cheaper), "always", "never"
 }
 
 ROUTING_POLICIES = ("prefix", "load")
@@ -59,8 +61,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {serving['routing']!r}")
     served_model_name = serving["served_model_name"] or config.model.model or DEMO_MODEL_NAME
 
+    if serving["kv_fetch"] not in FETCH_MODES:
+        raise ValueError(f"kv_fetch: must be one of {', '.join(FETCH_MODES)}, got {serving['kv_fetch']!r}")
     group_options = {"kv_allocator": config.cache.enable_prefix_caching,
-                     "host_kv_memory_per_node": serving["host_kv_memory_per_node"]}
+                     "host_kv_memory_per_node": serving["host_kv_memory_per_node"], "kv_fetch": serving["kv_fetch"]}
     group = GroupServer.options(**_group_options(config, serving)).bind(engine_options, group_options)
     ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
                       "max_model_len": config.model.max_model_len, "api_key": serving["api_key"]}

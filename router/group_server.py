@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
 
 from tandem.cluster.allocator_client import AllocatorClient, GroupIdentity
+from tandem.router.kv_fetch import KVFetcher
 from tandem.cluster.config import EngineConfig
 from tandem.cluster.kv_allocator import get_or_create_allocator
 from tandem.workers.async_engine import AsyncEngine
@@ -48,18 +50,30 @@ class GroupServer:
         group_options = group_options or {}
         config = EngineConfig.from_options(**engine_options)
         self.config = config
-        self.engine = AsyncEngine(build_engine(config, show_progress=False))
+        # The host tier waits for its lease from the allocator (below).
+        engine = build_engine(replace(config, cache=replace(config.cache, host_kv_cache_memory=0)),
+                              show_progress=False)
+        self.engine = AsyncEngine(engine)
         context = serve.get_replica_context()
         self.group_id = context.replica_id.unique_id
         self.num_requests = 0
         self.num_aborted = 0  # left before the end (a client that went away)
         self.allocator: AllocatorClient | None = None
+        self.fetcher: KVFetcher | None = None
+        host_bytes = config.cache.host_kv_cache_memory
         if group_options.get("kv_allocator", True) and config.cache.enable_prefix_caching:
-            self.allocator = self._link_allocator(context.app_name, group_options)
+            self.allocator, host_bytes = self._link_allocator(context.app_name, group_options, host_bytes)
+        if host_bytes:
+            engine.enable_host_tier(host_bytes)
+            if self.allocator is not None:
+                self.fetcher = KVFetcher(self.engine, self.group_id, context.app_name, kv_layout(config),
+                                         mode=group_options.get("kv_fetch", "auto"))
         logger.info("replica group %s ready: %d KV blocks", self.group_id,
                     self.engine.last_stats.get("kv_blocks_total", 0))
 
-    def _link_allocator(self, app_name: str, group_options: dict[str, Any]) -> AllocatorClient:
+    def _link_allocator(self, app_name: str, group_options: dict[str, Any],
+                        host_ask: int) -> tuple[AllocatorClient, int]:
+        """Register with the allocator (leasing the host tier first); returns (client, host bytes)."""
         import ray
 
         engine = self.engine.engine
@@ -68,12 +82,48 @@ class GroupServer:
             block_size=self.config.cache.block_size, device_blocks=engine.pool.num_blocks,
             node_id=ray.get_runtime_context().get_node_id(), kv_layout=kv_layout(self.config))
         budget = group_options.get("host_kv_memory_per_node")
+        granted = self._lease_host(identity, get_or_create_allocator(app_name, budget), host_ask)
+        identity = replace(identity, host_bytes=granted)
         client = AllocatorClient(lambda: get_or_create_allocator(app_name, budget), identity,
                                  wake_engine=self.engine.notify_step_listeners)
         engine.enable_block_events()
         self.engine.add_step_listener(
             lambda eng: client.submit(eng.drain_block_events(), eng.usage(), eng.cached_block_hashes))
-        return client
+        return client, granted
+
+    @staticmethod
+    def _lease_host(ident: GroupIdentity, allocator: Any, ask: int) -> int:
+        """The host-tier bytes the node's budget grants this group (all of `ask` when the
+        allocator cannot be reached: the budget is then not enforced, and we say so)."""
+        if not ask:
+            return 0
+        import ray
+
+        try:
+            reply = ray.get(allocator.register.remote(ident.group_id, ident.model_id, ident.block_size,
+                                                      ident.device_blocks, ident.node_id, [], host_bytes=ask,
+                                                      kv_layout=ident.kv_layout), timeout=10)
+            granted = reply["host_bytes"]
+        except Exception as exc:  # noqa: BLE001 - serve anyway
+            logger.warning("no host KV lease from the allocator (%s): using the %d bytes asked", exc, ask)
+            return ask
+        if granted < ask:
+            logger.warning("host KV tier: asked for %d bytes, the node's budget granted %d", ask, granted)
+        return granted
+
+    async def export_prefix(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Another group's fetch (kv_fetch.py): this group's device blocks for a hash chain."""
+        from tandem.workers.executor import UniProcExecutor
+        from tandem.workers.kv_transfer import export_prefix
+
+        if request.get("target_group") != self.group_id:  # routed here by mistake: nothing
+            return {"num_blocks": 0, "per_rank": []}
+        num, per_rank = await self.engine.run_on_engine(lambda eng: export_prefix(eng, request["block_hashes"]))
+        if isinstance(self.engine.engine.executor, UniProcExecutor) and per_rank:
+            import ray
+
+            per_rank = [ray.put(data) for data in per_rank]  # through the object store, not Serve
+        return {"num_blocks": num, "per_rank": per_rank}  # object refs, one per rank
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request's deltas; a cancelled call aborts it and frees its blocks."""
@@ -84,6 +134,8 @@ class GroupServer:
             yield self._error(request_id, str(exc), "invalid_request")
             return
         self.num_requests += 1
+        if self.fetcher is not None:
+            await self.fetcher.fetch_for(request["prompt_token_ids"])
         finished = False
         try:
             async for out in self.engine.generate({"prompt_token_ids": request["prompt_token_ids"]},
@@ -105,8 +157,10 @@ class GroupServer:
         return {**self.engine.last_stats, "is_healthy": self.engine.is_healthy,
                 "num_requests_total": self.num_requests, "num_aborted_total": self.num_aborted}
 
-    def stats(self) -> dict[str, Any]:
-        return {**self.record_routing_stats(), "group_id": self.group_id}
+    def stats(self, request: dict[str, Any] | None = None) -> dict[str, Any]:
+        """This group's figures (`{"target_group": id}` routes the call to a given group)."""
+        fetch = self.fetcher.stats() if self.fetcher is not None else {}
+        return {**self.record_routing_stats(), **fetch, "group_id": self.group_id}
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:

@@ -69,11 +69,17 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id: r for r in candidate_replicas}
+        target = _target_group(pending_request)
+        if target is not None:  # a call meant for one group (a KV export, its stats)
+            chosen = [r for rid, r in by_id.items() if rid.unique_id == target]
+            return [chosen] if chosen else [list(by_id.values())]
+        hashes = self._prompt_hashes(pending_request)
+        # The directory first: loads are read after the await, so requests routed
+        # meanwhile (counted as predictions) are in them.
+        held = await self.prefix.cached_tokens(hashes) if hashes else {}
         scores = {rid: score_load(r.routing_stats or {}, self.num_in_flight(rid), self.weights)
                   for rid, r in by_id.items()}
-        hashes = self._prompt_hashes(pending_request)
         if hashes:
-            held = await self.prefix.cached_tokens(hashes)
             by_group = {rid: held.get(rid.unique_id, 0) for rid in by_id}
             load_best = min(scores, key=scores.get)
             scores = score_prefix(scores, by_group, self.prefix_weights)
@@ -117,3 +123,10 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             self.prefix.recent.forget_group(replica_id.unique_id)
         self._predicted.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)
+
+
+def _target_group(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    arg = pending_request.args[0]
+    return arg.get("target_group") if isinstance(arg, dict) else None

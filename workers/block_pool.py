@@ -163,6 +163,11 @@ class BlockPool:
     def close(self) -> None:
         self._source.release(self.num_blocks)
 
+    def record_stored(self, block_hash: int, parent_hash: int | None) -> None:
+        """The group now holds this block elsewhere (its host tier, from another group)."""
+        if self.record_events:
+            self.events.append(BlockEvent("stored", block_hash, parent_hash))
+
     def record_removed(self, block_hash: int) -> None:
         """The group no longer holds this prefix block anywhere (also for the host tier)."""
         if self.record_events:

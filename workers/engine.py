@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -58,6 +59,7 @@ class GroupEngine:
         self._arrival = itertools.count()
         self.dead_error: str | None = None
         self.proposer: Proposer | None = None
+        self.prefill_tokens_per_s: float | None = None  # measured; see _note_prefill_speed
         self.spec_policy = SpeculationPolicy(disable_batch_size=config.speculative.disable_batch_size)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -141,10 +143,12 @@ class GroupEngine:
         sched_out = self.scheduler.schedule()
         if not sched_out.has_work:
             return []
+        started = time.perf_counter()
         try:
             result = self.executor.execute(sched_out)
         except Exception as exc:  # a worker died or raised: fail the group loudly
             return self.fail(f"{type(exc).__name__}: {exc}")
+        self._note_prefill_speed(sched_out, time.perf_counter() - started)
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             drafts = sched_out.spec_token_ids.get(req_id)
             if drafts and tokens:
@@ -167,6 +171,14 @@ class GroupEngine:
             if state.finished:
                 del self.states[request_id]
         return outputs
+
+    def _note_prefill_speed(self, sched_out: Any, seconds: float) -> None:
+        """Prompt tokens per second of prefill-heavy steps (an EMA): prices recomputing a prefix."""
+        num_tokens = sched_out.total_num_scheduled_tokens
+        if num_tokens >= 2 * max(1, len(sched_out.num_scheduled_tokens)) and seconds > 0:
+            speed = num_tokens / seconds
+            self.prefill_tokens_per_s = speed if self.prefill_tokens_per_s is None else (
+                0.8 * self.prefill_tokens_per_s + 0.2 * speed)
 
     def fail(self, error: str) -> list[RequestOutput]:
         """End every in-flight request with finish reason 'error'; refuse new ones."""
