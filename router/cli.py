@@ -15,6 +15,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (CPU)")
+    p.add_argument("--host-kv-cache-memory", type=int, default=None,
+                   help="bytes of host memory per group for evicted prefix blocks (default 0: none)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
@@ -28,7 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options a parsed command line sets (unset flags keep engine defaults)."""
     names = ["model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-             "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "tensor_parallel_size",
+             "kv_cache_memory", "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "tensor_parallel_size",
              "pipeline_parallel_size", "speculative_model", "num_speculative_tokens", "address", "seed"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 

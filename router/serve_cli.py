@@ -22,6 +22,14 @@ def register(subparsers, add_engine_args) -> None:
     add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
     p.add_argument("--num-replicas", type=int, default=1, help="replica groups (each tp x pp workers)")
+    p.add_argument("--routing", choices=["prefix", "load"], default="prefix",
+                   help="prefix: send a request where its prompt prefix is cached (within a load bound); "
+                   "load: least outstanding work only")
+    p.add_argument("--host-kv-memory-per-node", type=int, default=None,
+                   help="bytes of host KV tier all groups on one node may lease together (default: no cap)")
+    p.add_argument("--kv-fetch", choices=["auto", "always", "never"], default="auto",
+                   help="fetch a missed prefix from another group (needs --host-kv-cache-memory): "
+                   "auto = when cheaper than recomputing it")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
@@ -39,7 +47,8 @@ def app_args(args: argparse.Namespace) -> dict:
     if options.get("model"):
         options["model"] = os.path.abspath(options["model"])  # replicas do not share our cwd
     options.update(served_model_name=args.served_model_name or args.model, num_replicas=args.num_replicas,
-                   api_key=args.api_key)
+                   api_key=args.api_key, routing=args.routing, kv_fetch=args.kv_fetch,
+                   host_kv_memory_per_node=args.host_kv_memory_per_node)
     return options
 
 

@@ -42,6 +42,20 @@ def test_unknown_or_bad_args_fail_with_the_field_name():
         build_app({"max_tokenz": 3})
     with pytest.raises(ValueError, match="^tensor_parallel_size:"):
         build_app({"tensor_parallel_size": 0})
+    with pytest.raises(ValueError, match="^routing: must be one of prefix, load"):
+        build_app({"routing": "random"})
+    with pytest.raises(ValueError, match="^kv_fetch:"):
+        build_app({"kv_fetch": "sometimes"})
+    with pytest.raises(ValueError, match="^host_kv_cache_memory:"):
+        build_app({"host_kv_cache_memory": -1})
+
+
+def test_router_gets_the_routing_policy_and_block_size():
+    kwargs = options(block_size=32)["request_router_config"].request_router_kwargs
+    assert kwargs == {"routing": "prefix", "block_size": 32, "tokens_per_request": 256.0, "max_imbalance": 4.0}
+    # Without a prefix cache there is nothing to route on.
+    no_cache = options(enable_prefix_caching=False)["request_router_config"].request_router_kwargs
+    assert no_cache["routing"] == "load"
 
 
 def test_logical_cpus_a_local_ray_needs():
