@@ -48,12 +48,12 @@ class CompletionServing:
         return prompts
 
     def sampling(self, req: CompletionRequest) -> dict:
-        if req.echo and req.logprobs is not None:
-            raise ValueError("echo: returning the prompt's logprobs (echo with logprobs) is not supported")
         sampling = req.sampling_kwargs()
         sampling["max_tokens"] = req.max_tokens
         if req.logprobs is not None:
             sampling["logprobs"] = req.logprobs
+            if req.echo:  # the echoed prompt comes with its tokens' logprobs too
+                sampling["prompt_logprobs"] = req.logprobs
         return sampling
 
     async def create(self, req: CompletionRequest) -> Reply:
@@ -69,11 +69,26 @@ class CompletionServing:
             return Reply(self._stream(req, request_id, prompts, streams), group_ids)
         return Reply(await self._collect(req, request_id, prompts, streams), group_ids)
 
+    def _prompt_logprobs(self, prompt: _Prompt, entries: list | None) -> CompletionLogprobs:
+        """The echoed prompt's part of a choice's logprobs (its first token has none)."""
+        out = CompletionLogprobs()
+        if entries is None:  # nothing came back for it: leave the prompt out, never guess
+            return out
+        _logprobs(prompt.token_ids, entries, out)
+        if out.tokens:  # the first token's text: decoded here, no logprob scores it
+            out.tokens[0] = self.client.tokenizer.decode(prompt.token_ids[:1])
+            for i in range(1, len(out.text_offset)):
+                out.text_offset[i] += len(out.tokens[0])
+        return out
+
     async def _collect(self, req, request_id, prompts, streams) -> CompletionResponse:
         choices = {}
         usage = UsageCounter()
+        prompt_logprobs: dict[int, list] = {}  # prompt index -> its prompt logprobs
         async for i, delta in merge(streams):
             usage.add(i, delta)
+            if delta.get("prompt_logprobs") is not None:
+                prompt_logprobs[i] = delta["prompt_logprobs"]
             for out in delta["outputs"]:
                 index = i * req.n + out["index"]
                 choices.setdefault(index, ChoiceState(index)).add(out)
@@ -82,7 +97,12 @@ class CompletionServing:
             c = choices[index]
             prompt = prompts[index // req.n]
             text = "".join(c.text)
-            logprobs = _logprobs(c.token_ids, c.logprobs, 0) if req.logprobs is not None else None
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                if req.echo:
+                    logprobs = self._prompt_logprobs(prompt, prompt_logprobs.get(index // req.n))
+                _logprobs(c.token_ids, c.logprobs, logprobs)
             result.append(CompletionChoice(index=index, text=(prompt.text if req.echo else "") + text,
                                            logprobs=logprobs, finish_reason=c.finish_reason,
                                            stop_reason=c.stop_reason))
@@ -100,12 +120,19 @@ class CompletionServing:
                 index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
                 stop_reason=stop_reason)]))
 
-        if req.echo:
+        echo_with_logprobs = req.echo and req.logprobs is not None
+        if req.echo and not echo_with_logprobs:
             for i, p in enumerate(prompts):
                 for k in range(req.n):
                     yield chunk(i * req.n + k, p.text)
         async for i, delta in merge(streams):
             usage.add(i, delta)
+            if echo_with_logprobs and delta.get("prompt_logprobs") is not None:
+                # The prompt's logprobs arrive with its first token: echo it just before.
+                for k in range(req.n):
+                    lps = self._prompt_logprobs(prompts[i], delta["prompt_logprobs"])
+                    offsets[i * req.n + k] = len(prompts[i].text)
+                    yield chunk(i * req.n + k, prompts[i].text, lps)
             for out in delta["outputs"]:
                 index = i * req.n + out["index"]
                 if index in finished:
@@ -114,7 +141,8 @@ class CompletionServing:
                     finished.add(index)
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = _logprobs(out["token_ids"], out["logprobs"] or [], offsets.get(index, 0))
+                    logprobs = CompletionLogprobs()
+                    _logprobs(out["token_ids"], out["logprobs"] or [], logprobs, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
                 if out["text"] or out["finish_reason"] or (logprobs and logprobs.tokens):
                     yield chunk(index, out["text"], logprobs, out["finish_reason"], out["stop_reason"])
@@ -124,10 +152,19 @@ class CompletionServing:
         yield DONE
 
 
-def _logprobs(token_ids: list[int], entries: list[dict[str, list]], offset: int) -> CompletionLogprobs:
-    """The legacy completions form: parallel lists of tokens, their logprobs, top alternatives."""
-    out = CompletionLogprobs()
+def _logprobs(token_ids: list[int], entries: list[dict[str, list]], out: CompletionLogprobs,
+              offset: int | None = None) -> None:
+    """Append to the legacy completions form: parallel lists of tokens, their logprobs, top
+    alternatives and text offsets (continuing from the text already in `out`)."""
+    if offset is None:
+        offset = out.text_offset[-1] + len(out.tokens[-1]) if out.tokens else 0
     for token_id, entry in zip(token_ids, entries):
+        if entry is None:  # the first prompt token: nothing predicts it
+            out.tokens.append("")
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            continue
         logprob, _, token = entry[str(token_id)]
         token = token or ""
         out.tokens.append(token)
@@ -136,4 +173,3 @@ def _logprobs(token_ids: list[int], entries: list[dict[str, list]], offset: int)
         out.top_logprobs.append({(e[2] or ""): e[0] for e in ranked})
         out.text_offset.append(offset)
         offset += len(token)
-    return out

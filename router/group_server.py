@@ -9,6 +9,8 @@ A delta, as `generate` yields it:
 
     {"request_id", "group_id", "finished", "num_prompt_tokens", "num_cached_tokens",
      "error", "error_type",
+     "prompt_logprobs": [None, {str(token_id): [logprob, rank, decoded_token]}, ...] | None
+                        (asked for with sampling "prompt_logprobs"; on one delta only),
      "outputs": [{"index", "text" (new text), "token_ids" (new ids),
                   "logprobs": [{str(token_id): [logprob, rank, decoded_token]}, ...] | None,
                   "finish_reason", "stop_reason"}]}
@@ -186,7 +188,13 @@ class GroupServer:
                             "logprobs": logprobs, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})
         error_type = "unavailable" if out.error else None
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = [None if pos is None else
+                               {str(tid): [lp.logprob, lp.rank, lp.decoded_token] for tid, lp in pos.items()}
+                               for pos in out.prompt_logprobs]
         return {"request_id": out.request_id, "group_id": self.group_id, "outputs": outputs,
+                "prompt_logprobs": prompt_logprobs,
                 "finished": out.finished, "num_prompt_tokens": len(out.prompt_token_ids),
                 "num_cached_tokens": out.num_cached_tokens, "error": out.error, "error_type": error_type}
 

@@ -153,6 +153,11 @@ class GroupEngine:
             drafts = sched_out.spec_token_ids.get(req_id)
             if drafts and tokens:
                 self.spec_policy.record(req_id, len(drafts), len(tokens) - 1)
+        for req_id, (first, entries) in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(req_id)
+            state = self.states.get(req.parent_id) if req is not None and req.index == 0 else None
+            if state is not None:
+                self.outputs.add_prompt_logprobs(state, first, entries)
         touched: dict[str, RequestState] = {}
         for update in self.scheduler.update(sched_out, result):
             req = update.request

@@ -61,8 +61,8 @@ class KVCacheManager:
 
         At least one token is always left to compute: its logits give the next token.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._update_hashes(req, max_blocks * self.block_size)
         hits: list[int] = []
@@ -75,7 +75,7 @@ class KVCacheManager:
 
     def get_host_hits(self, req: Request, num_device_hits: int) -> list[int]:
         """Host slots holding the blocks that follow the request's device hits."""
-        if self.host is None:
+        if self.host is None or req.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         slots: list[int] = []

@@ -10,7 +10,7 @@ seeded outputs are unchanged by speculation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +20,7 @@ from tandem.workers.loader import load_weights
 from tandem.workers.models.hf_config import HFModelConfig
 from tandem.workers.models.llama import LlamaForCausalLM
 from tandem.workers.parallel import ParallelContext
-from tandem.workers.request import SamplingParams
+from tandem.workers.request import PositionLogprobs, SamplingParams
 from tandem.workers.rejection_sampler import rejection_sample
 from tandem.workers.sampler import Sampler, SamplingRow, compute_logprobs
 from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
@@ -47,6 +47,8 @@ class StepInputs:
     req_ids: list[str]  # in the order their tokens appear
     logits_rows: list[list[int]]  # per request: token indices to score ([] = partial prefill)
     drafts: list[list[int]]
+    # Requests asking for prompt logprobs: (req_id, first prompt index scored, token rows, prompt tokens)
+    prompt_rows: list[tuple[str, int, list[int], list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -179,6 +181,7 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        prompt_rows: list[tuple[str, int, list[int], list[int]]] = []
         for req_id in order:
             state = self.states[req_id]
             start, num = computed[req_id], out.num_scheduled_tokens[req_id]
@@ -197,6 +200,12 @@ class ModelRunner:
             else:
                 logits_rows.append([])
             drafts.append(draft)
+            num_prompt = len(state.prompt_token_ids)
+            if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
+                # Position p's logits score prompt token p + 1.
+                last = min(end, num_prompt - 1)
+                prompt_rows.append((req_id, start + 1, list(range(q_start, q_start + last - start)),
+                                    state.prompt_token_ids[start + 1:last + 1]))
             if num == 1:
                 decode_tables.append(table[:(end + bs - 1) // bs])
                 decode_lens.append(end)
@@ -213,7 +222,7 @@ class ModelRunner:
         )
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                           torch.tensor(positions, dtype=torch.long, device=self.device),
-                          meta, order, logits_rows, drafts)
+                          meta, order, logits_rows, drafts, prompt_rows)
 
     def execute(self, out: SchedulerOutput, hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor | None:
         """Run one step. Non-last pipeline stages return hidden states for the next stage."""
@@ -237,12 +246,33 @@ class ModelRunner:
             return hidden
         return self.sample(inputs, hidden)
 
+    def prompt_logprobs(self, inputs: StepInputs,
+                        hidden: torch.Tensor) -> dict[str, tuple[int, list[PositionLogprobs]]]:
+        """Logprobs of the prompt tokens this step's chunks score (every TP rank joins the gather)."""
+        if not inputs.prompt_rows:
+            return {}
+        rows = [r for _, _, req_rows, _ in inputs.prompt_rows for r in req_rows]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if self.ctx.tp_rank != 0:
+            return {}
+        targets = [t for _, _, _, tokens in inputs.prompt_rows for t in tokens]
+        num_top = [self.states[req_id].sampling_params.prompt_logprobs
+                   for req_id, _, req_rows, _ in inputs.prompt_rows for _ in req_rows]
+        entries = compute_logprobs(logits, targets, num_top)
+        out, k = {}, 0
+        for req_id, first, req_rows, _ in inputs.prompt_rows:
+            out[req_id] = (first, entries[k:k + len(req_rows)])
+            k += len(req_rows)
+        return out
+
     def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> RunnerOutput | None:
+        prompt_logprobs = self.prompt_logprobs(inputs, hidden)
         flat_rows = [i for rows in inputs.logits_rows for i in rows]
         if not flat_rows:
             if self.ctx.tp_rank != 0:
                 return None
-            return RunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids], [None] * len(inputs.req_ids))
+            return RunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids], [None] * len(inputs.req_ids),
+                                prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(flat_rows, device=self.device)])
         if self.ctx.tp_rank != 0:
             return None
@@ -274,7 +304,7 @@ class ModelRunner:
             logprobs.append(lps if idx and lps[0] is not None else None)
             num_drafts += len(draft)
             num_accepted += len(tokens) - 1 if idx and draft else 0
-        return RunnerOutput(inputs.req_ids, sampled, logprobs, num_drafts, num_accepted)
+        return RunnerOutput(inputs.req_ids, sampled, logprobs, num_drafts, num_accepted, prompt_logprobs)
 
     def _verify_sampled(self, logits: torch.Tensor, rows: list[SamplingRow],
                         draft: list[int]) -> tuple[list[int], list]:

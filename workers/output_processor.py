@@ -41,6 +41,8 @@ class RequestState:
     seqs: list[SequenceState]
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False  # delta mode: they go out once
 
     @property
     def finished(self) -> bool:
@@ -58,7 +60,23 @@ class OutputProcessor:
             stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens), logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None) for i in range(params.n)]
-        return RequestState(request_id, prompt, prompt_token_ids, params, seqs)
+        state = RequestState(request_id, prompt, prompt_token_ids, params, seqs)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # nothing predicts the first prompt token
+        return state
+
+    def add_prompt_logprobs(self, state: RequestState, first: int, entries: list[PositionLogprobs]) -> None:
+        """Record the prompt logprobs one step scored; positions seen before (a recompute
+        after preemption) are skipped."""
+        if state.prompt_logprobs is None:
+            return
+        detok = state.seqs[0].detok
+        for position, entry in enumerate(entries, start=first):
+            if position != len(state.prompt_logprobs):
+                continue
+            for token_id, lp in entry.items():
+                lp.decoded_token = detok.decode_token(token_id)
+            state.prompt_logprobs.append(entry)
 
     def add_tokens(self, state: RequestState, req: Request, new_token_ids: list[int],
                    new_logprobs: list[PositionLogprobs] | None) -> bool:
@@ -106,6 +124,11 @@ class OutputProcessor:
                 text, token_ids, logprobs = seq.detok.output_text, list(seq.token_ids), seq.logprobs
             outputs.append(CompletionOutput(seq.index, text, token_ids, logprobs, seq.finish_reason,
                                             seq.stop_reason, seq.cumulative_logprob))
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and len(state.prompt_logprobs) == len(state.prompt_token_ids):
+            if not (delta and state.prompt_logprobs_sent):
+                prompt_logprobs = state.prompt_logprobs
+                state.prompt_logprobs_sent = True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
                              finished=state.finished, num_cached_tokens=state.num_cached_tokens,
-                             error=state.error)
+                             error=state.error, prompt_logprobs=prompt_logprobs)

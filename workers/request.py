@@ -28,6 +28,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the chosen token
+    prompt_logprobs: int | None = None  # the same for every prompt token (computes the whole prompt)
     skip_special_tokens: bool = True
     output_kind: str = "cumulative"  # cumulative | delta (streaming)
     use_speculation: bool = True  # per-request opt-out of speculative decoding
@@ -62,6 +63,9 @@ class SamplingParams:
         if self.logprobs is not None:
             require_field(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs",
                      f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            require_field(isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20,
+                          "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         require_field(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         require_field(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "must be non-negative integers")
@@ -185,3 +189,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    # With params.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # predicts it). In delta mode it comes once, with the first output that has it complete.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

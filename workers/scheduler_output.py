@@ -66,3 +66,5 @@ class RunnerOutput:
     logprobs: list[list[PositionLogprobs] | None]
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # req_id -> (prompt index of the first entry, logprobs of prompt tokens from there on)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)

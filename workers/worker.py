@@ -170,4 +170,5 @@ def merge_outputs(outputs: list[RunnerOutput]) -> RunnerOutput:
         merged.logprobs.extend(out.logprobs)
         merged.num_draft_tokens += out.num_draft_tokens
         merged.num_accepted_draft_tokens += out.num_accepted_draft_tokens
+        merged.prompt_logprobs.update(out.prompt_logprobs)
     return merged

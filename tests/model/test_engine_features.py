@@ -225,3 +225,22 @@ def test_bfloat16_on_cpu_generates(llama_dir: str) -> None:
     refs = hf_greedy(llama_dir, prompts, 8)
     # bf16 rounding may flip a late near-tie, but the first tokens of a decisive model agree.
     assert [o.outputs[0].token_ids[:2] for o in outs] == [r[:2] for r in refs]
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(llama_dir: str) -> None:
+    # A 16-token budget splits the 40-token prompt over three steps; a cached prefix is skipped
+    # for such requests, since every prompt position must be scored.
+    llm = LLM(llama_dir, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    prompt = mixed_prompts(seed=31, lengths=(40,))[0]
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)  # cache it
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    ref = torch.log_softmax(hf_logits(llama_dir, prompt).float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        entry, row = out.prompt_logprobs[i], ref[i - 1]
+        assert set(entry) == {prompt[i], *row.topk(2).indices.tolist()}
+        assert math.isclose(entry[prompt[i]].logprob, row[prompt[i]].item(), abs_tol=1e-4)
+        assert entry[prompt[i]].rank == 1 + int((row > row[prompt[i]]).sum())
+    llm.engine.pool.check_all_free()

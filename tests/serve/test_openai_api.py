@@ -185,6 +185,31 @@ def test_completion_logprobs(client):
         assert max(top.values()) == pytest.approx(logprob)  # greedy takes the most likely token
 
 
+def test_echo_with_logprobs_scores_the_prompt_tokens_too(client, tiny_llama):
+    import torch
+
+    from tests.conftest import hf_logits
+
+    prompt = [17, 230, 61, 99, 145, 8, 77, 190, 33, 54, 120, 71]
+    out = greedy(client, prompt, max_tokens=4, echo=True, logprobs=2)
+    [choice] = out.choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    ref = torch.log_softmax(hf_logits(tiny_llama, prompt).float(), dim=-1)
+    for i in range(1, len(prompt)):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
+        assert 1 <= len(lp.top_logprobs[i]) <= 3
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # Streamed: the echo chunk carries the prompt's logprobs, then the tokens follow.
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                            logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+
+
 def test_chat_logprobs(client):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                          temperature=0, logprobs=True, top_logprobs=2,
@@ -250,7 +275,6 @@ BAD_REQUESTS = [
     (COMPLETION, {"model": MODEL, "prompt": [7] * MAX_MODEL_LEN, "max_tokens": 1}, 400, "prompt"),
     (COMPLETION, {"model": MODEL, "prompt": [10, 100000]}, 400, "prompt"),
     (COMPLETION, {"model": MODEL, "prompt": []}, 400, "prompt"),
-    (COMPLETION, {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": "hi"}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
