@@ -13,6 +13,7 @@ the hashes it holds, so the directory heals without anyone stopping.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,14 +30,19 @@ class GroupRecord:
     host_bytes: int = 0  # the host lease
     kv_layout: str = ""  # groups with equal layouts can copy KV blocks between them
     usage: dict[str, Any] = field(default_factory=dict)
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = 0.0
 
 
 class KVAllocatorState:
     """All the allocator's logic, plain Python (the actor is a thin wrapper)."""
 
-    def __init__(self, host_bytes_per_node: int | None = None) -> None:
+    def __init__(self, host_bytes_per_node: int | None = None, group_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.host_bytes_per_node = host_bytes_per_node  # None: no node budget, grant every ask
+        # A group publishes (at least its usage) every ~0.1 s; one silent this long died
+        # without unregistering (its process was killed): its leases and blocks are dropped.
+        self.group_timeout_s = group_timeout_s
+        self._clock = clock
         self.groups: dict[GroupId, GroupRecord] = {}
         self.directory = PrefixDirectory()
         self.started_at = time.time()
@@ -52,7 +58,7 @@ class KVAllocatorState:
             raise ValueError(f"device_blocks and block_size must be >= 1, got {device_blocks}, {block_size}")
         self.directory.remove_group(group_id)
         self.groups[group_id] = GroupRecord(group_id, model_id, block_size, device_blocks, node_id,
-                                            kv_layout=kv_layout)
+                                            kv_layout=kv_layout, last_seen=self._clock())
         self.directory.add_group(group_id)
         self.directory.apply(group_id, [("stored", h) for h in cached_hashes or ()])
         granted = self.lease_host(group_id, host_bytes) if host_bytes else 0
@@ -64,6 +70,7 @@ class KVAllocatorState:
 
     def lease_host(self, group_id: GroupId, num_bytes: int) -> int:
         """Grant up to num_bytes of its node's host budget to a group; returns the grant."""
+        self.expire_silent_groups()  # a dead group's lease goes back to its node
         record = self.groups[group_id]
         if self.host_bytes_per_node is None:
             record.host_bytes = max(0, num_bytes)
@@ -80,10 +87,19 @@ class KVAllocatorState:
             return False
         self.directory.apply(group_id, events)
         record.usage = dict(usage)
-        record.last_seen = time.monotonic()
+        record.last_seen = self._clock()
         return True
 
+    def expire_silent_groups(self) -> list[GroupId]:
+        """Drop groups not heard from for `group_timeout_s`; returns their ids."""
+        horizon = self._clock() - self.group_timeout_s
+        silent = [g for g, r in self.groups.items() if r.last_seen < horizon]
+        for group_id in silent:
+            self.unregister(group_id)
+        return silent
+
     def match(self, block_hashes: list[int], model_id: str | None = None) -> dict[GroupId, int]:
+        self.expire_silent_groups()
         counts = self.directory.match(block_hashes)
         if model_id is not None:
             counts = {g: n for g, n in counts.items() if self.groups[g].model_id == model_id}
@@ -91,15 +107,18 @@ class KVAllocatorState:
 
     def holders(self, block_hashes: list[int], kv_layout: str) -> dict[GroupId, int]:
         """Like `match`, only groups whose KV layout is `kv_layout` (they can send blocks)."""
+        self.expire_silent_groups()
         return {g: n for g, n in self.directory.match(block_hashes).items()
                 if self.groups[g].kv_layout == kv_layout}
 
     def usage(self) -> dict[GroupId, dict[str, Any]]:
+        self.expire_silent_groups()
         return {g: {**r.usage, "device_blocks": r.device_blocks, "host_bytes": r.host_bytes,
                     "directory_blocks": self.directory.num_blocks(g), "node_id": r.node_id}
                 for g, r in self.groups.items()}
 
     def capacity(self) -> dict[str, int]:
+        self.expire_silent_groups()
         nodes = {r.node_id for r in self.groups.values()}
         return {
             "device_blocks": sum(r.device_blocks for r in self.groups.values()),

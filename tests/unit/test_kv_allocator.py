@@ -36,3 +36,18 @@ def test_unknown_group_is_told_to_register_again_and_death_clears_its_blocks() -
     assert a.match([1, 2]) == {}
     with pytest.raises(ValueError, match="device_blocks"):
         a.register("g2", "m", 16, 0, "n")
+
+
+def test_a_group_silent_past_the_timeout_is_dropped_with_its_leases() -> None:
+    now = [0.0]
+    a = KVAllocatorState(host_bytes_per_node=1000, group_timeout_s=10.0, clock=lambda: now[0])
+    a.register("alive", "m", 16, 10, "n", cached_hashes=[1])
+    a.register("killed", "m", 16, 10, "n", cached_hashes=[1, 2], host_bytes=800)
+    assert a.lease_host("alive", 800) == 200
+    now[0] = 6.0
+    assert a.publish("alive", [], {"num_running": 0})
+    now[0] = 12.0  # "killed" last spoke at 0 (registration), "alive" at 6
+    assert a.match([1, 2]) == {"alive": 1}
+    assert set(a.usage()) == {"alive"}
+    assert a.lease_host("alive", 800) == 800  # the dead group's host bytes went back to the node
+    assert a.publish("killed", [], {}) is False  # had it only been slow: it registers again
