@@ -4,10 +4,18 @@ Cache layout per layer: key and value tensors of shape
     [num_blocks * block_size, num_kv_heads, head_dim]
 A token at position p of a sequence lives in slot block_table[p // bs] * bs + p % bs.
 
-A step's tokens are ordered decodes first (one token each, batched into one
-SDPA call over block-table-gathered KV), then prefill chunks (several tokens
-each; a chunk attends to its cached prefix plus itself, causally). Everything a
-layer needs is built once per step in `AttentionMetadata`.
+A step's tokens are ordered decodes first (one token each), then prefill chunks (several
+tokens each; a chunk attends to its cached prefix plus itself, causally).
+
+Decodes are attended in groups of similar length. A group's blocks are gathered into one
+padded batch, one contiguous copy per block, for one SDPA call:
+
+    rows sorted by blocks needed:  |########|  |######  |  ...  |###|  |##|
+                                   '--- group 0 -------'        '- group k -'
+
+Grouping keeps padding small when lengths differ, bounds the gathered copy's memory, and
+on CPU keeps the copy small enough to still be in cache when SDPA reads it, so K and V
+come from memory once. Plans and masks are built once per step, by the first layer.
 """
 
 from __future__ import annotations
@@ -16,6 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+# Most bytes one group's gathered K (and again V) may take. On CPU the copies must still be
+# in cache (L2, or L3 at worst) when SDPA reads them; 1-4 MiB measured alike, 16 MiB was as
+# slow as one padded batch. Elsewhere the bound only caps the copies' memory.
+GROUP_BYTES = {"cpu": 2 << 20}
+DEFAULT_GROUP_BYTES = 256 << 20
 
 
 @dataclass
@@ -28,28 +42,79 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes attended by one SDPA call over their gathered, padded blocks."""
+
+    rows: torch.Tensor  # [n] the decodes' indices among the step's tokens
+    block_ids: torch.Tensor  # [n * width] blocks to gather, row after row, padded with block 0
+    num_rows: int
+    num_keys: int  # keys kept per row: the padded tail of the last block is cut off
+    mask: torch.Tensor | None  # [n, 1, 1, num_keys] keys each row sees; None: all of them
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_seq_lens: torch.Tensor | None  # [num_decodes]
-    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [D, 1, 1, L]
+    # Host lists, not tensors: decode groups are planned on the host, reading nothing back.
+    decode_block_tables: list[list[int]] | None  # per decode: blocks covering its context
+    decode_seq_lens: list[int] | None  # per decode: context length, this step's token included
     prefills: list[PrefillSeq] = field(default_factory=list)
-
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        mask = self.decode_masks.get(window)
-        if mask is None:
-            max_len = self.decode_block_tables.shape[1] * self.block_size
-            key_pos = torch.arange(max_len, device=self.decode_seq_lens.device)
-            seq = self.decode_seq_lens[:, None]
-            mask = key_pos[None, :] < seq
-            if window is not None:
-                mask &= key_pos[None, :] > seq - 1 - window
-            mask = mask[:, None, None, :]
-            self.decode_masks[window] = mask
-        return mask
-
     block_size: int = 16
+    # window -> this step's decode groups (every layer has the same KV shape, so they share
+    # them). Named for the masks the groups carry; bench replays clear it to pay again.
+    decode_masks: dict[int | None, list[DecodeGroup]] = field(default_factory=dict)
+
+    def decode_groups(self, window: int | None, max_group_blocks: int, device: torch.device) -> list[DecodeGroup]:
+        groups = self.decode_masks.get(window)
+        if groups is None:
+            groups = plan_decode_groups(self.decode_block_tables, self.decode_seq_lens, self.block_size,
+                                        window, max_group_blocks, device)
+            self.decode_masks[window] = groups
+        return groups
+
+
+def plan_decode_groups(tables: list[list[int]], seq_lens: list[int], block_size: int, window: int | None,
+                       max_group_blocks: int, device: torch.device) -> list[DecodeGroup]:
+    """Groups of decodes, longest first. A group closes before a row that would take it past
+    max_group_blocks gathered blocks, or that would be padded to more than twice its own blocks."""
+    bs = block_size
+    # Blocks wholly before a row's window are never read: a row gathers blocks [first, end).
+    firsts = [0 if window is None else max(0, n - window) // bs for n in seq_lens]
+    spans = [len(t) - f for t, f in zip(tables, firsts)]
+    order = sorted(range(len(seq_lens)), key=spans.__getitem__, reverse=True)
+    groups: list[DecodeGroup] = []
+    start = 0
+    for i in range(1, len(order) + 1):
+        width = spans[order[start]]
+        if i == len(order) or (i - start + 1) * width > max_group_blocks or 2 * spans[order[i]] < width:
+            rows = order[start:i]
+            block_ids = [b for r in rows for b in tables[r][firsts[r]:] + [0] * (width - spans[r])]
+            # Row r's key j is position firsts[r] * bs + j; it sees keys [lo, hi).
+            his = [seq_lens[r] - firsts[r] * bs for r in rows]
+            los = [0 if window is None else max(0, seq_lens[r] - window) - firsts[r] * bs for r in rows]
+            num_keys = max(his)
+            mask = None
+            if any(los) or min(his) < num_keys:
+                keys = torch.arange(num_keys, device=device)
+                lo = torch.tensor(los, device=device)[:, None]
+                hi = torch.tensor(his, device=device)[:, None]
+                mask = ((keys >= lo) & (keys < hi))[:, None, None, :]
+            groups.append(DecodeGroup(torch.tensor(rows, device=device),
+                                      torch.tensor(block_ids, device=device), len(rows), num_keys, mask))
+            start = i
+    return groups
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[len(block_ids) * block_size, kv_heads, head_dim]: the blocks' slots, in order.
+
+    index_select over whole blocks copies each block as one contiguous run, where indexing
+    the [slots, kv_heads, head_dim] view element-wise is about twice as slow.
+    """
+    _, kv_heads, head_dim = cache.shape
+    blocks = cache.view(-1, block_size * kv_heads * head_dim)
+    return blocks.index_select(0, block_ids).view(-1, kv_heads, head_dim)
 
 
 def prefill_mask(seq: PrefillSeq, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -75,6 +140,25 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     value_cache.index_copy_(0, slot_mapping, value)
 
 
+def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor) -> None:
+    """Attention of the step's decodes (query rows [0, num_decodes)), written into out's rows."""
+    _, kv_heads, head_dim = key_cache.shape
+    bs = meta.block_size
+    block_bytes = bs * kv_heads * head_dim * key_cache.element_size()
+    max_group_blocks = GROUP_BYTES.get(query.device.type, DEFAULT_GROUP_BYTES) // block_bytes
+    for group in meta.decode_groups(window, max_group_blocks, query.device):
+        n = group.num_rows
+        k = gather_blocks(key_cache, group.block_ids, bs).view(n, -1, kv_heads, head_dim)[:, :group.num_keys]
+        v = gather_blocks(value_cache, group.block_ids, bs).view(n, -1, kv_heads, head_dim)[:, :group.num_keys]
+        # GQA without repeating K/V: a KV head's query heads act as its queries. Every query
+        # of a row sees the same keys, so the per-row mask holds for all of them.
+        q = query.index_select(0, group.rows).view(n, kv_heads, -1, head_dim)  # [n, kvh, heads/kvh, hd]
+        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask,
+                                           scale=scale)
+        out.index_copy_(0, group.rows, o.reshape(n, -1, head_dim))
+
+
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     window: int | None = None) -> torch.Tensor:
@@ -86,16 +170,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     bs = meta.block_size
-    kv_heads = key_cache.shape[1]
     if meta.num_decodes:
-        d = meta.num_decodes
-        tables = meta.decode_block_tables
-        k = key_cache.view(-1, bs, kv_heads, head_dim)[tables].flatten(1, 2)  # [D, L, kvh, hd]
-        v = value_cache.view(-1, bs, kv_heads, head_dim)[tables].flatten(1, 2)
-        q = query[:d].unsqueeze(2)  # [D, h, 1, hd]
-        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=meta.decode_mask(window), scale=scale, enable_gqa=True)
-        out[:d] = o.squeeze(2)
+        decode_attention(query, key_cache, value_cache, meta, scale, window, out)
     for seq in meta.prefills:
         q = query[seq.q_start:seq.q_start + seq.q_len].transpose(0, 1)  # [h, q_len, hd]
         mask = prefill_mask(seq, window, query.device)
@@ -104,8 +180,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             k = key[seq.q_start:seq.q_start + seq.q_len]
             v = value[seq.q_start:seq.q_start + seq.q_len]
         else:
-            k = key_cache.view(-1, bs, kv_heads, head_dim)[seq.block_ids].flatten(0, 1)[:seq.ctx_len]
-            v = value_cache.view(-1, bs, kv_heads, head_dim)[seq.block_ids].flatten(0, 1)[:seq.ctx_len]
+            k = gather_blocks(key_cache, seq.block_ids, bs)[:seq.ctx_len]
+            v = gather_blocks(value_cache, seq.block_ids, bs)[:seq.ctx_len]
         o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                            is_causal=mask is None, scale=scale, enable_gqa=True)
         out[seq.q_start:seq.q_start + seq.q_len] = o.transpose(0, 1)
