@@ -1,16 +1,34 @@
 """`tandem bench spec`: what speculative decoding buys per token, and what it costs at saturation.
 
-- tpot_speedup: batch-1 time per output token without speculation divided by with it
-  (n-gram proposer, copy-heavy prompts: each prompt is a random passage repeated), runs
-  interleaved, median of repeats. TPOT excludes the prefill: (t_last - t_first) / (n - 1).
-- saturation_throughput_ratio: output tokens/s of a batch large enough to be
-  compute-bound, speculation on vs off (the switch-off should make this ~1.0).
-- acceptance_rate: accepted / drafted tokens in the batch-1 runs.
+- tpot_speedup: batch-1 time per output token without speculation divided by with it, runs
+  interleaved (plain, draft, n-gram, the order rotating per prompt), median of repeats. TPOT
+  excludes the prefill: (t_last - t_first) / (n - 1). The proposer is a draft model that
+  agrees with its target (`spec_model_paths`: the bench model with layers 2-8 muted, and a
+  draft made of its layer 1 and LM head); with `--model` and no `--draft-model`, n-gram.
+- acceptance_rate: accepted / drafted tokens in those batch-1 runs.
+- saturation_throughput_ratio: output tokens/s of a batch larger than `disable_batch_size`,
+  speculation on vs off, same pair (the policy stops drafting there, so ~1.0). The timed runs
+  find their prompts in the prefix cache (a warm-up left them there), so decode dominates.
+- ngram_*: the n-gram proposer on the same copy-heavy prompts (a random-weight target never
+  continues its prompt's n-grams, so it drafts ~nothing: a check that a proposer with no
+  guesses costs nothing).
+
+Cost model, at full acceptance and batch 1, per verify step of k drafts:
+
+    speedup = (k + 1) / (v + k * d)
+
+d = draft step / target step. Decoding at batch 1 reads every weight once, so by bytes a draft
+step reads its own layers plus the whole LM head (vocab x hidden floats, 65.5 MB here) against
+the target's 200 MB: d ~= 0.41 (0.36 measured: 5.2 ms against 14.6 ms). v = target step over
+k + 1 tokens / target step over 1 token: ~1 while a step is memory-bound, but on this 2-core CPU
+the [k+1, in] x [out, in]^T GEMMs run far below peak and v = 2.5 at k = 8 (36.8 ms). So the
+bound at k = 8 is 9 / (2.5 + 8 * 0.36) ~= 1.7 whatever the acceptance (see bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -18,6 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tqdm.auto import tqdm
+
+DEFAULT_K = 8
 
 
 def _copy_heavy_prompts(num: int, passage_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -33,7 +53,6 @@ def _tpot(llm: Any, prompt: list[int], max_tokens: int) -> float:
     engine.add_request("tpot", {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     first = last = None
-    produced = 0
     while engine.has_unfinished_requests():
         outs = engine.step()
         if outs:
@@ -53,60 +72,94 @@ def _throughput(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
 
-def run_spec_bench(model: str | None, quick: bool, k: int = 4, repeats: int | None = None,
-                   progress: bool = True) -> dict[str, Any]:
-    from tandem.workers.demo_model import bench_model_path
+def _interleaved_tpot(engines: dict[str, Any], prompts: list[list[int]], max_tokens: int,
+                      bar: Any) -> dict[str, float]:
+    """Median TPOT per engine; each prompt runs on every engine, the order rotating per prompt."""
+    names = list(engines)
+    for name in names:  # warm-up
+        _tpot(engines[name], prompts[0], 4)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i, prompt in enumerate(prompts):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            times[name].append(_tpot(engines[name], prompt, max_tokens))
+        bar.update(1)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def run_spec_bench(model: str | None, quick: bool, k: int = DEFAULT_K, repeats: int | None = None,
+                   progress: bool = True, draft: str | None = None, idle_wait_s: float = 0.0) -> dict[str, Any]:
+    from tandem.bench.hardware import wait_for_idle
+    from tandem.workers.demo_model import spec_model_paths
     from tandem.workers.llm import LLM
 
-    model_dir = model or bench_model_path()
-    repeats = repeats or (3 if quick else 5)
-    max_tokens = 32 if quick else 96
-    base = LLM(model_dir)
-    spec = LLM(model_dir, speculative_model="ngram", num_speculative_tokens=k)
-    vocab = base.engine.hf_config.vocab_size
+    if model is None:
+        model, draft = spec_model_paths()
+    repeats = repeats or (5 if quick else 9)
+    sat_repeats = 3 if quick else 5
+    max_tokens = 64 if quick else 96
+    engines = {"plain": LLM(model), "ngram": LLM(model, speculative_model="ngram", num_speculative_tokens=k)}
+    if draft is not None:
+        engines["draft"] = LLM(model, speculative_model=draft, num_speculative_tokens=k)
+    primary = "draft" if draft is not None else "ngram"
+    vocab = engines["plain"].engine.hf_config.vocab_size
     prompts = _copy_heavy_prompts(repeats, 48 if quick else 128, vocab, seed=0)
-    plain_tpot: list[float] = []
-    spec_tpot: list[float] = []
-    _tpot(base, prompts[0], 4), _tpot(spec, prompts[0], 4)  # warm-up
-    bar = tqdm(total=2 * repeats + 2, desc="bench spec", disable=not progress)
-    for prompt in prompts:  # interleaved: each prompt runs plain then speculative
-        plain_tpot.append(_tpot(base, prompt, max_tokens))
-        spec_tpot.append(_tpot(spec, prompt, max_tokens))
-        bar.update(2)
-    stats = spec.engine.stats()
     batch = _copy_heavy_prompts(24 if quick else 48, 32, vocab, seed=1)
-    sat_plain = _throughput(base, batch, max_tokens // 2)
-    sat_spec = _throughput(spec, batch, max_tokens // 2)
-    bar.update(2)
+    assert len(batch) > engines[primary].config.speculative.disable_batch_size, "saturation batch would draft"
+    waited = wait_for_idle(idle_wait_s) if idle_wait_s > 0 else 0.0
+    load_start = os.getloadavg()[0]
+    bar = tqdm(total=repeats + sat_repeats, desc="bench spec", disable=not progress)
+    tpot = _interleaved_tpot(engines, prompts, max_tokens, bar)
+    stats = {name: engines[name].engine.stats() for name in engines if name != "plain"}
+    sat: dict[str, list[float]] = {"plain": [], primary: []}
+    for name in sat:  # warm-up: first big batch allocates, and leaves the prompts in the prefix cache
+        _throughput(engines[name], batch, 2)
+    for r in range(sat_repeats):  # interleaved, order alternating
+        for name in (["plain", primary] if r % 2 == 0 else [primary, "plain"]):
+            sat[name].append(_throughput(engines[name], batch, max_tokens // 2))
+        bar.update(1)
     bar.close()
-    base.shutdown()
-    spec.shutdown()
-    tpot_plain, tpot_spec = statistics.median(plain_tpot), statistics.median(spec_tpot)
+    for llm in engines.values():
+        llm.shutdown()
+    sat_plain, sat_spec = statistics.median(sat["plain"]), statistics.median(sat[primary])
     return {
         "benchmark": "spec",
-        "model": model_dir,
+        "model": model,
+        "draft_model": draft or "",
         "quick": quick,
         "num_speculative_tokens": k,
-        "proposer": "ngram",
+        "proposer": primary,
         "repeats": repeats,
-        "tpot_plain_ms": tpot_plain * 1e3,
-        "tpot_spec_ms": tpot_spec * 1e3,
-        "tpot_speedup": tpot_plain / tpot_spec,
-        "acceptance_rate": stats["spec_acceptance_rate"],
-        "mean_accepted_length": stats["spec_mean_accepted_length"],
+        "max_tokens": max_tokens,
+        "tpot_plain_ms": tpot["plain"] * 1e3,
+        "tpot_spec_ms": tpot[primary] * 1e3,
+        "tpot_speedup": tpot["plain"] / tpot[primary],
+        "acceptance_rate": float(stats[primary]["spec_acceptance_rate"]),
+        "mean_accepted_length": float(stats[primary]["spec_mean_accepted_length"]),
+        "ngram_tpot_ms": tpot["ngram"] * 1e3,
+        "ngram_tpot_speedup": tpot["plain"] / tpot["ngram"],
+        "ngram_acceptance_rate": float(stats["ngram"]["spec_acceptance_rate"]),
+        "ngram_num_draft_tokens": stats["ngram"]["spec_num_draft_tokens"],
         "saturation_batch": len(batch),
         "saturation_tok_s_plain": sat_plain,
         "saturation_tok_s_spec": sat_spec,
         "saturation_throughput_ratio": sat_spec / sat_plain,
+        "idle_waited_s": waited,
+        "load_average_1m_start": load_start,
+        "load_average_1m_end": os.getloadavg()[0],
     }
 
 
 def register_spec(bench_subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     p = bench_subparsers.add_parser("spec", help="speculative decoding: per-token speedup, cost at saturation")
-    p.add_argument("--model", default=None, help="model directory (default: built-in benchmark model)")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--model", default=None,
+                   help="target model directory (default: the built-in agreeing target/draft pair)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model directory for --model (default with --model: n-gram only)")
+    p.add_argument("--quick", action="store_true", help="5 repeats of 64 tokens (about 30 s on 2 CPU cores)")
+    p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_K)
+    p.add_argument("--repeats", type=int, default=None, help="batch-1 prompts to take the median over")
+    p.add_argument("--idle-wait", type=float, default=60.0, metavar="SECONDS",
+                   help="before starting, wait up to this long for other processes to go quiet; 0 = do not wait")
     p.add_argument("--output-json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="(no plot for this benchmark yet)")
     p.set_defaults(func=_run_from_args)
@@ -115,9 +168,12 @@ def register_spec(bench_subparsers: Any, add_engine_args: Callable[[argparse.Arg
 def _run_from_args(args: argparse.Namespace) -> int:
     from tandem.bench import report
 
-    figures = run_spec_bench(args.model, args.quick, args.num_speculative_tokens, args.repeats)
-    units = {"tpot_plain_ms": "ms", "tpot_spec_ms": "ms", "saturation_tok_s_plain": "tok/s",
-             "saturation_tok_s_spec": "tok/s"}
+    if args.draft_model is not None and args.model is None:
+        raise SystemExit("--draft-model needs --model (the built-in target comes with its own draft)")
+    figures = run_spec_bench(args.model, args.quick, args.num_speculative_tokens, args.repeats,
+                             draft=args.draft_model, idle_wait_s=args.idle_wait)
+    units = {"tpot_plain_ms": "ms", "tpot_spec_ms": "ms", "ngram_tpot_ms": "ms", "saturation_tok_s_plain": "tok/s",
+             "saturation_tok_s_spec": "tok/s", "idle_waited_s": "s"}
     report.print_table("tandem bench spec", [(k, v, units.get(k, "")) for k, v in figures.items()])
     if args.output_json:
         report.write_json(args.output_json, figures)

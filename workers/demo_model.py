@@ -6,11 +6,13 @@ trained on synthetic text plus random weights, in the ordinary HF layout. Gibber
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +210,11 @@ def cache_dir() -> Path:
 
 
 def _cached_model(name: str, **spec: Any) -> str:
+    """Create `name` under the cache dir once (see `_cached_dir`) with `create_model_dir(**spec)`."""
+    return _cached_dir(name, lambda tmp: create_model_dir(tmp, **spec))
+
+
+def _cached_dir(name: str, build: Callable[[Path], object]) -> str:
     """Create `name` under the cache dir once; safe when several processes race to do it.
 
     Each builds in its own temp dir beside the target and renames it into place: rename is
@@ -220,7 +227,7 @@ def _cached_model(name: str, **spec: Any) -> str:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model itself is not secret
     try:
-        create_model_dir(tmp, **spec)
+        build(tmp)
         os.rename(tmp, target)
     except OSError:
         if not target.is_dir():  # a genuine failure, not a lost race
@@ -246,3 +253,68 @@ def bench_model_path() -> str:
         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,
         max_position_embeddings=4096, seed=4321, init_std=0.1,
     )
+
+
+def create_spec_pair(path: str | os.PathLike[str], *, num_draft_layers: int = 1, tail_scale: float = 1e-4,
+                     **model_kwargs: Any) -> tuple[str, str]:
+    """Write a target and a draft that agree, as `path`/target and `path`/draft; return both paths.
+
+    The target is `create_model_dir(**model_kwargs)` with every layer past the first
+    `num_draft_layers` muted: its o_proj and down_proj are scaled by `tail_scale`, so it still
+    costs its full compute and bytes but adds ~nothing to the residual stream. The draft is the
+    target's embedding, first `num_draft_layers` layers, final norm and LM head, so its greedy
+    tokens are the target's almost always. Both share one tokenizer."""
+    path = Path(path)
+    layers = model_kwargs.get("num_hidden_layers", 2)
+    if not 1 <= num_draft_layers < layers:
+        raise ValueError(f"num_draft_layers must be in [1, {layers}), got {num_draft_layers}")
+    if model_kwargs.get("tokenizer") is None:
+        model_kwargs["tokenizer"] = build_tokenizer(model_kwargs.get("vocab_size", 512), model_kwargs.get("seed", 0))
+    target_dir, draft_dir = path / "target", path / "draft"
+    create_model_dir(target_dir, **model_kwargs)
+    with _quiet_hf_progress():
+        target = _ARCHS[model_kwargs.get("architecture", "llama")][1].from_pretrained(target_dir, dtype="auto")
+        with torch.no_grad():
+            for layer in target.model.layers[num_draft_layers:]:
+                layer.self_attn.o_proj.weight.mul_(tail_scale)
+                layer.mlp.down_proj.weight.mul_(tail_scale)
+        draft_config = target.config.to_dict()
+        draft_config["num_hidden_layers"] = num_draft_layers
+        if isinstance(draft_config.get("layer_types"), list):
+            draft_config["layer_types"] = draft_config["layer_types"][:num_draft_layers]
+        draft = type(target)(type(target.config).from_dict(draft_config)).to(target.dtype)
+        kept = {name: w for name, w in target.state_dict().items()
+                if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_draft_layers}
+        draft.load_state_dict(kept, strict=True)
+        draft.generation_config = target.generation_config
+        shard_size = model_kwargs.get("max_shard_size")
+        shards = {} if shard_size is None else {"max_shard_size": shard_size}
+        target.save_pretrained(target_dir, **shards)
+        draft.save_pretrained(draft_dir, **shards)
+    model_kwargs["tokenizer"].save_pretrained(draft_dir)
+    return str(target_dir), str(draft_dir)
+
+
+@contextlib.contextmanager
+def _quiet_hf_progress() -> Iterator[None]:
+    """No "Loading weights" / "Writing model shards" bars on stderr."""
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def spec_model_paths() -> tuple[str, str]:
+    """(target, draft) for `tandem bench spec`: the bench model with layers 2-8 muted, and its layer 1.
+
+    Same shapes and base weights as `bench_model_path()` (so the target costs what the bench
+    model costs per token); the draft is 16.8 MB of layer plus the 65.5 MB LM head, ~41% of
+    the target's 200 MB."""
+    root = Path(_cached_dir("spec-llama-v1", lambda tmp: create_spec_pair(
+        tmp, num_draft_layers=1, architecture="llama", hidden_size=512, intermediate_size=2048,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,
+        max_position_embeddings=4096, seed=4321, init_std=0.1)))
+    return str(root / "target"), str(root / "draft")

@@ -198,3 +198,33 @@ def test_lost_race_uses_existing_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert demo_model._cached_model("race-v1") == str(target)
     assert (target / "winner").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["race-v1"]
+
+
+def test_spec_pair_draft_is_the_targets_first_layers(tmp_path: Path, tok) -> None:
+    target, draft = demo_model.create_spec_pair(tmp_path, num_draft_layers=1, tail_scale=1e-4, tokenizer=tok,
+                                                num_hidden_layers=3, seed=3)
+    assert (target, draft) == (str(tmp_path / "target"), str(tmp_path / "draft"))
+    base = _state_dict(Path(create_model_dir(tmp_path / "base", tokenizer=tok, num_hidden_layers=3, seed=3)))
+    t, d = _state_dict(Path(target)), _state_dict(Path(draft))
+    muted = {f"model.layers.{i}.{w}.weight" for i in (1, 2) for w in ("self_attn.o_proj", "mlp.down_proj")}
+    assert t.keys() == base.keys()
+    assert all(torch.equal(t[k], base[k] * 1e-4 if k in muted else base[k]) for k in t)
+    assert d.keys() == {k for k in t if not k.startswith(("model.layers.1.", "model.layers.2."))}
+    assert all(torch.equal(d[k], t[k]) for k in d)
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["num_hidden_layers"] == 1
+    assert AutoTokenizer.from_pretrained(draft).get_vocab() == tok.get_vocab()
+
+
+def test_spec_pair_greedy_agrees_in_transformers(tmp_path: Path, tok) -> None:
+    target, draft = demo_model.create_spec_pair(tmp_path, num_draft_layers=2, tokenizer=tok, num_hidden_layers=6,
+                                                hidden_size=64, intermediate_size=128, seed=4)
+    prompt = torch.tensor([[5, 17, 300, 42, 9, 77, 120, 3]])
+    outs = [AutoModelForCausalLM.from_pretrained(p).generate(prompt, max_new_tokens=32, do_sample=False,
+                                                             pad_token_id=2, eos_token_id=None)
+            for p in (target, draft)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_spec_pair_needs_layers_to_mute(tmp_path: Path, tok) -> None:
+    with pytest.raises(ValueError, match="num_draft_layers"):
+        demo_model.create_spec_pair(tmp_path, num_draft_layers=2, tokenizer=tok, num_hidden_layers=2)
