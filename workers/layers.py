@@ -53,6 +53,23 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def use_fast_gemm_layout(model: nn.Module) -> int:
+    """On CPU, store each linear layer's weight [out, in] as the transpose of a contiguous
+    [in, out] buffer; returns how many were re-laid.
+
+    `F.linear` then reaches MKL's GEMM with a row-major B, which runs 1.4-2.5x faster for
+    the 2-64-row products of decode, draft and verify steps (measured on the 2-core bench
+    machine; equal at 1 row and >= 128). Shapes, names and the math stay the same; the LM
+    head keeps its layout (no gain at its shape). GPUs (cuBLAS) need nothing.
+    """
+    num = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight.device.type == "cpu":
+            module.weight.data = module.weight.data.t().contiguous().t()
+            num += 1
+    return num
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Merged q|k|v projection. KV heads split over ranks; when there are fewer KV heads
     than ranks, each KV head is replicated on tp_size / num_kv_heads ranks."""

@@ -16,6 +16,7 @@ import torch
 
 from tandem.cluster.config import EngineConfig
 from tandem.workers.attention import AttentionMetadata, PrefillSeq
+from tandem.workers.layers import use_fast_gemm_layout
 from tandem.workers.loader import load_weights
 from tandem.workers.models.hf_config import HFModelConfig
 from tandem.workers.models.llama import LlamaForCausalLM
@@ -76,6 +77,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = LlamaForCausalLM(self.hf_config, self.ctx, self.dtype, max_positions)
         load_weights(self.model, self.model_dir, show_progress=show_progress)
+        use_fast_gemm_layout(self.model)
         self.model.eval()
 
     def kv_bytes_per_block(self) -> int:
