@@ -21,8 +21,9 @@ d = draft step / target step. Decoding at batch 1 reads every weight once, so by
 step reads its own layers plus the whole LM head (vocab x hidden floats, 65.5 MB here) against
 the target's 200 MB: d ~= 0.41 (0.36 measured: 5.2 ms against 14.6 ms). v = target step over
 k + 1 tokens / target step over 1 token: ~1 while a step is memory-bound, but on this 2-core CPU
-the [k+1, in] x [out, in]^T GEMMs run far below peak and v = 2.5 at k = 8 (36.8 ms). So the
-bound at k = 8 is 9 / (2.5 + 8 * 0.36) ~= 1.7 whatever the acceptance (see bench/RESULTS.md).
+small-row GEMMs run below peak: v was 2.5 at k = 8 with the [out, in] weight layout, ~2.1 once
+`use_fast_gemm_layout` (workers/layers.py) gave MKL row-major weights. With d and v both
+measured, k = 12 is where the bound clears 2x on this machine (see bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-DEFAULT_K = 8
+DEFAULT_K = 12  # at acceptance ~1: k=8 gave 1.84x (full), k=12 2.07x (see bench/RESULTS.md)
 
 
 def _copy_heavy_prompts(num: int, passage_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -87,7 +88,8 @@ def _interleaved_tpot(engines: dict[str, Any], prompts: list[list[int]], max_tok
 
 
 def run_spec_bench(model: str | None, quick: bool, k: int = DEFAULT_K, repeats: int | None = None,
-                   progress: bool = True, draft: str | None = None, idle_wait_s: float = 0.0) -> dict[str, Any]:
+                   progress: bool = True, draft: str | None = None, idle_wait_s: float = 0.0,
+                   draft_dtype: str = "auto") -> dict[str, Any]:
     from tandem.bench.hardware import wait_for_idle
     from tandem.workers.demo_model import spec_model_paths
     from tandem.workers.llm import LLM
@@ -99,7 +101,8 @@ def run_spec_bench(model: str | None, quick: bool, k: int = DEFAULT_K, repeats: 
     max_tokens = 64 if quick else 96
     engines = {"plain": LLM(model), "ngram": LLM(model, speculative_model="ngram", num_speculative_tokens=k)}
     if draft is not None:
-        engines["draft"] = LLM(model, speculative_model=draft, num_speculative_tokens=k)
+        engines["draft"] = LLM(model, speculative_model=draft, num_speculative_tokens=k,
+                               speculative_draft_dtype=draft_dtype)
     primary = "draft" if draft is not None else "ngram"
     vocab = engines["plain"].engine.hf_config.vocab_size
     prompts = _copy_heavy_prompts(repeats, 48 if quick else 128, vocab, seed=0)
@@ -127,6 +130,7 @@ def run_spec_bench(model: str | None, quick: bool, k: int = DEFAULT_K, repeats: 
         "draft_model": draft or "",
         "quick": quick,
         "num_speculative_tokens": k,
+        "draft_dtype": draft_dtype,
         "proposer": primary,
         "repeats": repeats,
         "max_tokens": max_tokens,
@@ -157,6 +161,8 @@ def register_spec(bench_subparsers: Any, add_engine_args: Callable[[argparse.Arg
                    help="draft model directory for --model (default with --model: n-gram only)")
     p.add_argument("--quick", action="store_true", help="5 repeats of 64 tokens (about 30 s on 2 CPU cores)")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_K)
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the draft model's dtype (auto: the target's)")
     p.add_argument("--repeats", type=int, default=None, help="batch-1 prompts to take the median over")
     p.add_argument("--idle-wait", type=float, default=60.0, metavar="SECONDS",
                    help="before starting, wait up to this long for other processes to go quiet; 0 = do not wait")
@@ -171,7 +177,7 @@ def _run_from_args(args: argparse.Namespace) -> int:
     if args.draft_model is not None and args.model is None:
         raise SystemExit("--draft-model needs --model (the built-in target comes with its own draft)")
     figures = run_spec_bench(args.model, args.quick, args.num_speculative_tokens, args.repeats,
-                             draft=args.draft_model, idle_wait_s=args.idle_wait)
+                             draft=args.draft_model, idle_wait_s=args.idle_wait, draft_dtype=args.draft_dtype)
     units = {"tpot_plain_ms": "ms", "tpot_spec_ms": "ms", "ngram_tpot_ms": "ms", "saturation_tok_s_plain": "tok/s",
              "saturation_tok_s_spec": "tok/s", "idle_waited_s": "s"}
     report.print_table("tandem bench spec", [(k, v, units.get(k, "")) for k, v in figures.items()])

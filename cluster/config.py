@@ -116,8 +116,14 @@ class SpeculativeConfig:
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
     disable_batch_size: int = 16  # no drafts while more requests than this run (compute-bound)
+    # The draft model's dtype ("auto": the target's). A lower precision draft reads half the
+    # bytes per draft token; outputs stay exactly the target's (every draft is verified).
+    speculative_draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        require_field(self.speculative_draft_dtype in ("auto", "float32", "bfloat16", "float16"),
+                      "speculative_draft_dtype",
+                      f"must be auto, float32, bfloat16 or float16, got {self.speculative_draft_dtype!r}")
         require_field(self.num_speculative_tokens >= 0, "num_speculative_tokens",
                  f"must be >= 0, got {self.num_speculative_tokens}")
         require_field(1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max,
@@ -172,3 +178,9 @@ _PARTS: dict[str, type] = {
 _FIELD_OWNER: dict[str, str] = {
     f.name: part for part, cls in _PARTS.items() for f in dataclasses.fields(cls)
 }
+
+
+def draft_dtype(config: EngineConfig) -> str:
+    """The speculative draft model's dtype option."""
+    spec = config.speculative.speculative_draft_dtype
+    return config.model.dtype if spec == "auto" else spec

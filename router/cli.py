@@ -23,6 +23,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
     p.add_argument("--speculative-model", default=None, help='draft model directory, or "ngram"')
     p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--speculative-draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the draft model's dtype (default auto: the target's)")
     p.add_argument("--address", default=None, help="Ray cluster address to join")
     p.add_argument("--seed", type=int, default=None)
 
@@ -31,7 +33,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine options a parsed command line sets (unset flags keep engine defaults)."""
     names = ["model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "kv_cache_memory", "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "tensor_parallel_size",
-             "pipeline_parallel_size", "speculative_model", "num_speculative_tokens", "address", "seed"]
+             "pipeline_parallel_size", "speculative_model", "num_speculative_tokens", "speculative_draft_dtype", "address", "seed"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

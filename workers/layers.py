@@ -59,12 +59,14 @@ def use_fast_gemm_layout(model: nn.Module) -> int:
 
     `F.linear` then reaches MKL's GEMM with a row-major B, which runs 1.4-2.5x faster for
     the 2-64-row products of decode, draft and verify steps (measured on the 2-core bench
-    machine; equal at 1 row and >= 128). Shapes, names and the math stay the same; the LM
-    head keeps its layout (no gain at its shape). GPUs (cuBLAS) need nothing.
+    machine; equal at 1 row and >= 128; the LM head's 32k x 512 gains 1.1x at 1 row and
+    1.9x at 8). Shapes, names and the math stay the same; an embedding tied to the LM head
+    reads its rows strided, which costs nothing that shows. GPUs (cuBLAS) need nothing.
     """
     num = 0
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight.device.type == "cpu":
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and \
+                module.weight.device.type == "cpu":
             module.weight.data = module.weight.data.t().contiguous().t()
             num += 1
     return num

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from tandem.cluster.config import EngineConfig
+from tandem.cluster.config import EngineConfig, draft_dtype
 from tandem.workers.engine import GroupEngine, Prompt
 from tandem.workers.request import RequestOutput, SamplingParams
 from tandem.workers.tokenizer import apply_chat_template
@@ -66,7 +66,7 @@ def _local_draft_core(config: EngineConfig):
 
     spec, cache = config.speculative, config.cache
     return DraftModelCore(spec.speculative_model, spec.num_speculative_tokens, block_size=cache.block_size,
-                          kv_cache_memory=cache.kv_cache_memory, dtype=config.model.dtype,
+                          kv_cache_memory=cache.kv_cache_memory, dtype=draft_dtype(config),
                           device=config.model.device, max_model_len=config.model.max_model_len)
 
 

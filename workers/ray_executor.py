@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Any
 
-from tandem.cluster.config import EngineConfig
+from tandem.cluster.config import EngineConfig, draft_dtype
 from tandem.cluster.placement import (
     PlacementPlan,
     WorkerBundles,
@@ -256,7 +256,7 @@ class RayExecutor:
         logger.info("speculative draft model %s placed on %s", spec.speculative_model, self.draft_placement)
         self.draft_actor = ray.remote(DraftModelCore).options(**options).remote(
             spec.speculative_model, spec.num_speculative_tokens, block_size=cfg.cache.block_size,
-            kv_cache_memory=cfg.cache.kv_cache_memory, dtype=cfg.model.dtype, device=cfg.model.device,
+            kv_cache_memory=cfg.cache.kv_cache_memory, dtype=draft_dtype(cfg), device=cfg.model.device,
             max_model_len=cfg.model.max_model_len)
         return self.draft_actor
 

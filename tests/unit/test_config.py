@@ -139,3 +139,12 @@ def test_speculation_lookahead_is_checked_against_the_token_budget() -> None:
     assert str(info.value).startswith("max_num_batched_tokens: ")
     config = EngineConfig.from_options(speculative_model="ngram", num_speculative_tokens=16, max_num_seqs=64)
     assert config.scheduler.num_lookahead_slots == 16
+
+
+def test_draft_dtype_defaults_to_the_targets_and_is_validated():
+    from tandem.cluster.config import draft_dtype
+
+    assert draft_dtype(EngineConfig.from_options(dtype="float32")) == "float32"
+    assert draft_dtype(EngineConfig.from_options(dtype="float32", speculative_draft_dtype="bfloat16")) == "bfloat16"
+    with pytest.raises(ValueError, match="^speculative_draft_dtype:"):
+        EngineConfig.from_options(speculative_draft_dtype="int4")
