@@ -38,11 +38,19 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "health_check_period_s": 2.0,
     "ingress_num_replicas": 1,
     "ingress_num_cpus": 0,  # tokenizing is light; a laptop's CPUs go to the groups
+    # Streams one ingress replica carries at once. Serve's default (5) queued the rest at the
+    # proxy: with 8 clients streaming, 3 waited whole requests for a slot (time to first
+    # token over a second, half the server's throughput gone). The ingress only awaits.
+    "ingress_max_ongoing_requests": 4096,
     "routing": "prefix",  # "prefix": prefix-cache-aware (router/policy.py); "load": load only
     "routing_tokens_per_request": 256.0,  # prefix routing: cached tokens worth one queued request
     "routing_max_imbalance": 4.0,  # prefix routing: queued requests above the least loaded group
     "host_kv_memory_per_node": None,  # bytes of host KV tier the groups of one node may lease
-    "kv_fetch": "auto",  # fetch a missed prefix from another group: "auto" (when cheaper), "always", "never"
+    "kv_fetch": "auto",
+    # A streamed request's tokens are sent at most this often (first token at once): fewer,
+    # larger messages through Serve. 0 = every step's tokens as they come (merging only what
+    # is already waiting).
+    "stream_interval_ms": 0,  # fetch a missed prefix from another group: "auto" (when cheaper), "always", "never"
 }
 
 ROUTING_POLICIES = ("prefix", "load")
@@ -64,11 +72,13 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if serving["kv_fetch"] not in FETCH_MODES:
         raise ValueError(f"kv_fetch: must be one of {', '.join(FETCH_MODES)}, got {serving['kv_fetch']!r}")
     group_options = {"kv_allocator": config.cache.enable_prefix_caching,
-                     "host_kv_memory_per_node": serving["host_kv_memory_per_node"], "kv_fetch": serving["kv_fetch"]}
+                     "host_kv_memory_per_node": serving["host_kv_memory_per_node"], "kv_fetch": serving["kv_fetch"],
+                     "stream_interval_ms": serving["stream_interval_ms"]}
     group = GroupServer.options(**_group_options(config, serving)).bind(engine_options, group_options)
     ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
                       "max_model_len": config.model.max_model_len, "api_key": serving["api_key"]}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
+                                    max_ongoing_requests=serving["ingress_max_ongoing_requests"],
                                     ray_actor_options={"num_cpus": serving["ingress_num_cpus"]})
     return ingress.bind(group, ingress_config)
 

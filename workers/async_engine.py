@@ -32,6 +32,27 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _checked(item: RequestOutput | BaseException) -> RequestOutput:
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One delta output that says what two consecutive ones of a request said."""
+    outputs = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        prev = outputs.get(c.index)
+        if prev is None:
+            outputs[c.index] = c
+            continue
+        logprobs = None if prev.logprobs is None and c.logprobs is None else (prev.logprobs or []) + (c.logprobs or [])
+        outputs[c.index] = replace(c, text=prev.text + c.text, token_ids=prev.token_ids + c.token_ids,
+                                   logprobs=logprobs)
+    return replace(then, outputs=[outputs[i] for i in sorted(outputs)],
+                   prompt_logprobs=then.prompt_logprobs if then.prompt_logprobs is not None else first.prompt_logprobs)
+
+
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
     if future.cancelled():
         return
@@ -61,19 +82,37 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.engine.dead_error is None and self._thread.is_alive()
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Stream delta outputs of one request. Leaving the loop early aborts it."""
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       stream_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        """Stream delta outputs of one request. Leaving the loop early aborts it.
+
+        Deltas that are already waiting are merged into one. With `stream_interval_s` > 0,
+        after the first delta (time to first token is never held back) each delta also
+        gathers what arrives within that interval of the previous one: fewer, larger
+        messages for everything downstream, whose cost is per message, not per token.
+        """
         params = replace(params, output_kind="delta")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
         self._post(lambda: self._add(request_id, prompt, params, stream))
         finished = False
+        last_sent: float | None = None
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = _checked(await stream.queue.get())
+                while not item.finished and not stream.queue.empty():
+                    item = merge_deltas(item, _checked(stream.queue.get_nowait()))
+                if stream_interval_s > 0 and last_sent is not None:
+                    deadline = last_sent + stream_interval_s
+                    while not item.finished and (remaining := deadline - loop.time()) > 0:
+                        try:
+                            more = await asyncio.wait_for(stream.queue.get(), remaining)
+                        except TimeoutError:
+                            break
+                        item = merge_deltas(item, _checked(more))
                 finished = item.finished
                 yield item
+                last_sent = loop.time()
                 if finished:
                     return
         finally:

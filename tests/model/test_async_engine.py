@@ -1,0 +1,51 @@
+"""AsyncEngine: per-request streams on a thread, delta merging and the stream interval."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.workers.async_engine import AsyncEngine, merge_deltas
+from tandem.workers.llm import build_engine
+from tandem.workers.request import CompletionOutput, RequestOutput, SamplingParams
+from tests.conftest import hf_greedy, mixed_prompts
+
+
+def test_merge_deltas_concatenates_each_sequence_and_keeps_the_latest_state():
+    a = RequestOutput("r", None, [1], [CompletionOutput(0, "he", [5], None), CompletionOutput(1, "x", [7], None)])
+    b = RequestOutput("r", None, [1], [CompletionOutput(0, "llo", [6], None, finish_reason="length")],
+                      finished=False, num_cached_tokens=4)
+    m = merge_deltas(a, b)
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in m.outputs] == [
+        (0, "hello", [5, 6], "length"), (1, "x", [7], None)]
+    assert m.num_cached_tokens == 4
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir: str):
+    from tandem.cluster.config import EngineConfig
+
+    eng = AsyncEngine(build_engine(EngineConfig.from_options(model=llama_dir, num_kv_blocks=64, block_size=4),
+                                   show_progress=False))
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(engine: AsyncEngine, prompt: list[int], interval_s: float) -> list[RequestOutput]:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    return [out async for out in engine.generate({"prompt_token_ids": prompt}, params, f"r{interval_s}",
+                                                 stream_interval_s=interval_s)]
+
+
+def test_stream_interval_sends_fewer_larger_deltas_with_the_same_tokens(engine, llama_dir: str):
+    prompt = mixed_prompts(seed=41, lengths=(12,))[0]
+    every = asyncio.run(_collect(engine, prompt, 0.0))
+    batched = asyncio.run(_collect(engine, prompt, 0.5))
+    expected = hf_greedy(llama_dir, [prompt], 24)[0]
+    for deltas in (every, batched):
+        assert [t for d in deltas for t in d.outputs[0].token_ids] == expected
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert len(batched[0].outputs[0].token_ids) == 1  # the first token is never held back
+    assert len(batched) < len(every)
+    engine.engine.pool.check_all_free()
