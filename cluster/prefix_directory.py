@@ -11,9 +11,25 @@ routing, never a promise: a group always re-checks its own cache on admission.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 GroupId = str
+
+
+def leading_blocks(block_hashes: list[int],
+                   holders_of: Callable[[int], Iterable[Hashable]]) -> dict[Hashable, int]:
+    """For each holder, how many leading blocks of the chain it holds: a walk that stops
+    once no holder has held every block so far."""
+    counts: dict[Hashable, int] = {}
+    alive: set[Hashable] | None = None
+    for i, block_hash in enumerate(block_hashes):
+        holders = set(holders_of(block_hash))
+        alive = holders if alive is None else alive & holders
+        if not alive:
+            break
+        for holder in alive:
+            counts[holder] = i + 1
+    return counts
 
 
 class PrefixDirectory:
@@ -52,18 +68,7 @@ class PrefixDirectory:
 
     def match(self, block_hashes: list[int]) -> dict[GroupId, int]:
         """Leading blocks of the chain each group holds (groups with none are omitted)."""
-        counts: dict[GroupId, int] = {}
-        alive: set[GroupId] | None = None
-        for i, block_hash in enumerate(block_hashes):
-            holders = self._holders.get(block_hash)
-            if not holders:
-                break
-            alive = set(holders) if alive is None else alive & holders
-            if not alive:
-                break
-            for group in alive:
-                counts[group] = i + 1
-        return counts
+        return leading_blocks(block_hashes, lambda h: self._holders.get(h, ()))
 
     def num_blocks(self, group: GroupId) -> int:
         return len(self._held.get(group, ()))

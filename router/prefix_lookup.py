@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
+from tandem.cluster.prefix_directory import leading_blocks
 from tandem.workers.block_pool import prompt_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -50,16 +51,8 @@ class RecentRoutes:
     def match(self, block_hashes: list[int]) -> dict[Hashable, int]:
         """Leading blocks of the chain sent to each group within the TTL."""
         horizon = self._clock() - self.ttl_s
-        counts: dict[Hashable, int] = {}
-        alive: set[Hashable] | None = None
-        for i, block_hash in enumerate(block_hashes):
-            groups = {g for g, t in self._sent.get(block_hash, {}).items() if t >= horizon}
-            alive = groups if alive is None else alive & groups
-            if not alive:
-                break
-            for group in alive:
-                counts[group] = i + 1
-        return counts
+        return leading_blocks(block_hashes,
+                              lambda h: (g for g, t in self._sent.get(h, {}).items() if t >= horizon))
 
     def forget_group(self, group: Hashable) -> None:
         for groups in self._sent.values():
