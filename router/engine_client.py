@@ -25,6 +25,7 @@ from tandem.workers.request import SamplingParams
 logger = logging.getLogger(__name__)
 
 _HEALTH_TTL_S = 1.0
+_HEALTH_MAX_AGE = 10  # in TTLs: older than this, a request waits for a fresh answer
 
 
 class ServiceUnavailable(Exception):
@@ -71,7 +72,7 @@ class EngineClient:
                      request_id: str) -> AsyncIterator[dict]:
         """Yield the group's delta dicts for one request (see GroupServer.generate)."""
         self.sampling_params(prompt_token_ids, sampling)
-        if not self._can_serve_now():
+        if not await self._can_serve_now():
             raise ServiceUnavailable("no replica group is running")
         request = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids), "sampling": sampling}
         response = self._handle.generate.remote(request)
@@ -101,14 +102,19 @@ class EngineClient:
         all_healthy, _ = await self._group_status()
         return all_healthy
 
-    def _can_serve_now(self) -> bool:
-        """The last known answer, never waiting: a stale one starts a refresh in the background.
+    async def _can_serve_now(self) -> bool:
+        """The last known answer: a stale one is refreshed in the background, and only one
+        with no refresh for `_HEALTH_MAX_AGE` TTLs (start-up, a stuck controller) is waited for.
 
-        (Waiting here put every request behind `serve.status()`, a controller round trip, once
-        a second: under load that alone held time to first token above a second.)
+        (Waiting on every refresh put every request behind `serve.status()`, a controller
+        round trip, once a second: under load that alone held time to first token above a
+        second.)
         """
         checked_at, _, can_serve = self._status
-        if time.monotonic() - checked_at >= _HEALTH_TTL_S and (self._refresh is None or self._refresh.done()):
+        age = time.monotonic() - checked_at
+        if age >= _HEALTH_MAX_AGE * _HEALTH_TTL_S:
+            _, can_serve = await self._group_status()
+        elif age >= _HEALTH_TTL_S and (self._refresh is None or self._refresh.done()):
             self._refresh = asyncio.get_running_loop().create_task(self._group_status())
         return can_serve
 
