@@ -103,8 +103,9 @@ class EngineClient:
         return all_healthy
 
     async def _can_serve_now(self) -> bool:
-        """The last known answer: a stale one is refreshed in the background, and only one
-        with no refresh for `_HEALTH_MAX_AGE` TTLs (start-up, a stuck controller) is waited for.
+        """The last known answer: a stale "yes" is refreshed in the background; a stale "no",
+        or one with no refresh for `_HEALTH_MAX_AGE` TTLs (start-up, a stuck controller), is
+        waited for.
 
         (Waiting on every refresh put every request behind `serve.status()`, a controller
         round trip, once a second: under load that alone held time to first token above a
@@ -112,7 +113,8 @@ class EngineClient:
         """
         checked_at, _, can_serve = self._status
         age = time.monotonic() - checked_at
-        if age >= _HEALTH_MAX_AGE * _HEALTH_TTL_S:
+        if age >= _HEALTH_MAX_AGE * _HEALTH_TTL_S or (not can_serve and age >= _HEALTH_TTL_S):
+            # Nothing recent, or a "no" that may be over: never refuse on a stale answer.
             _, can_serve = await self._group_status()
         elif age >= _HEALTH_TTL_S and (self._refresh is None or self._refresh.done()):
             self._refresh = asyncio.get_running_loop().create_task(self._group_status())
