@@ -34,6 +34,17 @@ def complete(server: str, prompt: list[int]) -> tuple[str, int, list[int]]:
             r.json()["choices"][0]["text"])
 
 
+def held_by(prompt: list[int]) -> dict[str, int]:
+    import ray
+
+    from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
+    from tandem.workers.block_pool import prompt_block_hashes
+    from tests.serve.conftest import APP_NAME
+
+    actor = ray.get_actor(allocator_name(APP_NAME), namespace=ALLOCATOR_NAMESPACE)
+    return ray.get(actor.match.remote(prompt_block_hashes(prompt, BLOCK)), timeout=10)
+
+
 def group_stats(group_id: str) -> dict:
     return group_handle().stats.remote({"target_group": group_id}).result(timeout_s=30)
 
@@ -43,6 +54,8 @@ def test_a_group_fetches_a_prefix_it_never_computed_and_outputs_are_unchanged(se
     prefix = [rng.randrange(3, 200) for _ in range(PREFIX_BLOCKS * BLOCK)]
     holder, cached, _ = complete(server, prefix + [1, 2, 3])
     assert cached == 0
+    # The fetch finds the holder through the directory, which lags a publish interval.
+    assert wait_for(lambda: held_by(prefix + [1]).get(holder) == PREFIX_BLOCKS, timeout_s=10)
     # Send the prefix again until load-only routing picks the other group.
     for attempt in range(30):
         prompt = prefix + [4 + attempt, 5]
