@@ -17,17 +17,22 @@ _BENCHMARKS = {
 _OPTIONAL = ("overlap", "serve", "spec", "prefix")
 
 
+def override_help(parser: argparse.ArgumentParser, **helps: str) -> None:
+    """Replace the help text of existing arguments, by destination name."""
+    for action in parser._actions:
+        if action.dest in helps:
+            action.help = helps[action.dest]
+
+
 def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks (offline throughput, latency, overlap)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, help_text in _BENCHMARKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_engine_args(p)
-        for action in p._actions:  # engine args document the generate default; ours differs
-            if action.dest == "model":
-                action.help = "local Hugging Face model directory (default: built-in benchmark model)"
-            elif action.dest == "dtype":
-                action.help = "auto = float32 on CPU, bfloat16 on CUDA"
+        # The engine args document the generate defaults; ours differ.
+        override_help(p, model="local Hugging Face model directory (default: built-in benchmark model)",
+                      dtype="auto = float32 on CPU, bfloat16 on CUDA")
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         p.add_argument("--repeats", type=int, default=None,
                        help="repeats to take the median of (default 3; offline --quick: 2)")

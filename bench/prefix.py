@@ -389,14 +389,13 @@ def plot_prefix(path: str, figures: dict[str, Any]) -> None:
 # ---- command line -----------------------------------------------------------------------------------
 def register_prefix(bench_subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add `prefix` to `tandem bench`'s subcommands."""
+    from tandem.bench.cli import override_help
+
     p = bench_subparsers.add_parser("prefix", help="prefix-aware vs load-only routing: TTFT, cache hits, overhead",
                                     description=__doc__.split("\n\n")[0])
     add_engine_args(p)
-    for action in p._actions:
-        if action.dest == "model":
-            action.help = "local model directory to serve (default: built-in benchmark model)"
-        elif action.dest == "kv_cache_memory":
-            action.help = "bytes of KV cache per group (default: --cache-requests whole requests)"
+    override_help(p, model="local model directory to serve (default: built-in benchmark model)",
+                  kv_cache_memory="bytes of KV cache per group (default: --cache-requests whole requests)")
     p.add_argument("--quick", action="store_true", help="fewer requests, 2 repeats (a few minutes on 2 CPU cores)")
     p.add_argument("--repeats", type=int, default=None, help="repeats to take the median of (default 3; --quick 2)")
     p.add_argument("--num-requests", type=int, default=None, help="shared-workload requests per run")

@@ -464,12 +464,12 @@ def plot_serve(path: str, figures: dict[str, Any]) -> None:
 # ---- command line -----------------------------------------------------------------------------------
 def register_serve(bench_subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add `serve` to `tandem bench`'s subcommands."""
+    from tandem.bench.cli import override_help
+
     p = bench_subparsers.add_parser("serve", help="load test an OpenAI-compatible server (TTFT, TPOT, goodput)",
                                     description=__doc__.split("\n\n")[0])
     add_engine_args(p)
-    for action in p._actions:
-        if action.dest == "model":
-            action.help = "without --url: the local model directory to serve (default: built-in benchmark model)"
+    override_help(p, model="without --url: the local model directory to serve (default: built-in benchmark model)")
     p.add_argument("--url", default=None, help="server base URL (default: serve tandem locally and compare offline)")
     p.add_argument("--served-model", default=None, help="with --url: the model name to send "
                    "(default: the first of the server's /v1/models)")
