@@ -29,6 +29,13 @@ class GroupIdentity:
     host_bytes: int = 0  # the host-tier bytes the group holds (re-claimed on re-registration)
     kv_layout: str = ""
 
+    def register(self, actor: Any, cached_hashes: list[int], host_bytes: int | None = None) -> Any:
+        """Start `actor.register` for this group (an ObjectRef of its reply); `host_bytes`
+        overrides the held bytes when asking for a first lease."""
+        return actor.register.remote(self.group_id, self.model_id, self.block_size, self.device_blocks, self.node_id,
+                                     cached_hashes, host_bytes=self.host_bytes if host_bytes is None else host_bytes,
+                                     kv_layout=self.kv_layout)
+
 
 class AllocatorClient:
     def __init__(self, get_actor: Callable[[], Any], identity: GroupIdentity, interval_s: float = 0.1,
@@ -82,11 +89,7 @@ class AllocatorClient:
             try:
                 actor = self._actor = self._actor or self._get_actor()
                 if snapshot is not None:
-                    ident = self.identity
-                    ray.get(actor.register.remote(ident.group_id, ident.model_id, ident.block_size,
-                                                  ident.device_blocks, ident.node_id, snapshot,
-                                                  host_bytes=ident.host_bytes, kv_layout=ident.kv_layout),
-                            timeout=self.call_timeout_s)
+                    ray.get(self.identity.register(actor, snapshot), timeout=self.call_timeout_s)
                     self.num_registrations += 1
                 known = ray.get(actor.publish.remote(self.identity.group_id, events, usage),
                                 timeout=self.call_timeout_s)

@@ -154,6 +154,37 @@ def get_or_create_allocator(app_name: str, host_bytes_per_node: int | None = Non
                              num_cpus=0).remote(host_bytes_per_node)
 
 
+class AllocatorRef:
+    """The application's allocator for async callers (the router, a group's fetcher): looked
+    up off the event loop, looked up again after a failed call (killed for good, or a stale
+    handle), and at most every `retry_s` while it cannot be found."""
+
+    def __init__(self, app_name: str, retry_s: float = 1.0, namespace: str = ALLOCATOR_NAMESPACE) -> None:
+        self.app_name = app_name
+        self.retry_s = retry_s
+        self.namespace = namespace
+        self._actor: Any = None
+        self._next_lookup = 0.0
+
+    async def call(self, method: str, *args: Any) -> Any:
+        import asyncio
+
+        import ray
+
+        if self._actor is None:
+            if time.monotonic() < self._next_lookup:
+                raise LookupError(f"allocator {allocator_name(self.app_name)} not found yet")
+            self._next_lookup = time.monotonic() + self.retry_s
+            # get_actor asks the GCS (a blocking call): a thread, never the loop.
+            self._actor = await asyncio.to_thread(ray.get_actor, allocator_name(self.app_name),
+                                                  namespace=self.namespace)
+        try:
+            return await getattr(self._actor, method).remote(*args)
+        except Exception:
+            self._actor = None
+            raise
+
+
 def kill_allocator(app_name: str, namespace: str = ALLOCATOR_NAMESPACE) -> bool:
     """End the application's allocator for good (application teardown); False if none."""
     import ray

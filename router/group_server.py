@@ -76,7 +76,8 @@ class GroupServer:
         if host_bytes:
             engine.enable_host_tier(host_bytes)
             if self.allocator is not None:
-                self.fetcher = KVFetcher(self.engine, self.group_id, context.app_name, kv_layout(config),
+                self.fetcher = KVFetcher(self.engine, self.group_id, context.app_name,
+                                         self.allocator.identity.kv_layout,
                                          mode=group_options.get("kv_fetch", "auto"))
         logger.info("replica group %s ready: %d KV blocks", self.group_id,
                     self.engine.last_stats.get("kv_blocks_total", 0))
@@ -110,9 +111,7 @@ class GroupServer:
         import ray
 
         try:
-            reply = ray.get(allocator.register.remote(ident.group_id, ident.model_id, ident.block_size,
-                                                      ident.device_blocks, ident.node_id, [], host_bytes=ask,
-                                                      kv_layout=ident.kv_layout), timeout=10)
+            reply = ray.get(ident.register(allocator, [], host_bytes=ask), timeout=10)
             granted = reply["host_bytes"]
         except Exception as exc:  # noqa: BLE001 - serve anyway
             logger.warning("no host KV lease from the allocator (%s): using the %d bytes asked", exc, ask)

@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.cluster.kv_allocator import AllocatorRef
 from tandem.workers.block_pool import prompt_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class KVFetcher:
         self.block_size = engine.engine.config.cache.block_size
         self.block_bytes = engine.engine.executor.kv_bytes_per_block()
         self._groups: Any = None  # a handle to this application's GroupServer deployment
-        self._allocator: Any = None
+        self._allocator = AllocatorRef(app_name)
         self.num_fetches = 0
         self.num_blocks_fetched = 0
         self.num_failed = 0
@@ -85,19 +86,9 @@ class KVFetcher:
             return 0
 
     async def _fetch(self, hashes: list[int], local: int) -> int:
-        import ray
-
-        from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
         from tandem.workers.kv_transfer import import_prefix
 
-        if self._allocator is None:  # get_actor asks the GCS (blocking): off the event loop
-            self._allocator = await asyncio.to_thread(ray.get_actor, allocator_name(self.app_name),
-                                                      namespace=ALLOCATOR_NAMESPACE)
-        try:
-            holders = await self._allocator.holders.remote(hashes, self.layout)
-        except Exception:
-            self._allocator = None  # restarted or gone: look it up again next time
-            raise
+        holders = await self._allocator.call("holders", hashes, self.layout)
         holders.pop(self.group_id, None)
         if not holders:
             return 0

@@ -20,7 +20,6 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Any
 
 from tandem.cluster.prefix_directory import leading_blocks
 from tandem.workers.block_pool import prompt_block_hashes
@@ -91,25 +90,12 @@ class PrefixLookup:
 
 
 def allocator_matcher(app_name: str, retry_s: float = 1.0) -> Match:
-    """A `Match` that asks the application's allocator actor, (re)finding it as needed."""
-    import ray
+    """A `Match` that asks the application's allocator actor."""
+    from tandem.cluster.kv_allocator import AllocatorRef
 
-    from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
-
-    state: dict[str, Any] = {"actor": None, "next_try": 0.0}
+    allocator = AllocatorRef(app_name, retry_s)
 
     async def match(block_hashes: list[int]) -> dict[str, int]:
-        if state["actor"] is None:
-            if time.monotonic() < state["next_try"]:
-                raise LookupError("allocator not found yet")
-            state["next_try"] = time.monotonic() + retry_s
-            # get_actor asks the GCS (blocking): off the event loop.
-            state["actor"] = await asyncio.to_thread(ray.get_actor, allocator_name(app_name),
-                                                     namespace=ALLOCATOR_NAMESPACE)
-        try:
-            return await state["actor"].match.remote(block_hashes)
-        except Exception:
-            state["actor"] = None  # killed for good, or a stale handle: look it up again
-            raise
+        return await allocator.call("match", block_hashes)
 
     return match

@@ -44,6 +44,24 @@ def group_handle():
     return serve.get_deployment_handle("GroupServer", app_name=APP_NAME)
 
 
+def allocator():
+    """The test application's cluster KV allocator actor."""
+    import ray
+
+    from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
+
+    return ray.get_actor(allocator_name(APP_NAME), namespace=ALLOCATOR_NAMESPACE)
+
+
+def held_by(prompt: list[int], block_size: int) -> dict[str, int]:
+    """Leading prompt blocks each group holds, as the allocator's directory has it."""
+    import ray
+
+    from tandem.workers.block_pool import prompt_block_hashes
+
+    return ray.get(allocator().match.remote(prompt_block_hashes(prompt, block_size)), timeout=10)
+
+
 def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.1):
     deadline = time.monotonic() + timeout_s
     while True:

@@ -10,7 +10,7 @@ import requests
 
 from tandem.workers.tokenizer import load_tokenizer
 from tests.conftest import hf_greedy
-from tests.serve.conftest import group_handle, serve_app, wait_for
+from tests.serve.conftest import allocator, group_handle, held_by, serve_app, wait_for
 
 BLOCK = 16
 PREFIX_BLOCKS = 8
@@ -34,17 +34,6 @@ def complete(server: str, prompt: list[int]) -> tuple[str, int, list[int]]:
             r.json()["choices"][0]["text"])
 
 
-def held_by(prompt: list[int]) -> dict[str, int]:
-    import ray
-
-    from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
-    from tandem.workers.block_pool import prompt_block_hashes
-    from tests.serve.conftest import APP_NAME
-
-    actor = ray.get_actor(allocator_name(APP_NAME), namespace=ALLOCATOR_NAMESPACE)
-    return ray.get(actor.match.remote(prompt_block_hashes(prompt, BLOCK)), timeout=10)
-
-
 def group_stats(group_id: str) -> dict:
     return group_handle().stats.remote({"target_group": group_id}).result(timeout_s=30)
 
@@ -55,7 +44,7 @@ def test_a_group_fetches_a_prefix_it_never_computed_and_outputs_are_unchanged(se
     holder, cached, _ = complete(server, prefix + [1, 2, 3])
     assert cached == 0
     # The fetch finds the holder through the directory, which lags a publish interval.
-    assert wait_for(lambda: held_by(prefix + [1]).get(holder) == PREFIX_BLOCKS, timeout_s=10)
+    assert wait_for(lambda: held_by(prefix + [1], BLOCK).get(holder) == PREFIX_BLOCKS, timeout_s=10)
     # Send the prefix again until load-only routing picks the other group.
     for attempt in range(30):
         prompt = prefix + [4 + attempt, 5]
@@ -78,10 +67,7 @@ def test_a_group_fetches_a_prefix_it_never_computed_and_outputs_are_unchanged(se
 def test_host_leases_share_the_node_budget(server):
     import ray
 
-    from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
-    from tests.serve.conftest import APP_NAME
-
-    actor = ray.get_actor(allocator_name(APP_NAME), namespace=ALLOCATOR_NAMESPACE)
+    actor = allocator()
     capacity = ray.get(actor.capacity.remote())
     assert capacity["host_bytes_leased"] == 6 << 20  # 4 MiB to the first group, 2 MiB left for the second
     leases = sorted(u["host_bytes"] for u in ray.get(actor.usage.remote()).values())

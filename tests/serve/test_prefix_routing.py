@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.serve.conftest import APP_NAME, serve_app, wait_for
+from tests.serve import conftest
+from tests.serve.conftest import allocator, serve_app, wait_for
 
 BLOCK = 16
 PREFIX_BLOCKS = 10
@@ -36,20 +37,8 @@ def complete(server: str, prompt: list[int], max_tokens: int = 4) -> tuple[str, 
     return r.headers["x-tandem-groups"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def allocator():
-    import ray
-
-    from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
-
-    return ray.get_actor(allocator_name(APP_NAME), namespace=ALLOCATOR_NAMESPACE)
-
-
 def held_by(prompt: list[int]) -> dict[str, int]:
-    import ray
-
-    from tandem.workers.block_pool import prompt_block_hashes
-
-    return ray.get(allocator().match.remote(prompt_block_hashes(prompt, BLOCK)), timeout=10)
+    return conftest.held_by(prompt, BLOCK)
 
 
 def test_every_prefix_after_its_first_request_goes_where_it_is_cached(server):
