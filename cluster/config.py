@@ -119,8 +119,16 @@ class SpeculativeConfig:
     # The draft model's dtype ("auto": the target's). A lower precision draft reads half the
     # bytes per draft token; outputs stay exactly the target's (every draft is verified).
     speculative_draft_dtype: str = "auto"
+    # The draft's own tensor-parallel size (vLLM's name): its ranks go to spare GPUs when
+    # enough sit on one node, else they share the group's first devices.
+    speculative_draft_tensor_parallel_size: int = 1
+    # Engines naming the same Ray actor share one draft (a Serve application names one for
+    # all its groups); None: the draft is this engine's own.
+    speculative_draft_actor_name: str | None = None
 
     def __post_init__(self) -> None:
+        require_field(self.speculative_draft_tensor_parallel_size >= 1, "speculative_draft_tensor_parallel_size",
+                      f"must be >= 1, got {self.speculative_draft_tensor_parallel_size}")
         require_field(self.speculative_draft_dtype in ("auto", "float32", "bfloat16", "float16"),
                       "speculative_draft_dtype",
                       f"must be auto, float32, bfloat16 or float16, got {self.speculative_draft_dtype!r}")

@@ -215,3 +215,21 @@ class WorkerBundles:
         on_node = ray.util.placement_group_table(pg)["bundles_to_node_id"]
         return WorkerBundles(first, spec.get("GPU", 0) > 0, spec.get("CPU", 1.0) if not spec.get("GPU") else 0,
                              [on_node[i] for i in range(first, pg.bundle_count)])
+
+
+@dataclass(frozen=True)
+class DevicePin:
+    """A device an existing worker holds, for a process that shares it without reserving it
+    again (a draft model with no spare GPU): the node, and the GPUs to make visible."""
+
+    node_id: str
+    gpu_ids: tuple[int, ...] = ()
+
+    def actor_options(self) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options: dict[str, Any] = dict(num_cpus=0, num_gpus=0,
+                                       scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False))
+        if self.gpu_ids:
+            options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpu_ids))}}
+        return options

@@ -46,11 +46,14 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "routing_tokens_per_request": 256.0,  # prefix routing: cached tokens worth one queued request
     "routing_max_imbalance": 4.0,  # prefix routing: queued requests above the least loaded group
     "host_kv_memory_per_node": None,  # bytes of host KV tier the groups of one node may lease
-    "kv_fetch": "auto",
+    "kv_fetch": "auto",  # fetch a missed prefix from another group: "auto" (when cheaper), "always", "never"
     # A streamed request's tokens are sent at most this often (first token at once): fewer,
     # larger messages through Serve. 0 = every step's tokens as they come (merging only what
     # is already waiting).
-    "stream_interval_ms": 0,  # fetch a missed prefix from another group: "auto" (when cheaper), "always", "never"
+    "stream_interval_ms": 0,
+    # With a draft model: the application's groups share one draft actor (placed by the
+    # first group to start); False: a draft per group.
+    "share_draft": True,
 }
 
 ROUTING_POLICIES = ("prefix", "load")
@@ -73,7 +76,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         raise ValueError(f"kv_fetch: must be one of {', '.join(FETCH_MODES)}, got {serving['kv_fetch']!r}")
     group_options = {"kv_allocator": config.cache.enable_prefix_caching,
                      "host_kv_memory_per_node": serving["host_kv_memory_per_node"], "kv_fetch": serving["kv_fetch"],
-                     "stream_interval_ms": serving["stream_interval_ms"]}
+                     "stream_interval_ms": serving["stream_interval_ms"], "share_draft": serving["share_draft"]}
     group = GroupServer.options(**_group_options(config, serving)).bind(engine_options, group_options)
     ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
                       "max_model_len": config.model.max_model_len, "api_key": serving["api_key"]}

@@ -25,6 +25,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--speculative-draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft model's dtype (default auto: the target's)")
+    p.add_argument("--speculative-draft-tensor-parallel-size", type=int, default=None,
+                   help="the draft model's own tensor-parallel size (default 1)")
     p.add_argument("--address", default=None, help="Ray cluster address to join")
     p.add_argument("--seed", type=int, default=None)
 
@@ -33,7 +35,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine options a parsed command line sets (unset flags keep engine defaults)."""
     names = ["model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "kv_cache_memory", "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "tensor_parallel_size",
-             "pipeline_parallel_size", "speculative_model", "num_speculative_tokens", "speculative_draft_dtype", "address", "seed"]
+             "pipeline_parallel_size", "speculative_model", "num_speculative_tokens", "speculative_draft_dtype",
+             "speculative_draft_tensor_parallel_size", "address", "seed"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

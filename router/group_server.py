@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 @serve.deployment(name="GroupServer")
 class GroupServer:
     def __init__(self, engine_options: dict[str, Any], group_options: dict[str, Any] | None = None) -> None:
+        from tandem.workers.draft_proposer import draft_actor_name
         from tandem.workers.llm import build_engine  # torch and the model: only in the group
 
         # Two threads share this process's GIL: the engine's (model steps: hundreds of short
@@ -58,12 +59,18 @@ class GroupServer:
         sys.setswitchinterval(0.0005)
         group_options = group_options or {}
         config = EngineConfig.from_options(**engine_options)
+        context = serve.get_replica_context()
+        spec = config.speculative
+        if (spec.enabled and spec.speculative_model != "ngram" and spec.speculative_draft_actor_name is None
+                and group_options.get("share_draft", True)):
+            # One draft actor for the application's groups (workers/draft_proposer.py).
+            config = replace(config, speculative=replace(spec, speculative_draft_actor_name=draft_actor_name(
+                context.app_name)))
         self.config = config
         # The host tier waits for its lease from the allocator (below).
         engine = build_engine(replace(config, cache=replace(config.cache, host_kv_cache_memory=0)),
                               show_progress=False)
         self.engine = AsyncEngine(engine)
-        context = serve.get_replica_context()
         self.group_id = context.replica_id.unique_id
         self.num_requests = 0
         self.num_aborted = 0  # left before the end (a client that went away)

@@ -1,4 +1,4 @@
-"""Draft-model proposer: a small model with its own paged KV cache guesses k tokens.
+"""The draft model: a small model with its own paged KV cache guesses k tokens.
 
 The draft keeps, per target request, the tokens whose KV it has computed. Each
 `propose` call first syncs with the target: the longest common prefix of its tokens
@@ -7,69 +7,127 @@ recomputed in one catch-up pass whose last position yields draft token 1; then
 k - 1 single-token decode steps yield the rest. Drafts are greedy (point masses),
 which the rejection sampler verifies exactly.
 
-It drives a `ModelRunner` through the same step messages as a replica group, so
-the same code runs in-process or inside a `DraftWorker` actor on a spare GPU.
+It drives an executor through the same step messages as a replica group: the model
+in this process at TP=1, or `speculative_draft_tensor_parallel_size` Worker actors
+(a RayExecutor) above that. The same code runs in the engine's process or inside a
+DraftWorker actor (draft_proposer.py), which several groups may share: each group's
+requests live under the group's namespace, and one group's batch never drops another's.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.cluster.config import EngineConfig
+from tandem.cluster.placement import DevicePin
 from tandem.workers.block_pool import BlockPool, LocalCapacity
-from tandem.workers.model_runner import ModelRunner
 from tandem.workers.models.hf_config import HFModelConfig
-from tandem.workers.parallel import ParallelContext
-from tandem.workers.request import Request, SamplingParams
+from tandem.workers.request import SamplingParams
 from tandem.workers.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+# A group that has not asked for drafts this long has its sequences dropped (their KV
+# freed): it went away without detaching, or stopped drafting (a large batch). Dropping
+# only costs a recompute if it comes back.
+IDLE_NAMESPACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """What a draft is built from; groups sharing one draft must agree on it."""
+
+    model: str
+    k: int
+    block_size: int
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    device: str = "auto"
+    max_model_len: int | None = None
+
+    def clash(self, other: "DraftSettings") -> list[str]:
+        """The fields that must match for a group to use a draft built with `other`."""
+        return [name for name in ("model", "k", "block_size", "dtype", "tensor_parallel_size")
+                if getattr(self, name) != getattr(other, name)]
 
 
 @dataclass
 class _DraftSeq:
+    namespace: str
     tokens: list[int] = field(default_factory=list)  # tokens the draft knows (KV for [:num_computed])
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
 
 
 class DraftModelCore:
-    """Proposes k greedy draft tokens for a batch of token sequences, keyed by an id."""
+    """Proposes k greedy draft tokens for batches of token sequences, keyed by namespace + id."""
 
-    def __init__(self, draft_dir: str, k: int, *, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None) -> None:
-        from tandem.workers.executor import pick_device
+    def __init__(self, settings: DraftSettings, pins: list[DevicePin] | None = None, placement: str = "") -> None:
+        from tandem.workers.executor import UniProcExecutor
 
-        self.k = k
-        self.hf_config = HFModelConfig.from_dir(draft_dir)
+        self.settings = settings
+        self.k = settings.k
+        self.placement = placement
+        self.hf_config = HFModelConfig.from_dir(settings.model)
         self.config = EngineConfig.from_options(
-            model=draft_dir, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory, num_lookahead_slots=k, max_model_len=max_model_len,
-            max_num_seqs=256, max_num_batched_tokens=max(8192, 256 * (1 + k)))
-        self.runner = ModelRunner(self.config, self.hf_config, draft_dir, ParallelContext(), pick_device(device))
-        self.runner.load_model(show_progress=False)
-        num_blocks = self.runner.num_blocks_fit()
-        self.runner.init_kv_cache(num_blocks)
+            model=settings.model, dtype=settings.dtype, block_size=settings.block_size,
+            num_kv_blocks=settings.num_kv_blocks, kv_cache_memory=settings.kv_cache_memory,
+            num_lookahead_slots=settings.k, max_model_len=settings.max_model_len, device=settings.device,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            max_num_seqs=256, max_num_batched_tokens=max(8192, 256 * (1 + settings.k)))
+        if settings.tensor_parallel_size > 1:
+            from tandem.workers.ray_executor import RayExecutor
+
+            self.executor: Any = RayExecutor(self.config, self.hf_config, settings.model, pins=pins)
+        else:
+            self.executor = UniProcExecutor(self.config, self.hf_config, settings.model, show_progress=False)
+        num_blocks = self.executor.num_kv_blocks
         self.pool = BlockPool(LocalCapacity(num_blocks), num_blocks)
-        self.block_size = block_size
+        self.block_size = settings.block_size
         self.seqs: dict[str, _DraftSeq] = {}
+        self.attached: set[str] = set()
+        self.last_seen: dict[str, float] = {}
+        self.num_batches: dict[str, int] = {}  # propose calls per namespace
         self._step_id = 0
         self._sent: set[str] = set()
 
-    def propose(self, batch: dict[str, list[int]]) -> dict[str, list[int]]:
-        """batch: id -> the request's tokens so far. Returns id -> up to k draft tokens."""
-        for gone in set(self.seqs) - set(batch):  # finished or no longer decoding
-            self._drop(gone)
-        ready = [seq_id for seq_id, tokens in batch.items() if self._sync(seq_id, tokens)]
+    # ---- groups sharing this draft ------------------------------------------------------------------
+    def attach(self, namespace: str) -> int:
+        self.attached.add(namespace)
+        self.last_seen[namespace] = time.monotonic()
+        return len(self.attached)
+
+    def detach(self, namespace: str) -> int:
+        """Forget a group; returns how many groups are left (0: whoever holds it may end it)."""
+        self.attached.discard(namespace)
+        self.last_seen.pop(namespace, None)
+        for seq_id in [s for s, seq in self.seqs.items() if seq.namespace == namespace]:
+            self._drop(seq_id)
+        return len(self.attached)
+
+    # ---- proposing -----------------------------------------------------------------------------------
+    def propose(self, batch: dict[str, list[int]], namespace: str = "") -> dict[str, list[int]]:
+        """batch: id -> the request's tokens so far (ids start with `namespace`). Returns
+        id -> up to k draft tokens. The namespace's sequences missing from the batch are done."""
+        now = time.monotonic()
+        self.last_seen[namespace] = now
+        self.num_batches[namespace] = self.num_batches.get(namespace, 0) + 1
+        for seq_id, seq in list(self.seqs.items()):
+            idle = now - self.last_seen.get(seq.namespace, 0.0) > IDLE_NAMESPACE_S
+            if (seq.namespace == namespace and seq_id not in batch) or idle:
+                self._drop(seq_id)
+        ready = [seq_id for seq_id, tokens in batch.items() if self._sync(seq_id, tokens, namespace)]
         if not ready or self.k == 0:
             return {seq_id: [] for seq_id in batch}
         drafts: dict[str, list[int]] = {seq_id: [] for seq_id in batch}
         out = self._catch_up_step(ready)
         for step in range(self.k):
-            result = self.runner.execute(out)
+            result = self.executor.execute(out)
             for seq_id, tokens in zip(result.req_ids, result.sampled_token_ids):
                 drafts[seq_id].extend(tokens)
             if step == self.k - 1:
@@ -81,8 +139,8 @@ class DraftModelCore:
             seq.tokens = seq.tokens + drafts[seq_id][:-1]
         return drafts
 
-    def _sync(self, seq_id: str, tokens: list[int]) -> bool:
-        seq = self.seqs.setdefault(seq_id, _DraftSeq())
+    def _sync(self, seq_id: str, tokens: list[int], namespace: str) -> bool:
+        seq = self.seqs.setdefault(seq_id, _DraftSeq(namespace))
         common = 0
         limit = min(len(seq.tokens), len(tokens), seq.num_computed)
         while common < limit and seq.tokens[common] == tokens[common]:
@@ -131,30 +189,25 @@ class DraftModelCore:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def describe(self) -> dict:
-        """Where this draft runs (node and GPUs when it is a Ray actor), for logs and tests."""
+    def describe(self) -> dict[str, Any]:
+        """Where this draft runs (node and GPUs per rank when on Ray), for logs and tests."""
         import ray
 
-        if not ray.is_initialized():
-            return {"node_id": None, "gpu_ids": [], "device": str(self.runner.device)}
-        return {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": ray.get_gpu_ids(),
-                "device": str(self.runner.device)}
+        info: dict[str, Any] = {"placement": self.placement, "settings": self.settings,
+                                "attached": sorted(self.attached), "num_seqs": len(self.seqs),
+                                "num_batches": dict(self.num_batches),
+                                "num_free_blocks": self.pool.num_free_blocks, "num_blocks": self.pool.num_blocks}
+        workers = getattr(self.executor, "worker_info", None)
+        if workers is not None:  # TP > 1: the Worker actors hold the model
+            return info | {"ranks": [{k: w[k] for k in ("node_id", "gpu_ids", "device")} for w in workers]}
+        here = {"node_id": None, "gpu_ids": [], "device": str(self.executor.runner.device)}
+        if ray.is_initialized():
+            here |= {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": ray.get_gpu_ids()}
+        return info | {"ranks": [here]}
 
+    def worker_handles(self) -> list[Any]:
+        """The Worker actors of a TP > 1 draft (tests look inside them)."""
+        return list(getattr(self.executor, "workers", []))
 
-class DraftModelProposer:
-    """Engine-side proposer over a DraftModelCore in this process or in a DraftWorker actor."""
-
-    def __init__(self, core: "DraftModelCore | object", namespace: str = "") -> None:
-        self.core = core
-        self.namespace = namespace  # one draft actor may serve several groups
-
-    def propose(self, requests: list[Request]) -> None:
-        batch = {self.namespace + r.request_id: r.all_token_ids for r in requests}
-        if hasattr(self.core, "propose") and not hasattr(self.core.propose, "remote"):
-            drafts = self.core.propose(batch)
-        else:
-            import ray
-
-            drafts = ray.get(self.core.propose.remote(batch))  # engine thread: not async code
-        for req in requests:
-            req.spec_token_ids = drafts.get(self.namespace + req.request_id, [])
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -251,4 +251,6 @@ class GroupEngine:
                                             "kv_blocks_cached", "kv_usage")}
 
     def shutdown(self) -> None:
+        if self.proposer is not None and hasattr(self.proposer, "shutdown"):
+            self.proposer.shutdown()  # a shared draft: detach (the last group ends it)
         self.executor.shutdown()

@@ -75,5 +75,18 @@ class UniProcExecutor:
         [data] = per_rank
         self.runner.import_host_blocks(slots, data)
 
+    def device_pins(self) -> list[Any]:
+        """This process's node and GPU, for a draft model sharing it (none outside Ray)."""
+        import ray
+
+        from tandem.cluster.placement import DevicePin
+
+        if not ray.is_initialized():
+            return []
+        gpus = [int(g) for g in ray.get_gpu_ids()]
+        if not gpus and self.runner.device.type == "cuda":  # a driver: it sees every GPU
+            gpus = [self.runner.device.index or 0]
+        return [DevicePin(ray.get_runtime_context().get_node_id(), tuple(gpus))]
+
     def shutdown(self) -> None:
         self.runner = None

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from tandem.cluster.config import EngineConfig, draft_dtype
+from tandem.cluster.config import EngineConfig
 from tandem.workers.engine import GroupEngine, Prompt
 from tandem.workers.request import RequestOutput, SamplingParams
 from tandem.workers.tokenizer import apply_chat_template
@@ -33,7 +33,11 @@ def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEn
     else:
         executor = UniProcExecutor(config, hf_config, model_dir, show_progress=show_progress)
     engine = GroupEngine(config, hf_config, tokenizer, executor)
-    engine.proposer = build_proposer(config, hf_config, executor)
+    try:
+        engine.proposer = build_proposer(config, hf_config, executor)
+    except BaseException:
+        executor.shutdown()  # a Ray group's workers would outlive the failed start
+        raise
     if config.cache.host_kv_cache_memory:
         engine.enable_host_tier(config.cache.host_kv_cache_memory)
     return engine
@@ -49,25 +53,14 @@ def build_proposer(config: EngineConfig, hf_config, executor):
 
         return NgramProposer(spec.num_speculative_tokens, spec.ngram_prompt_lookup_min,
                              spec.ngram_prompt_lookup_max)
-    from tandem.workers.draft import DraftModelProposer
+    from tandem.workers.draft_proposer import start_draft
     from tandem.workers.models.hf_config import HFModelConfig
 
     draft_config = HFModelConfig.from_dir(spec.speculative_model)
     if draft_config.vocab_size != hf_config.vocab_size:
         raise ValueError(f"speculative_model: its vocabulary ({draft_config.vocab_size}) differs from the "
                          f"target's ({hf_config.vocab_size}); a draft must share the target's tokenizer")
-    place = getattr(executor, "place_draft", None)
-    core = place(spec) if place is not None else _local_draft_core(config)
-    return DraftModelProposer(core)
-
-
-def _local_draft_core(config: EngineConfig):
-    from tandem.workers.draft import DraftModelCore
-
-    spec, cache = config.speculative, config.cache
-    return DraftModelCore(spec.speculative_model, spec.num_speculative_tokens, block_size=cache.block_size,
-                          kv_cache_memory=cache.kv_cache_memory, dtype=draft_dtype(config),
-                          device=config.model.device, max_model_len=config.model.max_model_len)
+    return start_draft(config, executor)
 
 
 class LLM:

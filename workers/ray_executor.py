@@ -24,8 +24,9 @@ import statistics
 import time
 from typing import Any
 
-from tandem.cluster.config import EngineConfig, draft_dtype
+from tandem.cluster.config import EngineConfig
 from tandem.cluster.placement import (
+    DevicePin,
     PlacementPlan,
     WorkerBundles,
     cluster_has_gpus,
@@ -46,7 +47,9 @@ class GroupFailedError(RuntimeError):
 class RayExecutor:
     def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str, *,
                  use_compiled_graph: bool = True, step_timeout_s: float = 600.0,
-                 placement_timeout_s: float = 60.0) -> None:
+                 placement_timeout_s: float = 60.0, pins: list[DevicePin] | None = None) -> None:
+        """`pins`: put rank i on pins[i]'s node and devices without reserving them (a draft
+        model sharing a group's devices); by default the workers get a placement group."""
         import ray
 
         par = config.parallel
@@ -61,8 +64,7 @@ class RayExecutor:
         self._owns_placement_group = False
         self.worker_info: list[dict[str, Any]] = []
         self.config = config
-        self.draft_actor = None
-        self.draft_placement: str | None = None
+        self.pins = pins
         try:
             self.bundles = self._reserve(config, placement_timeout_s)
             self._start_workers(config, hf_config, model_dir)
@@ -81,6 +83,10 @@ class RayExecutor:
         from ray.util import get_current_placement_group
 
         world = self.tp * self.pp
+        if self.pins is not None:
+            if len(self.pins) != world:
+                raise ValueError(f"{len(self.pins)} device pins for {world} workers")
+            return WorkerBundles(0, any(p.gpu_ids for p in self.pins), 0.0, [p.node_id for p in self.pins])
         current = get_current_placement_group()
         if current is not None and current.bundle_count == world + 1:
             self.placement_group = current  # not ours: whoever made it removes it
@@ -110,12 +116,15 @@ class RayExecutor:
         bundles = self.bundles
         actor_cls = ray.remote(Worker)
         for rank, node in enumerate(bundles.nodes):
-            strategy = PlacementGroupSchedulingStrategy(self.placement_group,
-                                                        placement_group_bundle_index=bundles.first + rank)
-            self.workers.append(actor_cls.options(
-                num_cpus=0 if bundles.use_gpu else bundles.cpus_per_worker, num_gpus=1 if bundles.use_gpu else 0,
-                scheduling_strategy=strategy,
-            ).remote(config, hf_config, model_dir, rank, bundles.nodes.count(node)))
+            if self.pins is not None:
+                options = self.pins[rank].actor_options()
+            else:
+                options = dict(num_cpus=0 if bundles.use_gpu else bundles.cpus_per_worker,
+                               num_gpus=1 if bundles.use_gpu else 0,
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                   self.placement_group, placement_group_bundle_index=bundles.first + rank))
+            self.workers.append(actor_cls.options(**options).remote(
+                config, hf_config, model_dir, rank, bundles.nodes.count(node)))
 
     def _init_workers(self) -> int:
         import ray
@@ -229,36 +238,9 @@ class RayExecutor:
         return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()} | {
             "compiled_graph": self._dag is not None, "num_workers": len(self.workers)}
 
-    # ---- speculative draft ---------------------------------------------------------------------------
-    def place_draft(self, spec: Any) -> Any:
-        """A DraftWorker (a DraftModelCore actor) on a GPU no group uses; where there is none,
-        beside the group's first worker, sharing its device. The choice is logged."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
-
-        from tandem.cluster.placement import spare_gpus
-        from tandem.workers.draft import DraftModelCore
-
-        cfg = self.config
-        spare = spare_gpus() if self.bundles.use_gpu else {}
-        if spare:
-            node = max(spare, key=spare.get)
-            options: dict[str, Any] = dict(num_cpus=0, num_gpus=1,
-                                           scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-            self.draft_placement = f"a spare GPU on node {node}"
-        else:
-            first = self.worker_info[0] if self.worker_info else {}
-            options = dict(num_cpus=0, num_gpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=self.bundles.first))
-            if first.get("gpu_ids"):  # see the first worker's GPU without reserving it again
-                options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, first["gpu_ids"]))}}
-            self.draft_placement = "the group's first device (no spare device in the cluster)"
-        logger.info("speculative draft model %s placed on %s", spec.speculative_model, self.draft_placement)
-        self.draft_actor = ray.remote(DraftModelCore).options(**options).remote(
-            spec.speculative_model, spec.num_speculative_tokens, block_size=cfg.cache.block_size,
-            kv_cache_memory=cfg.cache.kv_cache_memory, dtype=draft_dtype(cfg), device=cfg.model.device,
-            max_model_len=cfg.model.max_model_len)
-        return self.draft_actor
+    def device_pins(self) -> list[DevicePin]:
+        """Each rank's node and GPUs, in rank order (for a draft model that shares them)."""
+        return [DevicePin(w["node_id"], tuple(int(g) for g in w.get("gpu_ids", []))) for w in self.worker_info]
 
     # ---- shutdown ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -270,7 +252,7 @@ class RayExecutor:
 
         if self._dag is not None and not failed:
             _quiet_teardown(self._dag, logging.WARNING)
-        for w in self.workers + ([self.draft_actor] if self.draft_actor is not None else []):
+        for w in self.workers:
             # kill, not exit: a worker may be blocked in a collective
             try:
                 ray.kill(w)
@@ -280,7 +262,6 @@ class RayExecutor:
             _quiet_teardown(self._dag, logging.CRITICAL)
         self._dag = None
         self.workers = []
-        self.draft_actor = None
         if self.placement_group is not None and self._owns_placement_group:
             try:
                 remove_placement_group(self.placement_group)

@@ -56,7 +56,8 @@ class Worker:
         info: dict[str, Any] = {
             "rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
             "ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "device": str(self.device),
-            "num_threads": torch.get_num_threads(), "gpu_ids": ray.get_gpu_ids()}
+            "num_threads": torch.get_num_threads(), "gpu_ids": ray.get_gpu_ids(),
+            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
         if self.runner is not None and self.runner.model is not None:
             model = self.runner.model
             info.update(layers=(model.start_layer, model.end_layer), num_kv_blocks=self.runner.num_blocks,

@@ -1,4 +1,5 @@
-"""Two replica groups behind one ingress: load-aware routing spreads requests; /health covers all."""
+"""Two replica groups behind one ingress: load-aware routing spreads requests; /health covers
+all; both groups draft with one shared draft actor."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.serve.conftest import serve_app, wait_for
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     args = {"model": tiny_llama, "num_replicas": 2, "max_model_len": 256, "num_kv_blocks": 64,
-            "served_model_name": "tiny"}
+            "served_model_name": "tiny", "speculative_model": tiny_llama, "num_speculative_tokens": 2}
     with serve_app(args) as url:
         yield url
 
@@ -37,12 +38,44 @@ def test_concurrent_requests_are_spread_over_both_groups(server):
 
 def test_one_request_with_many_prompts_can_use_both_groups(server):
     r = complete(server, "x", max_tokens=1)  # warm
+    # The router reads each group's load as polled (every routing_stats_period_s = 1 s): let
+    # the figures from the previous test's burst age out, or they would steer all six away.
+    time.sleep(2.5)
     body = {"model": "tiny", "prompt": [f"prompt {i}" for i in range(6)], "max_tokens": 32, "temperature": 0,
             "ignore_eos": True}
     r = requests.post(f"{server}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200
     assert [c["index"] for c in r.json()["choices"]] == list(range(6))
     assert len(set(r.headers["x-tandem-groups"].split(","))) == 2
+
+
+def _draft() -> dict:
+    import ray
+
+    from tandem.workers.draft_proposer import DRAFT_NAMESPACE, draft_actor_name
+    from tests.serve.conftest import APP_NAME
+
+    return ray.get(ray.get_actor(draft_actor_name(APP_NAME), namespace=DRAFT_NAMESPACE).describe.remote(), timeout=30)
+
+
+def test_both_groups_draft_with_one_shared_draft_actor(server, tiny_llama):
+    from tandem.workers.llm import LLM
+    from tandem.workers.request import SamplingParams
+
+    assert len(_draft()["attached"]) == 2  # one actor, both groups attached
+    prompts = [f"shared draft {i}" for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda p: complete(server, p, max_tokens=16), prompts))
+    assert len({r.headers["x-tandem-groups"] for r in responses}) == 2
+    used = _draft()["num_batches"]
+    assert len([ns for ns, n in used.items() if n > 0]) == 2  # both groups asked it for drafts
+    offline = LLM(tiny_llama)  # no speculation: the reference
+    try:
+        outs = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                                use_tqdm=False)
+    finally:
+        offline.shutdown()
+    assert [r.json()["choices"][0]["text"] for r in responses] == [o.outputs[0].text for o in outs]
 
 
 def test_health_is_503_while_a_group_is_down(server):
