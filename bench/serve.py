@@ -302,9 +302,12 @@ def _served_model(url: str, api_key: str | None) -> str | None:
 def offline_throughput(model_dir: str, engine_options: dict[str, Any], requests: list[BenchRequest],
                        concurrency: int) -> float:
     """Output tok/s of the offline engine on `requests`, refilled to `concurrency` in flight after each step."""
+    from tandem.router.app import SERVING_DEFAULTS
     from tandem.workers.llm import LLM
 
-    llm = LLM(model=model_dir, **{k: v for k, v in engine_options.items() if k != "address"})
+    # Serving options (group_num_cpus, num_replicas, ...) are the server's; the engine takes the rest.
+    llm = LLM(model=model_dir, **{k: v for k, v in engine_options.items()
+                                  if k != "address" and k not in SERVING_DEFAULTS})
     try:
         _offline_run(llm.engine, [BenchRequest(r.prompt_token_ids[:8], 4) for r in requests[:2]], concurrency)
         num_output, elapsed = _offline_run(llm.engine, requests, concurrency)
@@ -344,13 +347,14 @@ def local_server(model_dir: str, engine_options: dict[str, Any]) -> Iterator[tup
     import ray
     from ray import serve
 
-    from tandem.router.app import build_app
+    from tandem.router.app import build_app, local_group_num_cpus
 
     options = dict(engine_options)
     address = options.pop("address", None)
     cores = os.cpu_count() or 1
-    # The group's torch gets as many threads as the offline engine (Ray sets OMP_NUM_THREADS from num_cpus).
-    app = build_app({"group_num_cpus": cores, **options, "model": model_dir, "served_model_name": "tandem-bench"})
+    # What `tandem serve` gives a group on one machine: the cores but one (the rest is Serve's).
+    group_cpus = local_group_num_cpus(options.get("num_replicas", 1), cores)
+    app = build_app({"group_num_cpus": group_cpus, **options, "model": model_dir, "served_model_name": "tandem-bench"})
     ray.init(address=address or "local", num_cpus=None if address else cores + 4, include_dashboard=False,
              log_to_driver=False)
     port = _free_port()

@@ -86,6 +86,19 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return ingress.bind(group, ingress_config)
 
 
+def local_group_num_cpus(num_replicas: int, cores: int) -> int:
+    """CPUs (and so torch threads: Ray sets OMP_NUM_THREADS from them) for each TP=1 group
+    when the whole application runs on this machine: its cores but one, shared by the groups.
+
+    The spare core is for Serve's proxy, the ingress and the groups' event loops, which
+    stream every token. On 2 cores, a group with both cores served 85-92 output tok/s at
+    8 streams and one with one core 106-113 (interleaved runs, bench/RESULTS.md): with both,
+    every burst of Serve work stalled one of the model's two OpenMP threads, and the other
+    waited for it at each GEMM's end.
+    """
+    return max(1, (cores - 1) // max(1, num_replicas))
+
+
 def num_cpus_needed(args: dict[str, Any]) -> int:
     """Logical CPUs the application's groups take on a CPU-only cluster."""
     world = (args.get("tensor_parallel_size") or 1) * (args.get("pipeline_parallel_size") or 1)

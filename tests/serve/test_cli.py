@@ -39,6 +39,21 @@ def test_serve_flags_become_build_app_args():
     assert (app_args(defaults)["routing"], app_args(defaults)["kv_fetch"]) == ("prefix", "auto")
 
 
+def test_a_local_tp1_group_leaves_one_core_to_serve(monkeypatch):
+    from tandem.router.app import local_group_num_cpus
+    from tandem.router.cli import build_parser
+    from tandem.router.serve_cli import app_args
+
+    assert [local_group_num_cpus(1, c) for c in (1, 2, 8)] == [1, 1, 7]
+    assert [local_group_num_cpus(n, 9) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert app_args(build_parser().parse_args(["serve"]))["group_num_cpus"] == 7
+    assert app_args(build_parser().parse_args(["serve", "--num-replicas", "2"]))["group_num_cpus"] == 3
+    # A TP>1 group's workers size their own threads; on a cluster the deployment's options decide.
+    assert "group_num_cpus" not in app_args(build_parser().parse_args(["serve", "-tp", "2"]))
+    assert "group_num_cpus" not in app_args(build_parser().parse_args(["serve", "--address", "auto"]))
+
+
 def test_bad_option_fails_before_anything_starts(capsys):
     from tandem.router.cli import main
 
