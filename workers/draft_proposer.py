@@ -88,10 +88,11 @@ class DraftModelProposer:
     """Asks a draft (in this process, or a DraftWorker actor) for every step's drafts."""
 
     def __init__(self, core: Any, namespace: str = "", *, restart: Callable[[], Any] | None = None,
-                 placement: str = "") -> None:
+                 placement: str = "", timeout_s: float = 60.0) -> None:
         self.core = core
         self.namespace = namespace
         self.placement = placement
+        self.timeout_s = timeout_s  # a draft that hangs this long is replaced
         self._restart = restart
         self._starting: Any = None  # an attach call on a restarted actor, until it answers
         self.local = isinstance(core, DraftModelCore)
@@ -104,13 +105,19 @@ class DraftModelProposer:
             req.spec_token_ids = drafts.get(self.namespace + req.request_id, [])
 
     def _ask(self, batch: dict[str, list[int]]) -> dict[str, list[int]]:
-        if self.local:
-            return self.core.propose(batch, self.namespace)
-        import ray
-        from ray.exceptions import RayActorError
-
+        """The drafts, or none: a draft that fails never fails the target's requests (their
+        output does not depend on drafts), it is replaced or dropped instead."""
         if self.core is None:
             return {}
+        if self.local:
+            try:
+                return self.core.propose(batch, self.namespace)
+            except Exception:  # noqa: BLE001 - serve on without drafts
+                logger.exception("speculative draft failed: no more drafts")
+                self.core = None
+                return {}
+        import ray
+
         if self._starting is not None:
             ready, _ = ray.wait([self._starting], timeout=0)
             if not ready:
@@ -118,18 +125,26 @@ class DraftModelProposer:
             self._starting = None
         try:
             # The engine's own thread (not async code): it waits for the drafts it verifies.
-            return ray.get(self.core.propose.remote(batch, self.namespace))
-        except RayActorError as exc:
+            return ray.get(self.core.propose.remote(batch, self.namespace), timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - died, hung, or its own workers failed
             self._start_again(exc)
             return {}
 
     def _start_again(self, exc: BaseException) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
         self.num_restarts += 1
+        if not isinstance(exc, RayActorError):  # alive but broken (a TP rank died) or hung: end it
+            try:
+                ray.kill(self.core)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         if self._restart is None:
-            logger.error("speculative draft actor died (%s): no more drafts", exc)
+            logger.error("speculative draft failed (%s): no more drafts", exc)
             self.core = None
             return
-        logger.warning("speculative draft actor died (%s): starting it again; no drafts until it is up", exc)
+        logger.warning("speculative draft failed (%s): starting it again; no drafts until it is up", exc)
         try:
             self.core = self._restart()
             self._starting = self.core.attach.remote(self.namespace)
