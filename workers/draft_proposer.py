@@ -29,6 +29,7 @@ from tandem.workers.request import Request
 
 logger = logging.getLogger(__name__)
 DRAFT_NAMESPACE = "tandem"  # the Ray namespace of shared draft actors
+DRAFT_START_TIMEOUT_S = 300.0  # loading included; past it the group fails to start, loudly
 
 
 def draft_actor_name(app_name: str) -> str:
@@ -213,7 +214,12 @@ def start_draft(config: EngineConfig, executor: Any) -> DraftModelProposer:
         pins = executor.device_pins()
     starter = _DraftStarter(config, pins)
     handle = starter()
-    info = ray.get(handle.describe.remote())  # waits for the draft to load
+    try:
+        info = ray.get(handle.describe.remote(), timeout=DRAFT_START_TIMEOUT_S)  # waits for the draft to load
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(handle)
+        raise RuntimeError(f"speculative draft {settings.model} did not start within {DRAFT_START_TIMEOUT_S:g} s "
+                           "(its devices were probably taken after placement was planned)") from None
     clash = settings.clash(info["settings"])
     if clash:
         raise ValueError(f"speculative_draft_actor_name={name!r}: that draft was built with other "
