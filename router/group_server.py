@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -170,7 +171,8 @@ class GroupServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve for the request router (see request_router.py)."""
-        return {**self.engine.last_stats, "is_healthy": self.engine.is_healthy,
+        # stats_time (wall clock): the router takes off the requests it saw finish since.
+        return {**self.engine.last_stats, "is_healthy": self.engine.is_healthy, "stats_time": time.time(),
                 "num_requests_total": self.num_requests, "num_aborted_total": self.num_aborted}
 
     def stats(self, request: dict[str, Any] | None = None) -> dict[str, Any]:

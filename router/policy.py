@@ -5,10 +5,13 @@ so); the router adds what it knows that is fresher, the requests it has sent a g
 and not yet seen finish. Lower scores are better:
 
     score = outstanding + waiting_weight * num_waiting + kv_weight * kv_usage
-    outstanding = max(num_running + num_waiting, num_in_flight)
+    outstanding = max(num_running + num_waiting - num_done_since_poll, num_in_flight)
 
 `max`, not a sum: the reported figures already include the router's own requests as
-of the last poll; the in-flight count covers those sent since. Queued requests cost
+of the last poll; the in-flight count covers those sent since. The reported figures
+are up to a poll period old: the requests this router saw finish on the group since
+then (`num_done_since_poll`) are taken off them, or a burst that just ended would keep
+steering requests away from its group for up to a second. Queued requests cost
 extra (they wait for a seat), and a fuller KV cache means preemption sooner. A group
 that says it is unhealthy scores infinity and is tried last.
 
@@ -45,13 +48,14 @@ class LoadWeights:
             raise ValueError(f"weights: must be >= 0, got {self}")
 
 
-def score_load(stats: Mapping[str, Any], num_in_flight: int = 0, weights: LoadWeights = LoadWeights()) -> float:
+def score_load(stats: Mapping[str, Any], num_in_flight: int = 0, weights: LoadWeights = LoadWeights(),
+               num_done_since_poll: int = 0) -> float:
     """Outstanding work of one group; `stats` may be empty (not polled yet)."""
     if not stats.get("is_healthy", True):
         return math.inf
     running = stats.get("num_running", 0)
-    waiting = stats.get("num_waiting", 0)
-    outstanding = max(running + waiting, num_in_flight)
+    waiting = max(0, stats.get("num_waiting", 0) - num_done_since_poll)  # the finished made room
+    outstanding = max(running + stats.get("num_waiting", 0) - num_done_since_poll, num_in_flight, 0)
     return outstanding + weights.waiting * waiting + weights.kv_usage * stats.get("kv_usage", 0.0)
 
 
@@ -82,3 +86,26 @@ def rank_by_score(scores: Mapping[Hashable, float]) -> list[list[Hashable]]:
     for key, score in scores.items():
         tiers.setdefault(score, []).append(key)
     return [tiers[s] for s in sorted(tiers)]
+
+
+class CompletionLog:
+    """When this router saw requests finish, per group: to age a group's polled load."""
+
+    def __init__(self, keep_s: float = 30.0) -> None:
+        self.keep_s = keep_s
+        self._times: dict[Hashable, list[float]] = {}
+
+    def record(self, group: Hashable, at: float) -> None:
+        times = self._times.setdefault(group, [])
+        times.append(at)
+        if times[0] < at - self.keep_s:
+            self._times[group] = [t for t in times if t >= at - self.keep_s]
+
+    def since(self, group: Hashable, at: float | None) -> int:
+        """Completions after `at` (a poll's time); 0 when the poll's time is unknown."""
+        if at is None:
+            return 0
+        return sum(1 for t in self._times.get(group, ()) if t > at)
+
+    def forget(self, group: Hashable) -> None:
+        self._times.pop(group, None)

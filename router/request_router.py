@@ -30,7 +30,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from tandem.router.policy import LoadWeights, PrefixWeights, rank_by_score, score_load, score_prefix
+from tandem.router.policy import CompletionLog, LoadWeights, PrefixWeights, rank_by_score, score_load, score_prefix
 from tandem.router.prefix_lookup import PrefixLookup, allocator_matcher
 
 PREDICTION_TTL_S = 5.0
@@ -45,6 +45,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.num_prefix_routed = 0  # requests whose group a prefix credit decided
         self._routed: dict[ReplicaID, Counter[str]] = {}  # sent and accepted, not completed
         self._predicted: dict[ReplicaID, deque[float]] = {}  # picked here, not confirmed yet
+        self.completions = CompletionLog()  # seen to finish: ages each group's polled load
 
     def initialize_state(self, **kwargs: Any) -> None:
         """`request_router_kwargs`: `routing` ("prefix" | "load"), `block_size`, and the
@@ -77,8 +78,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         # The directory first: loads are read after the await, so requests routed
         # meanwhile (counted as predictions) are in them.
         held = await self.prefix.cached_tokens(hashes) if hashes else {}
-        scores = {rid: score_load(r.routing_stats or {}, self.num_in_flight(rid), self.weights)
-                  for rid, r in by_id.items()}
+        scores = {rid: score_load(stats, self.num_in_flight(rid), self.weights,
+                                  self.completions.since(rid, stats.get("stats_time")))
+                  for rid, r in by_id.items() for stats in [r.routing_stats or {}]}
         if hashes:
             by_group = {rid: held.get(rid.unique_id, 0) for rid in by_id}
             load_best = min(scores, key=scores.get)
@@ -113,12 +115,14 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         # Also called for requests a replica rejected (never routed): those find no count.
         counts = self._routed.get(replica_id)
         if counts is not None and counts[internal_request_id] > 0:
+            self.completions.record(replica_id, time.time())  # wall clock, as the groups' stats_time
             counts[internal_request_id] -= 1
             if counts[internal_request_id] == 0:
                 del counts[internal_request_id]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self._routed.pop(replica_id, None)
+        self.completions.forget(replica_id)
         if self.prefix is not None:
             self.prefix.recent.forget_group(replica_id.unique_id)
         self._predicted.pop(replica_id, None)

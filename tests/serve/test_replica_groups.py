@@ -37,10 +37,9 @@ def test_concurrent_requests_are_spread_over_both_groups(server):
 
 
 def test_one_request_with_many_prompts_can_use_both_groups(server):
+    # Right after the previous test's burst: the router takes the requests it saw finish
+    # off each group's polled load (up to a second old), or that burst would steer all six away.
     r = complete(server, "x", max_tokens=1)  # warm
-    # The router reads each group's load as polled (every routing_stats_period_s = 1 s): let
-    # the figures from the previous test's burst age out, or they would steer all six away.
-    time.sleep(2.5)
     body = {"model": "tiny", "prompt": [f"prompt {i}" for i in range(6)], "max_tokens": 32, "temperature": 0,
             "ignore_eos": True}
     r = requests.post(f"{server}/v1/completions", json=body, timeout=60)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tandem.router.policy import LoadWeights, rank_by_score, score_load
+from tandem.router.policy import CompletionLog, LoadWeights, rank_by_score, score_load
 
 
 def test_idle_group_scores_zero():
@@ -96,3 +96,23 @@ def test_unhealthy_groups_are_left_alone_and_bound_uses_healthy_ones():
 def test_bad_prefix_weights_are_refused():
     with pytest.raises(ValueError, match="tokens_per_request"):
         PrefixWeights(tokens_per_request=0)
+
+
+def test_requests_seen_to_finish_since_the_poll_come_off_the_polled_load():
+    stats = {"num_running": 6, "num_waiting": 2, "kv_usage": 0.0}
+    assert score_load(stats) == 8 + 2
+    assert score_load(stats, num_done_since_poll=3) == 5 + 0  # the queue drained into the seats freed
+    assert score_load(stats, num_done_since_poll=20) == 0.0  # never below nothing
+    assert score_load(stats, num_in_flight=4, num_done_since_poll=8) == 4  # sent since: still counted
+
+
+def test_completion_log_counts_what_finished_after_a_poll():
+    log = CompletionLog(keep_s=10.0)
+    for t in (1.0, 2.0, 3.0):
+        log.record("g", t)
+    assert [log.since("g", at) for at in (0.5, 1.5, 3.0)] == [3, 2, 0]
+    assert log.since("g", None) == 0 and log.since("other", 0.0) == 0
+    log.record("g", 20.0)  # older than keep_s is dropped
+    assert log.since("g", 0.0) == 1
+    log.forget("g")
+    assert log.since("g", 0.0) == 0
