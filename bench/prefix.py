@@ -47,107 +47,21 @@ import argparse
 import asyncio
 import math
 import os
-import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from tandem.bench.serve import LoadLevel, RequestRecord, run_level
+from tandem.bench.load_generator import LoadLevel, RequestRecord, run_level
+from tandem.bench.prefix_report import plot_prefix, table_rows, title
+from tandem.bench.prefix_workload import (LABELS, NO_PREFIX, POLICIES, PREFIX_FULL, PREFIX_QUICK, PrefixBenchConfig,
+                                          hit_pairs, no_share_workload, shared_workload)
 from tandem.bench.workload import NUM_SPECIAL_TOKENS, BenchRequest
-
-POLICIES = ("prefix", "load")  # the values of build_app's `routing` option
-LABELS = {"prefix": "routed", "load": "load_only"}  # in figure names
-NO_PREFIX = -1  # prefix id of a request that shares nothing
-
-
-@dataclass(frozen=True)
-class PrefixBenchConfig:
-    num_prefixes: int = 4
-    prefix_len: int = 900
-    suffix_len: int = 100
-    output_len: int = 8
-    num_requests: int = 48  # shared workload, per run
-    num_no_share: int = 12  # no-share workload, per run
-    request_rate: float = 0.8  # shared workload, req/s (Poisson)
-    num_groups: int = 2
-    cache_requests: float | None = None  # per group KV cache, in whole requests; None = K/2 + 0.5
-    repeats: int = 3
-    num_hit_pairs: int = 5
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("num_prefixes", "prefix_len", "suffix_len", "output_len", "num_requests", "num_no_share",
-                     "num_groups", "repeats", "num_hit_pairs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if not self.request_rate > 0:
-            raise ValueError(f"request_rate: must be > 0, got {self.request_rate}")
-        if self.cache_requests is not None and self.cache_requests < 1:
-            raise ValueError(f"cache_requests: must be >= 1 (room for one request), got {self.cache_requests}")
-
-    @property
-    def prompt_len(self) -> int:
-        return self.prefix_len + self.suffix_len
-
-    @property
-    def cache_tokens(self) -> int:
-        """KV cache tokens per group."""
-        per_group = self.cache_requests if self.cache_requests is not None else self.num_prefixes / 2 + 0.5
-        return math.ceil(per_group * (self.prompt_len + self.output_len))
-
-
-PREFIX_FULL = PrefixBenchConfig()
-PREFIX_QUICK = PrefixBenchConfig(num_requests=24, num_no_share=8, repeats=2, num_hit_pairs=3)
-
-
-# ---- workloads --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PrefixWorkload:
-    requests: list[BenchRequest]
-    prefix_ids: list[int]  # per request: index into `prefixes`, or NO_PREFIX
-    prefixes: list[list[int]] = field(default_factory=list)
-    warmup: list[BenchRequest] = field(default_factory=list)  # one request per prefix, not measured
-
-
-def _tokens(rng: random.Random, num: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(num)]
-
-
-def shared_workload(cfg: PrefixBenchConfig, vocab_size: int, seed: int) -> PrefixWorkload:
-    """`cfg.num_requests` requests over `cfg.num_prefixes` prefixes, each used equally often (+-1)."""
-    rng = random.Random(seed)
-    prefixes = [_tokens(rng, cfg.prefix_len, vocab_size) for _ in range(cfg.num_prefixes)]
-    prefix_ids = [i % cfg.num_prefixes for i in range(cfg.num_requests)]
-    rng.shuffle(prefix_ids)
-    requests = [BenchRequest(prefixes[p] + _tokens(rng, cfg.suffix_len, vocab_size), cfg.output_len)
-                for p in prefix_ids]
-    warmup = [BenchRequest(p + _tokens(rng, cfg.suffix_len, vocab_size), cfg.output_len) for p in prefixes]
-    return PrefixWorkload(requests, prefix_ids, prefixes, warmup)
-
-
-def no_share_workload(cfg: PrefixBenchConfig, vocab_size: int, seed: int) -> PrefixWorkload:
-    rng = random.Random(seed)
-    requests = [BenchRequest(_tokens(rng, cfg.prompt_len, vocab_size), cfg.output_len)
-                for _ in range(cfg.num_no_share)]
-    return PrefixWorkload(requests, [NO_PREFIX] * len(requests))
-
-
-def hit_pairs(cfg: PrefixBenchConfig, vocab_size: int, seed: int) -> list[tuple[BenchRequest, BenchRequest]]:
-    """(cold, hit): two requests of one fresh prefix, different suffixes."""
-    rng = random.Random(seed)
-    pairs = []
-    for _ in range(cfg.num_hit_pairs):
-        prefix = _tokens(rng, cfg.prefix_len, vocab_size)
-        cold, hit = (BenchRequest(prefix + _tokens(rng, cfg.suffix_len, vocab_size), cfg.output_len)
-                     for _ in range(2))
-        pairs.append((cold, hit))
-    return pairs
 
 
 # ---- figures ----------------------------------------------------------------------------------------
@@ -300,7 +214,8 @@ def policy_servers(model_dir: str, options: dict[str, Any], num_groups: int) -> 
     import ray
     from ray import serve
 
-    from tandem.bench.serve import _free_port, httpx
+    from tandem.bench.load_generator import httpx
+    from tandem.bench.serve import _free_port
     from tandem.router.app import build_app
 
     cores = os.cpu_count() or 1
@@ -333,57 +248,6 @@ def policy_servers(model_dir: str, options: dict[str, Any], num_groups: int) -> 
 def _log(show: bool, message: str) -> None:
     if show:
         print(f"[bench prefix] {message}", file=sys.stderr, flush=True)
-
-
-# ---- presenting -------------------------------------------------------------------------------------
-def table_rows(figures: dict[str, Any]) -> list[tuple[str, Any, str]]:
-    names = ["routed_ttft_ratio", "hit_ttft_ratio", "no_share_overhead"]
-    for stem in ("routed", "load_only", "no_share_routed", "no_share_load_only"):
-        names += [f"{stem}_{key}" for key in ("ttft_p50_ms", "ttft_p90_ms", "e2e_p50_ms", "hit_rate")]
-        names += [f"{stem}_same_group_rounds" if stem.startswith("no_share") else f"{stem}_groups_per_prefix"]
-        names += [f"{stem}_num_failed"]
-    names += ["hit_ttft_ms", "cold_ttft_ms", "hit_pair_min_cached_tokens", "cache_tokens_per_group",
-              "load_average_1m", "load_average_1m_end", "wall_s"]
-    return [(n, figures[n], "ms" if n.endswith("_ms") else "s" if n.endswith("_s") else "")
-            for n in names if n in figures]
-
-
-def title(figures: dict[str, Any]) -> str:
-    return (f"tandem bench prefix: {figures['num_groups']} groups, {figures['num_prefixes']} prefixes of "
-            f"{figures['prefix_len']} + {figures['suffix_len']} own tokens, {figures['num_requests']} requests "
-            f"at {figures['request_rate']:g} req/s, median of {figures['repeats']} repeats")
-
-
-def plot_prefix(path: str, figures: dict[str, Any]) -> None:
-    """TTFT CDF per policy on both workloads (repeats pooled), and the cold/hit pair medians."""
-    from tandem.bench.report import _pyplot
-
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, (workload, stem) in zip(axes[:2], (("shared", ""), ("no-share", "no_share_"))):
-        for policy, color in zip(POLICIES, ("tab:blue", "tab:orange")):
-            samples = figures[f"{stem}{LABELS[policy]}_ttft_samples_ms"]
-            fraction = np.arange(1, len(samples) + 1) / max(1, len(samples))
-            ax.step(samples, fraction, where="post", color=color, label=f"routing {policy!r} (p50 "
-                    f"{figures[f'{stem}{LABELS[policy]}_ttft_p50_ms']:.0f} ms)")
-        ratio = figures["routed_ttft_ratio"] if not stem else 1 + figures["no_share_overhead"]
-        ax.set_title(f"{workload} workload, all repeats: TTFT CDF (p50 prefix / load {ratio:.2f})", fontsize=10)
-        ax.set_xlabel("TTFT (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_xlim(left=0)
-        ax.legend(fontsize=8, loc="lower right")
-    ax = axes[2]
-    bars = ax.bar(["cold prefill", "prefix cached"], [figures["cold_ttft_ms"], figures["hit_ttft_ms"]],
-                  color=["tab:gray", "tab:green"])
-    for bar in bars:
-        ax.annotate(f"{bar.get_height():.0f} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=9)
-    ax.set_title(f"one request alone: hit / cold = {figures['hit_ttft_ratio']:.2f}", fontsize=10)
-    ax.set_ylabel("TTFT (ms, median of pairs)")
-    fig.suptitle(title(figures), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ---- command line -----------------------------------------------------------------------------------

@@ -21,26 +21,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import math
 import os
-import random
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from tandem.bench.load_generator import LoadLevel, base_url, httpx, run_level, summarize
+from tandem.bench.serve_report import plot_serve, print_serve_table
 from tandem.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
-try:
-    import httpx
-except ImportError:  # some environments ship it (same API) only as httpx2, the openai client's dependency
-    import httpx2 as httpx
 
 SERVE_FULL = WorkloadSpec(num_requests=64, prompt_len=(32, 256), output_len=(32, 128), seed=0)
 SERVE_QUICK = WorkloadSpec(num_requests=24, prompt_len=(16, 96), output_len=(16, 48), seed=0)
@@ -49,173 +42,6 @@ DEFAULT_COMPARE_CONCURRENCY = {False: 16, True: 8}
 DEFAULT_SLO_TTFT_MS = 2000.0  # CPU-sized; pass tighter ones for a GPU
 DEFAULT_SLO_TPOT_MS = 200.0
 URL_MODE_VOCAB_SIZE = 1000  # prompt ids are drawn below this when the server's model is unknown
-TARGET_SERVER_VS_OFFLINE = 0.9
-PERCENTILES = (50, 90, 99)
-METRICS = ("ttft", "tpot", "itl", "e2e")
-
-
-@dataclass
-class RequestRecord:
-    ok: bool = False
-    ttft_s: float = math.nan
-    e2e_s: float = math.nan
-    itl_s: list[float] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
-    group: str = ""  # the replica group that served it (tandem's x-tandem-groups header)
-    error: str = ""
-
-    @property
-    def tpot_s(self) -> float:
-        if self.num_output_tokens <= 1:
-            return 0.0
-        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
-
-
-@dataclass(frozen=True)
-class LoadLevel:
-    rate: float | None = None  # requests/s, Poisson; inf = all at once
-    concurrency: int | None = None  # closed loop: this many in flight
-
-    def __post_init__(self) -> None:
-        assert (self.rate is None) != (self.concurrency is None), "a level is a rate or a concurrency"
-
-    @property
-    def key(self) -> str:
-        if self.concurrency is not None:
-            return f"conc{self.concurrency}"
-        return "rateinf" if math.isinf(self.rate) else "rate" + f"{self.rate:g}".replace(".", "p")
-
-
-# ---- one request ------------------------------------------------------------------------------------
-async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> RequestRecord:
-    """One streaming completion; chunks with choices count as token arrivals (as vLLM's benchmark does)."""
-    record = RequestRecord(num_prompt_tokens=len(payload["prompt"]))
-    num_chunks = 0
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {body[:300]}"
-                return record
-            record.group = response.headers.get("x-tandem-groups", "")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    record.error = str(chunk["error"])[:300]
-                    return record
-                now = time.perf_counter()
-                if chunk.get("choices"):
-                    if num_chunks == 0:
-                        record.ttft_s = now - start
-                    else:
-                        record.itl_s.append(now - last)
-                    num_chunks += 1
-                    last = now
-                if chunk.get("usage"):
-                    record.num_prompt_tokens = chunk["usage"].get("prompt_tokens", record.num_prompt_tokens)
-                    record.num_output_tokens = chunk["usage"].get("completion_tokens", 0)
-                    details = chunk["usage"].get("prompt_tokens_details") or {}
-                    record.num_cached_tokens = details.get("cached_tokens") or 0
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
-        return record
-    record.e2e_s = time.perf_counter() - start
-    record.num_output_tokens = record.num_output_tokens or num_chunks  # a server that sent no usage
-    record.ok = num_chunks > 0
-    record.error = "" if record.ok else "no tokens streamed"
-    return record
-
-
-def completion_payload(request: BenchRequest, model: str | None) -> dict[str, Any]:
-    payload = {"prompt": request.prompt_token_ids, "max_tokens": request.output_len, "temperature": 0.0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    if model:
-        payload["model"] = model
-    return payload
-
-
-# ---- one load level ---------------------------------------------------------------------------------
-async def run_level(url: str, requests: list[BenchRequest], level: LoadLevel, *, model: str | None,
-                    api_key: str | None = None, seed: int = 0) -> tuple[list[RequestRecord], float]:
-    """All requests at one load level: (records in request order, seconds from first send to last end)."""
-    endpoint = _base_url(url) + "/v1/completions"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
-    records: list[RequestRecord | None] = [None] * len(requests)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(None)) as client:
-        async def one(i: int) -> None:
-            records[i] = await send_request(client, endpoint, completion_payload(requests[i], model))
-
-        start = time.perf_counter()
-        if level.concurrency is not None:
-            queue = deque(range(len(requests)))
-
-            async def worker() -> None:
-                while queue:
-                    await one(queue.popleft())
-
-            await asyncio.gather(*(worker() for _ in range(level.concurrency)))
-        else:
-            tasks = []
-            for i, offset in enumerate(arrival_offsets(len(requests), level.rate, seed)):
-                await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-                tasks.append(asyncio.create_task(one(i)))
-            await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return records, duration
-
-
-def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
-    """Seconds after the start at which each request is sent: a seeded Poisson process."""
-    if math.isinf(rate):
-        return [0.0] * num
-    rng = random.Random(seed)
-    offsets, t = [], 0.0
-    for _ in range(num):
-        offsets.append(t)
-        t += rng.expovariate(rate)
-    return offsets
-
-
-def summarize(key: str, records: list[RequestRecord], duration_s: float, slo_ttft_ms: float,
-              slo_tpot_ms: float) -> dict[str, Any]:
-    """Flat figures of one level, each named `{key}_...`; latencies in ms over successful requests."""
-    done = [r for r in records if r.ok]
-    values = {"ttft": [r.ttft_s for r in done], "tpot": [r.tpot_s for r in done if r.num_output_tokens > 1],
-              "itl": [gap for r in done for gap in r.itl_s], "e2e": [r.e2e_s for r in done]}
-    figures: dict[str, Any] = {}
-    for metric in METRICS:
-        samples = np.asarray(values[metric]) * 1000.0
-        figures[f"{key}_{metric}_mean_ms"] = float(samples.mean()) if samples.size else math.nan
-        for p in PERCENTILES:
-            figures[f"{key}_{metric}_p{p}_ms"] = float(np.percentile(samples, p)) if samples.size else math.nan
-    num_output = sum(r.num_output_tokens for r in done)
-    num_prompt = sum(r.num_prompt_tokens for r in done)
-    good = sum(1 for r in done if r.ttft_s * 1000.0 <= slo_ttft_ms and r.tpot_s * 1000.0 <= slo_tpot_ms)
-    figures.update({
-        f"{key}_num_completed": len(done), f"{key}_num_failed": len(records) - len(done),
-        f"{key}_duration_s": duration_s,
-        f"{key}_request_throughput": len(done) / duration_s,
-        f"{key}_output_tok_s": num_output / duration_s,
-        f"{key}_total_tok_s": (num_prompt + num_output) / duration_s,
-        f"{key}_goodput_req_s": good / duration_s,
-        f"{key}_slo_attainment": good / len(records) if records else math.nan,
-    })
-    errors = [r.error for r in records if not r.ok]
-    if errors:
-        figures[f"{key}_first_error"] = errors[0]
-    return figures
-
-
-# ---- the benchmark ----------------------------------------------------------------------------------
 def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, served_model: str | None = None,
                     engine_options: dict[str, Any] | None = None, request_rates: list[float] | None = None,
                     concurrencies: list[int] | None = None, compare_concurrency: int | None = None,
@@ -242,7 +68,7 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
         "quick": quick,
     }
     if url is not None:
-        url = _base_url(url)
+        url = base_url(url)
         figures.update(url=url, model=served_model or _served_model(url, api_key) or "")
         vocab = vocab_size or URL_MODE_VOCAB_SIZE
         _run_levels(url, spec, vocab, levels, figures, figures["model"] or None, api_key, show_progress)
@@ -282,12 +108,6 @@ def _run_levels(url: str, spec: WorkloadSpec, vocab_size: int, levels: list[Load
         records, duration = asyncio.run(run_level(url, _level_requests(spec, vocab_size, i), level, model=model,
                                                   api_key=api_key, seed=spec.seed + i))
         figures.update(summarize(level.key, records, duration, figures["slo_ttft_ms"], figures["slo_tpot_ms"]))
-
-
-def _base_url(url: str) -> str:
-    """http://host:port from http://host:port[/][v1[/]]."""
-    url = url.rstrip("/")
-    return url[:-len("/v1")] if url.endswith("/v1") else url
 
 
 def _served_model(url: str, api_key: str | None) -> str | None:
@@ -388,84 +208,6 @@ def _log(show: bool, message: str) -> None:
         print(f"[bench serve] {message}", file=sys.stderr, flush=True)
 
 
-# ---- presenting -------------------------------------------------------------------------------------
-_COLUMNS = [("req/s", "request_throughput"), ("out tok/s", "output_tok_s"), ("goodput", "goodput_req_s"),
-            ("fail", "num_failed")] + [(f"{m.upper()} p{p}", f"{m}_p{p}_ms") for m in METRICS for p in (50, 99)]
-
-
-def print_serve_table(figures: dict[str, Any], file: Any = None) -> None:
-    levels = [k for k in figures["load_levels"].split(",")]
-    if "compare_concurrency" in figures and f"conc{figures['compare_concurrency']}" not in levels:
-        levels.append(f"conc{figures['compare_concurrency']}")
-    header = ["level"] + [name for name, _ in _COLUMNS]
-    rows = [[lv] + [_fmt(figures.get(f"{lv}_{suffix}")) for _, suffix in _COLUMNS] for lv in levels]
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    lines = [f"tandem bench serve: {figures.get('url', '')}  ({figures['num_requests']} requests; latencies in ms; "
-             f"goodput = req/s with TTFT <= {figures['slo_ttft_ms']:g} ms and TPOT <= {figures['slo_tpot_ms']:g} ms)"]
-    for row in [header] + rows:
-        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-    if "server_vs_offline_throughput" in figures:
-        ratio = figures["server_vs_offline_throughput"]
-        verdict = "PASS" if ratio >= TARGET_SERVER_VS_OFFLINE else "FAIL"
-        lines.append(f"server_vs_offline_throughput {ratio:.3f} (server {figures['server_output_tok_s']:.1f} vs "
-                     f"offline {figures['offline_output_tok_s']:.1f} out tok/s at {figures['compare_concurrency']} "
-                     f"in flight; target >= {TARGET_SERVER_VS_OFFLINE}: {verdict})")
-    print("\n".join(lines), file=file, flush=True)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, int):
-        return str(value)
-    return "nan" if math.isnan(value) else f"{value:.1f}"
-
-
-def plot_serve(path: str, figures: dict[str, Any]) -> None:
-    """Latency percentiles and throughput per load level (drawn from the figures alone)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    levels = figures["load_levels"].split(",")
-    x = np.arange(len(levels))
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
-    for ax, metric in zip(axes[:3], ("ttft", "tpot", "itl")):
-        for p, style in zip(PERCENTILES, ("o-", "s--", "^:")):
-            ax.plot(x, [figures[f"{lv}_{metric}_p{p}_ms"] for lv in levels], style, label=f"p{p}")
-        slo = figures.get(f"slo_{metric}_ms")
-        if slo is not None:
-            ax.axhline(slo, color="red", linewidth=0.8, label="SLO")
-        ax.set_title(f"{metric.upper()} (ms)")
-        ax.set_xticks(x, levels)
-        ax.legend(fontsize=8)
-    ax = axes[3]
-    ax.plot(x, [figures[f"{lv}_output_tok_s"] for lv in levels], "o-", label="output tok/s")
-    if "offline_output_tok_s" in figures:
-        in_flight = figures["compare_concurrency"]
-        ax.axhline(figures["server_output_tok_s"], color="tab:blue", linestyle="--",
-                   label=f"server, {in_flight} in flight")
-        ax.axhline(figures["offline_output_tok_s"], color="gray", linestyle="--",
-                   label=f"offline engine, {in_flight} in flight")
-    ax.set_title("throughput")
-    ax.set_xticks(x, levels)
-    ax.set_ylim(bottom=0)
-    twin = ax.twinx()
-    twin.plot(x, [figures[f"{lv}_goodput_req_s"] for lv in levels], "s:", color="tab:green", label="goodput req/s")
-    twin.set_ylabel("goodput (req/s)")
-    twin.set_ylim(bottom=0)
-    ax.legend(loc="lower left", fontsize=8)
-    twin.legend(loc="lower right", fontsize=8)
-    title = f"tandem bench serve: {figures['num_requests']} requests"
-    if "server_vs_offline_throughput" in figures:
-        title += f"; server / offline throughput {figures['server_vs_offline_throughput']:.2f}"
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ---- command line -----------------------------------------------------------------------------------
 def register_serve(bench_subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add `serve` to `tandem bench`'s subcommands."""
     from tandem.bench.cli import override_help

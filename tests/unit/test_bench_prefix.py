@@ -8,10 +8,11 @@ import pytest
 
 from tandem.bench import prefix as bench_prefix
 from tandem.bench import report
-from tandem.bench.prefix import (NO_PREFIX, PREFIX_QUICK, PrefixBenchConfig, hit_pairs, no_share_workload,
-                                 plot_prefix, run_figures, same_group_rounds, shared_workload, summarize,
-                                 table_rows, verdicts)
-from tandem.bench.serve import RequestRecord
+from tandem.bench.prefix import run_figures, same_group_rounds, summarize, verdicts
+from tandem.bench.prefix_report import plot_prefix, table_rows
+from tandem.bench.prefix_workload import (NO_PREFIX, PREFIX_QUICK, PrefixBenchConfig, hit_pairs, no_share_workload,
+                                          shared_workload)
+from tandem.bench.load_generator import RequestRecord
 from tandem.bench.workload import NUM_SPECIAL_TOKENS, BenchRequest
 
 CFG = PrefixBenchConfig(num_prefixes=3, prefix_len=18, suffix_len=2, output_len=4, num_requests=8, num_no_share=5,

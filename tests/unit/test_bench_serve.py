@@ -13,7 +13,9 @@ from aiohttp import web
 
 from tandem.bench import report
 from tandem.bench import serve as bench_serve
-from tandem.bench.serve import LoadLevel, RequestRecord, arrival_offsets, run_serve_bench, summarize
+from tandem.bench import load_generator, serve_report
+from tandem.bench.load_generator import LoadLevel, RequestRecord, arrival_offsets, summarize
+from tandem.bench.serve import run_serve_bench
 from tandem.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -172,7 +174,7 @@ def test_run_serve_bench_measures_the_fake_server(fake_server, tmp_path) -> None
             assert f"{key}_{name}" in loaded
     for name in ("slo_ttft_ms", "slo_tpot_ms", "num_requests", "url", "model"):
         assert name in loaded
-    bench_serve.plot_serve(str(tmp_path / "serve.png"), loaded)
+    serve_report.plot_serve(str(tmp_path / "serve.png"), loaded)
     assert (tmp_path / "serve.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -180,7 +182,7 @@ def test_fixed_concurrency_and_failures(fake_server, capsys) -> None:
     server, url = fake_server
     requests = [BenchRequest([7] * 4, 3), BenchRequest([7] * 6, 3), BenchRequest([7] * 4, 3), BenchRequest([7] * 4, 3)]
     server.fail_prompt_len = 6
-    records, duration = asyncio.run(bench_serve.run_level(url, requests, LoadLevel(concurrency=2), model=None))
+    records, duration = asyncio.run(load_generator.run_level(url, requests, LoadLevel(concurrency=2), model=None))
     assert [r.ok for r in records] == [True, False, True, True]
     assert records[1].error.startswith("HTTP 400") and "too long" in records[1].error
     assert all("model" not in b for b in server.bodies)
