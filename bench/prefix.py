@@ -61,6 +61,7 @@ from tandem.bench.load_generator import LoadLevel, RequestRecord, run_level
 from tandem.bench.prefix_report import plot_prefix, table_rows, title
 from tandem.bench.prefix_workload import (LABELS, NO_PREFIX, POLICIES, PREFIX_FULL, PREFIX_QUICK, PrefixBenchConfig,
                                           hit_pairs, no_share_workload, shared_workload)
+from tandem.bench.report import log_progress
 from tandem.bench.workload import NUM_SPECIAL_TOKENS, BenchRequest
 
 
@@ -165,17 +166,20 @@ def run_prefix_bench(cfg: PrefixBenchConfig, *, model: str | None = None,
             no_share = no_share_workload(cfg, hf_config.vocab_size, seed + 1)
             order = POLICIES if r % 2 == 0 else POLICIES[::-1]
             for policy in order:
-                _log(show_progress, f"repeat {r + 1}/{cfg.repeats}, routing {policy!r}: {len(shared.warmup)} "
-                     f"warm-up, then {cfg.num_requests} shared requests at {cfg.request_rate:g} req/s")
+                log_progress("prefix", show_progress,
+                             f"repeat {r + 1}/{cfg.repeats}, routing {policy!r}: {len(shared.warmup)} warm-up, "
+                             f"then {cfg.num_requests} shared requests at {cfg.request_rate:g} req/s")
                 _send(urls[policy], shared.warmup, LoadLevel(concurrency=cfg.num_groups))
                 records = _send(urls[policy], shared.requests, LoadLevel(rate=cfg.request_rate), seed)
                 runs.setdefault(("shared", policy), []).append(run_figures(records, shared.prefix_ids, cfg.prefix_len))
-            _log(show_progress, f"repeat {r + 1}/{cfg.repeats}: {cfg.num_no_share} no-share requests per routing")
+            log_progress("prefix", show_progress,
+                         f"repeat {r + 1}/{cfg.repeats}: {cfg.num_no_share} no-share requests per routing")
             for policy, records in _no_share_rounds(urls, no_share.requests, cfg.num_groups, order).items():
                 run = run_figures(records, no_share.prefix_ids, cfg.prefix_len)
                 run["same_group_rounds"] = same_group_rounds(records, cfg.num_groups)
                 runs.setdefault(("no_share", policy), []).append(run)
-        _log(show_progress, f"{cfg.num_hit_pairs} cold/hit pairs, one request at a time, routing 'prefix'")
+        log_progress("prefix", show_progress,
+                     f"{cfg.num_hit_pairs} cold/hit pairs, one request at a time, routing 'prefix'")
         hit_s, cold_s, cached = [], [], []
         for cold, hit in hit_pairs(cfg, hf_config.vocab_size, cfg.seed + 999_999):
             cold_record, hit_record = (_send(urls["prefix"], [req], LoadLevel(concurrency=1))[0]
@@ -243,11 +247,6 @@ def policy_servers(model_dir: str, options: dict[str, Any], num_groups: int) -> 
     finally:
         serve.shutdown()
         ray.shutdown()
-
-
-def _log(show: bool, message: str) -> None:
-    if show:
-        print(f"[bench prefix] {message}", file=sys.stderr, flush=True)
 
 
 # ---- command line -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any
 
 # The issue's targets (2-core CPU, built-in benchmark model, float32, TP = 1).
@@ -30,6 +31,12 @@ TARGETS: dict[str, tuple[str, float]] = {
 }
 
 Figures = dict[str, Any]
+
+
+def log_progress(command: str, show: bool, message: str) -> None:
+    """One line of a server benchmark's progress on stderr (`[bench serve] ...`)."""
+    if show:
+        print(f"[bench {command}] {message}", file=sys.stderr, flush=True)
 
 
 def meets_target(name: str, value: float) -> bool | None:

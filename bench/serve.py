@@ -32,6 +32,7 @@ from typing import Any
 
 from tandem.bench.load_generator import LoadLevel, base_url, httpx, run_level, summarize
 from tandem.bench.serve_report import plot_serve, print_serve_table
+from tandem.bench.report import log_progress
 from tandem.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
 
@@ -83,7 +84,7 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
     compare = LoadLevel(concurrency=compare_concurrency or DEFAULT_COMPARE_CONCURRENCY[quick])
     server_levels = levels if compare in levels else levels + [compare]
     figures.update(model=model_dir, compare_concurrency=compare.concurrency)
-    _log(show_progress, f"offline engine, {compare.concurrency} in flight")
+    log_progress("serve", show_progress, f"offline engine, {compare.concurrency} in flight")
     compare_requests = _level_requests(spec, vocab, server_levels.index(compare))
     figures["offline_output_tok_s"] = offline_throughput(model_dir, options, compare_requests, compare.concurrency)
     with local_server(model_dir, options) as (server_url, served_name):
@@ -104,7 +105,7 @@ def _run_levels(url: str, spec: WorkloadSpec, vocab_size: int, levels: list[Load
     warmup = [BenchRequest(r.prompt_token_ids[:8], 4) for r in _level_requests(spec, vocab_size, -1)[:2]]
     asyncio.run(run_level(url, warmup, LoadLevel(rate=math.inf), model=model, api_key=api_key))
     for i, level in enumerate(levels):
-        _log(show_progress, f"server at {level.key}: {spec.num_requests} requests")
+        log_progress("serve", show_progress, f"server at {level.key}: {spec.num_requests} requests")
         records, duration = asyncio.run(run_level(url, _level_requests(spec, vocab_size, i), level, model=model,
                                                   api_key=api_key, seed=spec.seed + i))
         figures.update(summarize(level.key, records, duration, figures["slo_ttft_ms"], figures["slo_tpot_ms"]))
@@ -201,11 +202,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _log(show: bool, message: str) -> None:
-    if show:
-        print(f"[bench serve] {message}", file=sys.stderr, flush=True)
 
 
 def register_serve(bench_subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:

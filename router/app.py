@@ -99,9 +99,14 @@ def local_group_num_cpus(num_replicas: int, cores: int) -> int:
     return max(1, (cores - 1) // max(1, num_replicas))
 
 
+def group_world_size(args: dict[str, Any]) -> int:
+    """Workers per replica group, from build_app's arguments."""
+    return (args.get("tensor_parallel_size") or 1) * (args.get("pipeline_parallel_size") or 1)
+
+
 def num_cpus_needed(args: dict[str, Any]) -> int:
     """Logical CPUs the application's groups take on a CPU-only cluster."""
-    world = (args.get("tensor_parallel_size") or 1) * (args.get("pipeline_parallel_size") or 1)
+    world = group_world_size(args)
     group_cpus = args.get("group_num_cpus", SERVING_DEFAULTS["group_num_cpus"])
     per_group = group_cpus + (world if world > 1 else 0)
     return math.ceil(per_group * (args.get("num_replicas") or 1))

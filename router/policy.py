@@ -54,8 +54,9 @@ def score_load(stats: Mapping[str, Any], num_in_flight: int = 0, weights: LoadWe
     if not stats.get("is_healthy", True):
         return math.inf
     running = stats.get("num_running", 0)
-    waiting = max(0, stats.get("num_waiting", 0) - num_done_since_poll)  # the finished made room
-    outstanding = max(running + stats.get("num_waiting", 0) - num_done_since_poll, num_in_flight, 0)
+    reported_waiting = stats.get("num_waiting", 0)
+    waiting = max(0, reported_waiting - num_done_since_poll)  # the finished made room
+    outstanding = max(running + reported_waiting - num_done_since_poll, num_in_flight, 0)
     return outstanding + weights.waiting * waiting + weights.kv_usage * stats.get("kv_usage", 0.0)
 
 

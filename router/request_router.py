@@ -78,9 +78,11 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         # The directory first: loads are read after the await, so requests routed
         # meanwhile (counted as predictions) are in them.
         held = await self.prefix.cached_tokens(hashes) if hashes else {}
-        scores = {rid: score_load(stats, self.num_in_flight(rid), self.weights,
-                                  self.completions.since(rid, stats.get("stats_time")))
-                  for rid, r in by_id.items() for stats in [r.routing_stats or {}]}
+        scores = {}
+        for rid, replica in by_id.items():
+            stats = replica.routing_stats or {}
+            scores[rid] = score_load(stats, self.num_in_flight(rid), self.weights,
+                                     self.completions.since(rid, stats.get("stats_time")))
         if hashes:
             by_group = {rid: held.get(rid.unique_id, 0) for rid in by_id}
             load_best = min(scores, key=scores.get)

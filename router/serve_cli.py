@@ -40,6 +40,7 @@ def register(subparsers, add_engine_args) -> None:
 
 def app_args(args: argparse.Namespace) -> dict:
     """build_app's arguments from the command line."""
+    from tandem.router.app import group_world_size, local_group_num_cpus
     from tandem.router.cli import engine_options
 
     options = engine_options(args)
@@ -49,10 +50,7 @@ def app_args(args: argparse.Namespace) -> dict:
     options.update(served_model_name=args.served_model_name or args.model, num_replicas=args.num_replicas,
                    api_key=args.api_key, routing=args.routing, kv_fetch=args.kv_fetch,
                    host_kv_memory_per_node=args.host_kv_memory_per_node)
-    world = (options.get("tensor_parallel_size") or 1) * (options.get("pipeline_parallel_size") or 1)
-    if not args.address and world == 1:  # everything on this machine: see local_group_num_cpus
-        from tandem.router.app import local_group_num_cpus
-
+    if not args.address and group_world_size(options) == 1:  # everything on this machine
         options["group_num_cpus"] = local_group_num_cpus(args.num_replicas, os.cpu_count() or 1)
     return options
 

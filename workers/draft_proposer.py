@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from tandem.cluster.config import EngineConfig, draft_dtype
@@ -55,18 +55,14 @@ class DraftPlacement:
 
 def plan_draft(tp: int, group: list[DevicePin], spare: dict[str, int]) -> DraftPlacement:
     """Where a draft of `tp` ranks goes: `spare` (node -> free GPUs) first, else the group's devices."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     fits = {node: n for node, n in spare.items() if n >= tp}
     if fits:
         node = max(fits, key=fits.get)
-        here = NodeAffinitySchedulingStrategy(node, soft=False)
+        on_node = DevicePin(node).actor_options()  # pinned to the node, nothing reserved
         if tp == 1:
-            return DraftPlacement(dict(num_cpus=0, num_gpus=1, scheduling_strategy=here), None,
-                                  f"a spare GPU on node {node}", spare=True)
+            return DraftPlacement(on_node | {"num_gpus": 1}, None, f"a spare GPU on node {node}", spare=True)
         # The actor only coordinates; its Worker actors reserve the GPUs (a placement group).
-        return DraftPlacement(dict(num_cpus=0, num_gpus=0, scheduling_strategy=here), None,
-                              f"{tp} spare GPUs on node {node}", spare=True)
+        return DraftPlacement(on_node, None, f"{tp} spare GPUs on node {node}", spare=True)
     if not group:
         raise ValueError("speculative draft: no spare GPU and no group device to share")
     on_gpu = any(pin.gpu_ids for pin in group)
@@ -172,16 +168,13 @@ class DraftModelProposer:
             ray.kill(self.core)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _DraftStarter:
     """Creates (or, shared by name, finds) the DraftWorker actor for one group."""
 
     config: EngineConfig
+    settings: DraftSettings
     group: list[DevicePin]
-    settings: DraftSettings = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.settings = draft_settings(self.config)
 
     def __call__(self) -> Any:
         import ray
@@ -200,7 +193,7 @@ class _DraftStarter:
 def start_draft(config: EngineConfig, executor: Any) -> DraftModelProposer:
     """The draft the options ask for, placed (or found, when shared) and attached."""
     settings = draft_settings(config)
-    pins = executor.device_pins() if hasattr(executor, "device_pins") else []
+    pins = executor.device_pins()
     name = config.speculative.speculative_draft_actor_name
     if not pins and name is None and settings.tensor_parallel_size == 1:
         return DraftModelProposer(DraftModelCore(settings, placement="the engine's process"),
@@ -212,7 +205,7 @@ def start_draft(config: EngineConfig, executor: Any) -> DraftModelProposer:
     if not pins:
         ensure_ray(config.parallel.address)
         pins = executor.device_pins()
-    starter = _DraftStarter(config, pins)
+    starter = _DraftStarter(config, settings, pins)
     handle = starter()
     try:
         info = ray.get(handle.describe.remote(), timeout=DRAFT_START_TIMEOUT_S)  # waits for the draft to load

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from tandem.cluster.config import EngineConfig
+from tandem.cluster.placement import DevicePin
 from tandem.workers.model_runner import ModelRunner
 from tandem.workers.models.hf_config import HFModelConfig
 from tandem.workers.parallel import ParallelContext
@@ -33,6 +34,10 @@ class Executor(Protocol):
         ...
 
     def import_host_blocks(self, slots: list[int], per_rank: list[Any]) -> None: ...
+
+    def device_pins(self) -> list[DevicePin]:
+        """Each rank's node and GPUs, in rank order (a draft model may share them); [] outside Ray."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -75,11 +80,9 @@ class UniProcExecutor:
         [data] = per_rank
         self.runner.import_host_blocks(slots, data)
 
-    def device_pins(self) -> list[Any]:
+    def device_pins(self) -> list[DevicePin]:
         """This process's node and GPU, for a draft model sharing it (none outside Ray)."""
         import ray
-
-        from tandem.cluster.placement import DevicePin
 
         if not ray.is_initialized():
             return []

@@ -30,6 +30,12 @@ def three_gpu_node(cluster):
     return cluster.three_gpu_node
 
 
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def _draft_where(llm: LLM) -> dict:
     import ray
 
@@ -49,9 +55,7 @@ def test_tp2_group_on_a_three_gpu_node_puts_its_draft_on_the_third_gpu(three_gpu
         assert where["node_id"] == three_gpu_node.node_id and len(where["gpu_ids"]) == 1
         group_gpus = {g for w in executor.worker_info for g in w["gpu_ids"]}
         assert len(group_gpus) == 2 and set(where["gpu_ids"]).isdisjoint(group_gpus)  # the third GPU
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llama_dir, prompts, 10)
+        assert _greedy(llm, prompts) == hf_greedy(llama_dir, prompts, 10)
         assert llm.engine.num_accepted_draft_tokens > 0
     finally:
         llm.shutdown()
@@ -73,9 +77,7 @@ def test_without_a_spare_gpu_the_draft_shares_the_first_device(three_gpu_node, l
         assert llm.engine.proposer.placement.startswith("the group's first device")
         [where] = _draft_where(llm)["ranks"]
         assert where["node_id"] == llm.engine.executor.worker_info[0]["node_id"]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llama_dir, prompts, 10)
+        assert _greedy(llm, prompts) == hf_greedy(llama_dir, prompts, 10)
     finally:
         llm.shutdown()
         ray.kill(occupant)
@@ -95,9 +97,7 @@ def test_a_tp2_draft_goes_to_two_spare_gpus_of_one_node(cluster, llama_dir: str)
         ranks = _draft_where(llm)["ranks"]
         assert [r["node_id"] for r in ranks] == [node, node]
         assert all(len(r["gpu_ids"]) == 1 for r in ranks) and ranks[0]["gpu_ids"] != ranks[1]["gpu_ids"]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llama_dir, prompts, 10)
+        assert _greedy(llm, prompts) == hf_greedy(llama_dir, prompts, 10)
         assert llm.engine.num_accepted_draft_tokens > 0
     finally:
         llm.shutdown()
