@@ -36,9 +36,9 @@ from typing import Any
 from ray import serve
 
 from tandem.cluster.allocator_client import AllocatorClient, GroupIdentity
-from tandem.router.kv_fetch import KVFetcher
 from tandem.cluster.config import EngineConfig
 from tandem.cluster.kv_allocator import get_or_create_allocator
+from tandem.router.kv_fetch import KVFetcher
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine import EngineDeadError
 from tandem.workers.request import RequestOutput, SamplingParams
