@@ -1,8 +1,8 @@
 """`tandem bench overlap`: how much of the TP all-reduce time the micro-chunk overlap hides.
 
-Two processes form a TP=2 group over gloo (one thread each, as RayExecutor would run them
-on a 2-core node), load the built-in bench model's shards, and time the model's forward
-pass on one prefill step in three modes, interleaved (rotating order) and repeated:
+Two processes form a TP=2 group (one thread each, as RayExecutor would run them on a
+2-core node), load the built-in bench model's shards, and time the model's forward pass
+on one prefill step in three modes, interleaved (rotating order) and repeated:
 
     serial   all-reduce after each row-parallel linear, blocking (overlap_comm=False)
     overlap  the step's tokens in micro-chunks; chunk i's all-reduce runs while chunk i+1 computes
@@ -10,11 +10,14 @@ pass on one prefill step in three modes, interleaved (rotating order) and repeat
 
     hidden_fraction = 1 - (T_overlap - T_compute) / (T_serial - T_compute)
 
-Each trial's time is the slower rank's (the step ends when both have finished); the
-reported times are medians over the repeats. Diagnostics ride along: `t_compute_chunked_ms`
-(collectives skipped, tokens chunked: what chunking itself costs) and the median CPU time
-per rank of each mode (gloo's own threads count: on a machine with one core per rank,
-communication CPU cannot hide behind compute, only its waiting can).
+The collectives go through shared memory, as a CPU group's do (workers/shm_comm.py);
+`serial_gloo` and `overlap_gloo` repeat the two communicating modes over gloo's loopback
+TCP, for `hidden_fraction_gloo` and `serial_step_speedup_shm_vs_gloo`. Each trial's time is
+the slower rank's (the step ends when both have finished); the reported times are medians
+over the repeats. Diagnostics ride along: `t_compute_chunked_ms` (collectives skipped,
+tokens chunked: what chunking itself costs) and the median CPU time per rank of each mode
+(gloo's own threads count: on a machine with one core per rank, communication CPU cannot
+hide behind compute, only its waiting can).
 """
 
 from __future__ import annotations
@@ -87,7 +90,10 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     config = EngineConfig.from_options(model=spec["model_dir"], tensor_parallel_size=2, num_kv_blocks=num_blocks,
                                        block_size=block_size, max_num_batched_tokens=max(2048, n))
     hf_config = HFModelConfig.from_dir(spec["model_dir"])
-    ctx = init_groups(rank, 2, 1, "gloo", spec["init_method"])
+    ctx = init_groups(rank, 2, 1, "gloo", spec["init_method"], shm_slot_bytes=max(2048, n) * hf_config.hidden_size * 4,
+                      num_overlap_chunks=spec["num_chunks"])
+    shm = ctx.shm
+    assert shm is not None, "shared-memory collectives did not set up"
     runner = ModelRunner(config, hf_config, spec["model_dir"], ctx, torch.device("cpu"))
     runner.load_model(show_progress=False)
     runner.init_kv_cache(num_blocks)
@@ -98,8 +104,9 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     inputs = runner.prepare_inputs(step)
 
     def run(mode: str) -> tuple[float, float]:
-        ctx.num_overlap_chunks = spec["num_chunks"] if mode in ("overlap", "compute_chunked") else 1
-        ctx.skip_collectives = mode in ("compute", "compute_chunked")
+        ctx.num_overlap_chunks = spec["num_chunks"] if mode.startswith(("overlap", "compute_chunked")) else 1
+        ctx.skip_collectives = mode.startswith("compute")
+        ctx.shm = None if mode.endswith("_gloo") else shm
         dist.barrier()
         start, cpu_start = time.perf_counter(), time.process_time()
         with torch.inference_mode():
@@ -116,7 +123,8 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         with torch.inference_mode():
             outputs[mode] = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
     max_diff = float((outputs["serial"] - outputs["overlap"]).abs().max())
-    modes = MODES + ("compute_chunked",)  # the last: chunking's own cost, for diagnosis only
+    # For diagnosis: chunking's own cost, and both communicating modes over gloo's TCP.
+    modes = MODES + ("compute_chunked", "serial_gloo", "overlap_gloo")
     times: dict[str, list[float]] = {m: [] for m in modes}
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     for i in range(spec["warmup"] + spec["repeats"]):
@@ -128,11 +136,17 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
                 cpu[mode].append(cpu_s)
     dist.destroy_process_group()
     med = {m: statistics.median(ts) for m, ts in times.items()}
-    exposed_serial = med["serial"] - med["compute"]
-    # None when the serial collectives cost nothing measurable (the ratio would be noise).
-    hidden = 1.0 - (med["overlap"] - med["compute"]) / exposed_serial if exposed_serial > 0 else None
+
+    def hidden(suffix: str) -> float | None:
+        exposed_serial = med["serial" + suffix] - med["compute"]
+        # None when the serial collectives cost nothing measurable (the ratio would be noise).
+        if exposed_serial <= 0:
+            return None
+        return round(1.0 - (med["overlap" + suffix] - med["compute"]) / exposed_serial, 3)
+
     return {
-        "hidden_fraction": None if hidden is None else round(hidden, 3),
+        "hidden_fraction": hidden(""),
+        "hidden_fraction_gloo": hidden("_gloo"),
         "t_serial_ms": round(med["serial"] * 1e3, 2),
         "t_overlap_ms": round(med["overlap"] * 1e3, 2),
         "t_compute_ms": round(med["compute"] * 1e3, 2),
@@ -143,6 +157,10 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         "threads_per_rank": 1,
         "max_abs_diff_serial_vs_overlap": max_diff,
         "t_compute_chunked_ms": round(med["compute_chunked"] * 1e3, 2),
+        "t_serial_gloo_ms": round(med["serial_gloo"] * 1e3, 2),
+        "t_overlap_gloo_ms": round(med["overlap_gloo"] * 1e3, 2),
+        # What the shared-memory transport buys a TP=2 step over gloo's loopback TCP.
+        "serial_step_speedup_shm_vs_gloo": round(med["serial_gloo"] / med["serial"], 3),
         # Flat keys: --output-json writes one flat object of named figures.
         **{f"cpu_ms_per_rank_{m}": round(statistics.median(c) * 1e3, 2) for m, c in cpu.items()},
         "model": os.path.basename(spec["model_dir"].rstrip("/")),

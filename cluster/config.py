@@ -45,8 +45,14 @@ class ModelConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    overlap_comm: bool = True  # overlap row-parallel all-reduce with the next chunk's GEMMs
+    # Overlap each row-parallel all-reduce with the next chunk's GEMMs. None = where it pays:
+    # on CUDA (NCCL has its own stream and SMs), not on CPU, where the communication is work
+    # on the computing cores and chunking costs more than it hides (bench/RESULTS.md).
+    overlap_comm: bool | None = None
     num_overlap_chunks: int = 2
+    # CPU only: a stage's TP all-reduces and all-gathers go through shared memory instead of
+    # gloo's loopback TCP (its ranks are on one node by placement). False: gloo for all.
+    shm_collectives: bool = True
     address: str | None = None  # Ray address to join; None = local / in-process
 
     def __post_init__(self) -> None:

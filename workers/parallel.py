@@ -2,7 +2,9 @@
 
 With tp_size == 1 every collective is a no-op, so the single-process engine runs
 the same layer code as a sharded worker. A worker calls `init_groups` once
-(gloo on CPU, nccl on CUDA) to get its context with the TP and PP subgroups.
+(gloo on CPU, nccl on CUDA) to get its context with the TP and PP subgroups. On CPU a
+stage's TP collectives go through shared memory (workers/shm_comm.py) rather than
+gloo's loopback TCP; gloo stays for what does not fit and for stage-to-stage sends.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tandem.workers.shm_comm import ShmCommunicator
 
 
 @dataclass
@@ -29,6 +33,7 @@ class ParallelContext:
     # (decode steps): the step runs serially instead.
     min_chunk_tokens: int = 32
     skip_collectives: bool = False  # benchmark only: measures compute without communication
+    shm: ShmCommunicator | None = None  # CPU TP collectives through shared memory, when set up
 
     @property
     def is_first_stage(self) -> bool:
@@ -44,24 +49,30 @@ class ParallelContext:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1 and not self.skip_collectives:
-            dist.all_reduce(x, group=self.tp_group)
+            if self.shm is not None and self.shm.fits(x):
+                self.shm.all_reduce(x)
+            else:
+                dist.all_reduce(x, group=self.tp_group)
         return x
 
     def all_reduce_async(self, x: torch.Tensor) -> Any:
         """Start an all-reduce in place; returns a handle to wait on (None when trivial)."""
         if self.tp_size == 1 or self.skip_collectives:
             return None
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.start_all_reduce(x)
         return dist.all_reduce(x, group=self.tp_group, async_op=True)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's slice along the last dim (vocab-parallel logits)."""
         if self.tp_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         if self.skip_collectives:
-            parts = [x] * self.tp_size
-        else:
-            dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+            return torch.cat([x] * self.tp_size, dim=-1)
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather_last_dim(x)
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
 
@@ -76,11 +87,13 @@ class ParallelContext:
 
 
 def init_groups(rank: int, tp_size: int, pp_size: int, backend: str, init_method: str,
-                timeout_s: float = 300.0, **kwargs: Any) -> ParallelContext:
+                timeout_s: float = 300.0, shm_slot_bytes: int = 0, **kwargs: Any) -> ParallelContext:
     """Join the group's default process group, then build the TP and PP subgroups.
 
     Global rank = pp_rank * tp_size + tp_rank. Every rank creates every subgroup, in the
     same order (torch.distributed requires it), and keeps the ones it belongs to.
+    With gloo and shm_slot_bytes > 0, each stage's TP ranks also set up shared-memory
+    collectives for tensors up to that size (None where they are not on one node).
     """
     from datetime import timedelta
 
@@ -97,10 +110,15 @@ def init_groups(rank: int, tp_size: int, pp_size: int, backend: str, init_method
         group = dist.new_group([stage * tp_size + t for stage in range(pp_size)])
         if t == tp_rank:
             pp_group = group
-    return ParallelContext(
+    ctx = ParallelContext(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, tp_group=tp_group,
         pp_group=pp_group, prev_rank=rank - tp_size if pp_rank > 0 else -1,
         next_rank=rank + tp_size if pp_rank < pp_size - 1 else -1, **kwargs)
+    if backend == "gloo" and tp_size > 1 and shm_slot_bytes > 0:
+        # As many ops in flight as the overlapped layers keep (one per chunk), at least 2.
+        ctx.shm = ShmCommunicator.create(tp_group, tp_rank, tp_size, shm_slot_bytes,
+                                         max_outstanding=max(2, ctx.num_overlap_chunks), timeout_s=timeout_s)
+    return ctx
 
 
 def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:

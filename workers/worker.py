@@ -28,6 +28,10 @@ from tandem.workers.models.hf_config import HFModelConfig
 from tandem.workers.parallel import ParallelContext, init_groups
 from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
 
+# Beyond this a step's activations go through gloo: the ring holds 2 x chunks slots per
+# rank in /dev/shm, which containers often keep small.
+MAX_SHM_SLOT_BYTES = 32 << 20
+
 
 class Worker:
     def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str, rank: int,
@@ -58,6 +62,8 @@ class Worker:
             "ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "device": str(self.device),
             "num_threads": torch.get_num_threads(), "gpu_ids": ray.get_gpu_ids(),
             "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        if self.ctx is not None and self.ctx.tp_size > 1:  # which transport the TP collectives take
+            info["tp_comm"] = "nccl" if self.device.type == "cuda" else "shm" if self.ctx.shm else "gloo"
         if self.runner is not None and self.runner.model is not None:
             model = self.runner.model
             info.update(layers=(model.start_layer, model.end_layer), num_kv_blocks=self.runner.num_blocks,
@@ -74,8 +80,13 @@ class Worker:
     def init_distributed(self, init_method: str) -> None:
         par = self.config.parallel
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # A slot holds the largest activation a step all-reduces (float32, the widest dtype used).
+        shm_slot_bytes = (self.config.scheduler.max_num_batched_tokens * self.hf_config.hidden_size * 4
+                          if par.shm_collectives else 0)
+        overlap = par.overlap_comm if par.overlap_comm is not None else self.device.type == "cuda"
         self.ctx = init_groups(self.rank, par.tensor_parallel_size, par.pipeline_parallel_size, backend,
-                               init_method, num_overlap_chunks=par.num_overlap_chunks if par.overlap_comm else 1)
+                               init_method, shm_slot_bytes=min(shm_slot_bytes, MAX_SHM_SLOT_BYTES),
+                               num_overlap_chunks=par.num_overlap_chunks if overlap else 1)
 
     def load_model(self) -> int:
         """Load this shard; returns how many KV blocks fit beside it on this worker."""

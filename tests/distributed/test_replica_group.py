@@ -1,6 +1,7 @@
 """Replica groups on Ray (CPU, gloo): greedy output equals transformers token for token at
 TP=2, PP=2 and TP=2 x PP=2, for each model family, with the all-reduce overlap on and off,
-with chunked prefill and preemption forced, and with fewer KV heads than TP ranks."""
+with TP collectives through shared memory (the default) and through gloo, with chunked
+prefill and preemption forced, and with fewer KV heads than TP ranks."""
 
 from __future__ import annotations
 
@@ -16,17 +17,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # 64-token steps are long enough to run in two overlap chunks of 32; 30 blocks of 4 tokens
 # cannot hold all four sequences, so someone is preempted.
 STRESS = {"max_num_batched_tokens": 64, "max_num_seqs": 4, "num_kv_blocks": 30, "block_size": 4}
+ON = {"overlap_comm": True}  # on CPU the overlap is off unless asked for
 
 CASES = {
     # name: (model options, tp, pp, engine options)
-    "llama-tp2-overlap-stress": (dict(arch="llama"), 2, 1, dict(STRESS)),
+    "llama-tp2-overlap-stress": (dict(arch="llama"), 2, 1, dict(STRESS, **ON)),
     "llama-tp2-serial-stress": (dict(arch="llama"), 2, 1, dict(STRESS, overlap_comm=False)),
+    "llama-tp2-gloo-overlap-stress": (dict(arch="llama"), 2, 1, dict(STRESS, shm_collectives=False, **ON)),
+    "llama-tp2-default-stress": (dict(arch="llama"), 2, 1, dict(STRESS)),
     "llama-pp2-uneven-layers": (dict(arch="llama", num_hidden_layers=3), 1, 2, {}),
-    "llama-tp2pp2-overlap": (dict(arch="llama"), 2, 2, {}),
-    "mistral-tp2pp2-overlap-stress": (dict(arch="mistral", sliding_window=8), 2, 2, dict(STRESS)),
+    "llama-tp2pp2-overlap": (dict(arch="llama"), 2, 2, dict(ON)),
+    "mistral-tp2pp2-overlap-stress": (dict(arch="mistral", sliding_window=8), 2, 2, dict(STRESS, **ON)),
     "qwen2-tp2pp2-serial-stress": (dict(arch="qwen2"), 2, 2, dict(STRESS, overlap_comm=False)),
-    "qwen2-tp2-overlap": (dict(arch="qwen2"), 2, 1, {}),
-    "llama-kv1-tp2-overlap-stress": (dict(arch="llama", num_key_value_heads=1), 2, 1, dict(STRESS)),
+    "qwen2-tp2-overlap": (dict(arch="qwen2"), 2, 1, dict(ON)),
+    "llama-kv1-tp2-overlap-stress": (dict(arch="llama", num_key_value_heads=1), 2, 1, dict(STRESS, **ON)),
 }
 
 
@@ -47,7 +51,7 @@ def test_greedy_equals_transformers(ray_local, case: str) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
         num_overlapped = sum(w["num_overlapped"] for w in _describe(llm))
-        if tp > 1 and options.get("overlap_comm", True):
+        if tp > 1 and options.get("overlap_comm"):
             assert num_overlapped > 0  # long steps ran in overlapped chunks
         else:
             assert num_overlapped == 0
@@ -61,6 +65,9 @@ def test_greedy_equals_transformers(ray_local, case: str) -> None:
         info = [w for w in _describe(llm)]
         assert {w["num_kv_blocks"] for w in info} == {engine.pool.num_blocks}
         _check_shards(info, model_spec, tp, pp)
+        # TP collectives go through shared memory unless turned off (one node here).
+        expected_comm = "gloo" if options.get("shm_collectives") is False else "shm"
+        assert [w.get("tp_comm") for w in info] == [expected_comm if tp > 1 else None] * (tp * pp)
         if case == "llama-tp2pp2-overlap":
             _check_seeded_sampling_and_overhead(llm, model)
     finally:

@@ -1,0 +1,199 @@
+"""Shared-memory collectives for the TP ranks of a stage on one CPU node.
+
+Placement packs a stage's TP ranks on one node, so on CPU their all-reduces never need
+a network. gloo still sends them through loopback TCP: every all-reduce of a 256-token
+step of the bench model costs ~2 ms of CPU per rank in kernel copies and thread
+hand-offs, on the same cores that compute. Here each rank instead writes its partial sum
+into its own slot of a shared-memory ring and tells each peer through a FIFO (one byte
+per op); a peer that needs the result reads that byte (blocking, no spinning) and sums
+the slots itself, in rank order, so every rank ends with bit-identical values.
+
+    rank r:  copy x -> slot[r][seq % depth]   write 1 byte to each peer   ... other work ...
+             read 1 byte from each peer       x = slot[0] + slot[1] + ... (rank order)
+
+An op is *started* (published) and later *completed* (peers' bytes read, slots summed);
+between the two a rank is free to compute, which is what the overlapped layers do.
+Ops complete in the order they started (completing op t completes every earlier one), so
+a rank that has completed op t knows every peer has completed op t - depth/2 or later
+(a peer publishes op t only after completing op t - max_outstanding). With depth =
+2 * max_outstanding slots, a slot is never overwritten before every peer has read it.
+Tensors larger than a slot, and groups whose ranks cannot see each other's files (not
+one node after all), fall back to gloo.
+
+A peer that exits closes its FIFOs: the byte read returns EOF and the op fails loudly
+instead of waiting for gloo's timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import select
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64  # slot offsets stay cache-line aligned for every dtype
+
+
+@dataclass
+class _Op:
+    seq: int
+    tensor: torch.Tensor  # reduced in place (all-reduce) or the local slice (all-gather)
+    gather: bool = False
+    result: torch.Tensor | None = None  # all-gather's output, once completed
+
+
+class ShmHandle:
+    """What `start_all_reduce` returns; `wait()` completes the op (and any earlier ones)."""
+
+    def __init__(self, comm: ShmCommunicator, op: _Op) -> None:
+        self._comm, self._op = comm, op
+
+    def wait(self) -> torch.Tensor:
+        self._comm._complete_through(self._op.seq)
+        return self._op.result if self._op.gather else self._op.tensor
+
+
+class ShmCommunicator:
+    def __init__(self, rank: int, size: int, slots: list[torch.Tensor], slot_bytes: int, max_outstanding: int,
+                 fds_in: dict[int, int], fds_out: dict[int, int], timeout_s: float) -> None:
+        self.rank, self.size = rank, size
+        self._slots = slots  # per rank: a uint8 tensor of depth * slot_bytes, mapped shared
+        self.slot_bytes = slot_bytes
+        self.max_outstanding = max_outstanding
+        self.depth = 2 * max_outstanding
+        self._fds_in, self._fds_out = fds_in, fds_out
+        self._polls = {src: _poller(fd) for src, fd in fds_in.items()}  # poll, not select: any fd number
+        self._timeout_s = timeout_s
+        self._next_seq = 0
+        self._outstanding: collections.deque[_Op] = collections.deque()
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, group: dist.ProcessGroup, rank: int, size: int, slot_bytes: int, max_outstanding: int = 4,
+               timeout_s: float = 300.0) -> ShmCommunicator | None:
+        """Collective over `group`: every rank calls it. None (use gloo) when the ranks do not
+        share a shared-memory file system or it has no room for the ring."""
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        names = [tempfile.mkdtemp(prefix="tandem-tp-", dir=root) if rank == 0 else None]
+        dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
+        directory: str = names[0]
+        depth = 2 * max_outstanding
+        slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
+        ok = True
+        try:
+            if rank != 0 and not os.path.isdir(directory):
+                raise FileNotFoundError(f"{directory} (rank 0 is on another node)")
+            path = os.path.join(directory, f"slots{rank}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, depth * slot_bytes)  # fails now, not with SIGBUS later
+            finally:
+                os.close(fd)
+            for src in range(size):
+                if src != rank:
+                    os.mkfifo(os.path.join(directory, f"fifo{src}to{rank}"), 0o600)
+        except OSError as e:
+            logger.warning("TP rank %d: no shared-memory collectives (%s); using gloo", rank, e)
+            ok = False
+        if not _all_agree(ok, group):
+            _remove(directory, rank)
+            return None
+        # A FIFO's write end opens only once its read end is open: read ends first.
+        fds_in = {src: os.open(os.path.join(directory, f"fifo{src}to{rank}"), os.O_RDONLY | os.O_NONBLOCK)
+                  for src in range(size) if src != rank}
+        dist.barrier(group=group)
+        fds_out = {dst: os.open(os.path.join(directory, f"fifo{rank}to{dst}"), os.O_WRONLY)
+                   for dst in range(size) if dst != rank}
+        for fd in fds_in.values():
+            os.set_blocking(fd, True)
+        slots = [torch.from_file(os.path.join(directory, f"slots{r}"), shared=True, size=depth * slot_bytes,
+                                 dtype=torch.uint8) for r in range(size)]
+        dist.barrier(group=group)
+        _remove(directory, rank)  # every rank holds its mappings and FIFO ends: names no longer needed
+        return cls(rank, size, slots, slot_bytes, max_outstanding, fds_in, fds_out, timeout_s)
+
+    def close(self) -> None:
+        for fd in [*self._fds_in.values(), *self._fds_out.values()]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds_in, self._fds_out = {}, {}
+
+    # ---- collectives ------------------------------------------------------------------------------
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
+
+    def start_all_reduce(self, x: torch.Tensor) -> ShmHandle:
+        """Publish x's partial sum; the handle's wait() leaves the sum over ranks in x."""
+        return ShmHandle(self, self._publish(x, gather=False))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.start_all_reduce(x).wait()
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return ShmHandle(self, self._publish(x, gather=True)).wait()
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _slot(self, rank: int, seq: int, like: torch.Tensor) -> torch.Tensor:
+        start = (seq % self.depth) * self.slot_bytes
+        nbytes = like.numel() * like.element_size()
+        return self._slots[rank][start:start + nbytes].view(like.dtype).view(like.shape)
+
+    def _publish(self, x: torch.Tensor, gather: bool) -> _Op:
+        if len(self._outstanding) >= self.max_outstanding:
+            self._complete_through(self._outstanding[0].seq)  # keeps the ring's reuse rule
+        op = _Op(self._next_seq, x, gather)
+        self._next_seq += 1
+        self._slot(self.rank, op.seq, x).copy_(x)
+        for dst, fd in self._fds_out.items():
+            try:
+                os.write(fd, b"\x01")  # a syscall: the copy above is visible to the peer before the byte
+            except BrokenPipeError:
+                raise RuntimeError(f"TP rank {dst} exited in the middle of a collective") from None
+        self._outstanding.append(op)
+        return op
+
+    def _complete_through(self, seq: int) -> None:
+        while self._outstanding and self._outstanding[0].seq <= seq:
+            op = self._outstanding.popleft()
+            for src in self._fds_in:
+                self._await_byte(src)
+            parts = [self._slot(r, op.seq, op.tensor) for r in range(self.size)]
+            if op.gather:
+                op.result = torch.cat(parts, dim=-1)
+            else:  # rank order on every rank: the same floating-point sum everywhere
+                torch.add(parts[0], parts[1], out=op.tensor)
+                for part in parts[2:]:
+                    op.tensor.add_(part)
+
+    def _await_byte(self, src: int) -> None:
+        if not self._polls[src].poll(self._timeout_s * 1000):
+            raise TimeoutError(f"TP rank {src} sent nothing for {self._timeout_s:.0f} s")
+        if not os.read(self._fds_in[src], 1):
+            raise RuntimeError(f"TP rank {src} exited in the middle of a collective")
+
+
+def _poller(fd: int) -> select.poll:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return poller
+
+
+def _all_agree(ok: bool, group: dist.ProcessGroup) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _remove(directory: str, rank: int) -> None:
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
