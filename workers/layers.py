@@ -120,7 +120,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.ctx.tp_rank == 0 else None
-        return F.linear(x, self.weight, bias)
+        out = self.ctx.partial_sum_buffer(x.shape[0], self.weight.shape[0], x.dtype) if x.dim() == 2 else None
+        if out is None:
+            return F.linear(x, self.weight, bias)
+        # Straight into the all-reduce's shared-memory slot. The kernels F.linear runs on a
+        # 2-D input (addmm with a bias, mm without), so the same bits.
+        if bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(bias, x, self.weight.t(), out=out)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -20,9 +20,10 @@ from tandem.workers.attention import AttentionMetadata, PrefillSeq
 
 @dataclass
 class Pending:
-    """A partial sum whose all-reduce may still be in flight (handle None: nothing to wait for)."""
+    """A partial sum whose all-reduce may still be in flight (handle None: nothing to wait
+    for, the partial is the sum)."""
 
-    handle: Any
+    handle: Any  # wait() returns the sum over ranks
     partial: torch.Tensor
 
 
@@ -30,9 +31,7 @@ def settle(x: torch.Tensor, pending: Pending | None) -> torch.Tensor:
     """x plus the reduced partial sum, once its all-reduce has finished."""
     if pending is None:
         return x
-    if pending.handle is not None:
-        pending.handle.wait()
-    return x + pending.partial
+    return x + (pending.handle.wait() if pending.handle is not None else pending.partial)
 
 
 def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:

@@ -47,21 +47,28 @@ class ParallelContext:
     def overlaps_comm(self) -> bool:
         return self.tp_size > 1 and self.num_overlap_chunks > 1
 
+    def partial_sum_buffer(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a row-parallel layer may write the partial sum it all-reduces next, so that
+        the all-reduce copies nothing (a shared-memory slot); None: use a tensor of its own."""
+        if self.shm is None or self.skip_collectives:
+            return None
+        return self.shm.claim((rows, cols), dtype)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over TP ranks: x itself, reduced in place, or a new tensor (shared memory)."""
         if self.tp_size > 1 and not self.skip_collectives:
             if self.shm is not None and self.shm.fits(x):
-                self.shm.all_reduce(x)
-            else:
-                dist.all_reduce(x, group=self.tp_group)
+                return self.shm.all_reduce(x)
+            dist.all_reduce(x, group=self.tp_group)
         return x
 
     def all_reduce_async(self, x: torch.Tensor) -> Any:
-        """Start an all-reduce in place; returns a handle to wait on (None when trivial)."""
+        """Start an all-reduce; returns a handle whose wait() returns the sum (None when trivial)."""
         if self.tp_size == 1 or self.skip_collectives:
             return None
         if self.shm is not None and self.shm.fits(x):
             return self.shm.start_all_reduce(x)
-        return dist.all_reduce(x, group=self.tp_group, async_op=True)
+        return _GlooPending(dist.all_reduce(x, group=self.tp_group, async_op=True), x)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's slice along the last dim (vocab-parallel logits)."""
@@ -84,6 +91,17 @@ class ParallelContext:
     def recv_prev(self, buf: torch.Tensor, tag: int) -> Any:
         """Start receiving hidden states from the previous stage into buf."""
         return dist.irecv(buf, src=self.prev_rank, group=self.pp_group, tag=tag)
+
+
+class _GlooPending:
+    """gloo's in-place async all-reduce behind the handle shape shared memory has."""
+
+    def __init__(self, work: Any, x: torch.Tensor) -> None:
+        self._work, self._x = work, x
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._x
 
 
 def init_groups(rank: int, tp_size: int, pp_size: int, backend: str, init_method: str,

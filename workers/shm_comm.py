@@ -20,6 +20,11 @@ a rank that has completed op t knows every peer has completed op t - depth/2 or 
 Tensors larger than a slot, and groups whose ranks cannot see each other's files (not
 one node after all), fall back to gloo.
 
+A producer can skip the copy: `claim(shape, dtype)` hands out the slot the next op will
+publish from, the row-parallel GEMM writes its partial sum straight into it, and
+publishing that very tensor copies nothing. The sum then goes to a new tensor (peers still
+read the slot), so callers use what `wait()` / `all_reduce()` return.
+
 A peer that exits closes its FIFOs: the byte read returns EOF and the op fails loudly
 instead of waiting for gloo's timeout.
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import select
 import shutil
@@ -45,20 +51,21 @@ _ALIGN = 64  # slot offsets stay cache-line aligned for every dtype
 @dataclass
 class _Op:
     seq: int
-    tensor: torch.Tensor  # reduced in place (all-reduce) or the local slice (all-gather)
+    like: torch.Tensor  # this rank's contribution (its shape and dtype are the slots')
     gather: bool = False
-    result: torch.Tensor | None = None  # all-gather's output, once completed
+    result: torch.Tensor | None = None  # the sum (all-reduce) or concatenation (all-gather)
 
 
 class ShmHandle:
-    """What `start_all_reduce` returns; `wait()` completes the op (and any earlier ones)."""
+    """What `start_all_reduce` returns; `wait()` completes the op (and any earlier ones)
+    and returns its result."""
 
     def __init__(self, comm: ShmCommunicator, op: _Op) -> None:
         self._comm, self._op = comm, op
 
     def wait(self) -> torch.Tensor:
         self._comm._complete_through(self._op.seq)
-        return self._op.result if self._op.gather else self._op.tensor
+        return self._op.result
 
 
 class ShmCommunicator:
@@ -74,6 +81,8 @@ class ShmCommunicator:
         self._timeout_s = timeout_s
         self._next_seq = 0
         self._outstanding: collections.deque[_Op] = collections.deque()
+        self._claimed: tuple[int, torch.Tensor] | None = None  # (seq, my slot's view) handed out
+        self._views: dict[tuple, torch.Tensor] = {}  # slot views by (rank, slot, shape, dtype)
 
     # ---- set-up ------------------------------------------------------------------------------------
     @classmethod
@@ -132,8 +141,19 @@ class ShmCommunicator:
     def fits(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
 
+    def claim(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The slot the next op publishes from, to compute a partial sum into (None: too big).
+        Publishing exactly this tensor as the next op then copies nothing."""
+        like = torch.empty(0, dtype=dtype)
+        if math.prod(shape) * like.element_size() > self.slot_bytes:
+            return None
+        self._make_room()
+        view = self._slot(self.rank, self._next_seq, shape, dtype)
+        self._claimed = (self._next_seq, view)
+        return view
+
     def start_all_reduce(self, x: torch.Tensor) -> ShmHandle:
-        """Publish x's partial sum; the handle's wait() leaves the sum over ranks in x."""
+        """Publish x's partial sum; the handle's wait() returns the sum over ranks."""
         return ShmHandle(self, self._publish(x, gather=False))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,20 +163,41 @@ class ShmCommunicator:
         return ShmHandle(self, self._publish(x, gather=True)).wait()
 
     # ---- internals --------------------------------------------------------------------------------
-    def _slot(self, rank: int, seq: int, like: torch.Tensor) -> torch.Tensor:
-        start = (seq % self.depth) * self.slot_bytes
-        nbytes = like.numel() * like.element_size()
-        return self._slots[rank][start:start + nbytes].view(like.dtype).view(like.shape)
+    def _slot(self, rank: int, seq: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        key = (rank, seq % self.depth, tuple(shape), dtype)
+        view = self._views.get(key)
+        if view is None:  # a step reuses a handful of shapes: build each view once
+            if len(self._views) > 1024:
+                self._views.clear()
+            start = (seq % self.depth) * self.slot_bytes
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            view = self._slots[rank][start:start + nbytes].view(dtype).view(shape)
+            self._views[key] = view
+        return view
 
-    def _publish(self, x: torch.Tensor, gather: bool) -> _Op:
+    def _in_my_ring(self, x: torch.Tensor) -> bool:
+        base = self._slots[self.rank].data_ptr()
+        return base <= x.data_ptr() < base + self.depth * self.slot_bytes
+
+    def _make_room(self) -> None:
         if len(self._outstanding) >= self.max_outstanding:
             self._complete_through(self._outstanding[0].seq)  # keeps the ring's reuse rule
+
+    def _publish(self, x: torch.Tensor, gather: bool) -> _Op:
+        claimed, self._claimed = self._claimed, None
+        is_claimed = claimed is not None and claimed[1].data_ptr() == x.data_ptr() and claimed[1].shape == x.shape
+        if is_claimed and claimed[0] == self._next_seq:
+            pass  # computed in place: nothing to copy
+        else:
+            if self._in_my_ring(x):  # its slot may hold another op's bytes by now
+                raise RuntimeError("a claimed shared-memory slot was published after another op")
+            self._make_room()
+            self._slot(self.rank, self._next_seq, x.shape, x.dtype).copy_(x)
         op = _Op(self._next_seq, x, gather)
         self._next_seq += 1
-        self._slot(self.rank, op.seq, x).copy_(x)
         for dst, fd in self._fds_out.items():
             try:
-                os.write(fd, b"\x01")  # a syscall: the copy above is visible to the peer before the byte
+                os.write(fd, b"\x01")  # a syscall: the slot's bytes are visible to the peer before it
             except BrokenPipeError:
                 raise RuntimeError(f"TP rank {dst} exited in the middle of a collective") from None
         self._outstanding.append(op)
@@ -167,13 +208,14 @@ class ShmCommunicator:
             op = self._outstanding.popleft()
             for src in self._fds_in:
                 self._await_byte(src)
-            parts = [self._slot(r, op.seq, op.tensor) for r in range(self.size)]
+            parts = [self._slot(r, op.seq, op.like.shape, op.like.dtype) for r in range(self.size)]
             if op.gather:
                 op.result = torch.cat(parts, dim=-1)
             else:  # rank order on every rank: the same floating-point sum everywhere
-                torch.add(parts[0], parts[1], out=op.tensor)
+                op.result = parts[0] + parts[1]
                 for part in parts[2:]:
-                    op.tensor.add_(part)
+                    op.result.add_(part)
+            op.like = None  # the caller's tensor need not outlive the op
 
     def _await_byte(self, src: int) -> None:
         if not self._polls[src].poll(self._timeout_s * 1000):

@@ -79,14 +79,15 @@ def _reduce_like_gloo(ctx: Any) -> dict[str, Any]:
             x = _values(ctx.tp_rank, shape, dtype)
             ref = x.clone()
             dist.all_reduce(ref, group=ctx.tp_group)
-            ctx.all_reduce(x)
+            x = ctx.all_reduce(x)
             out[f"{dtype}-{shape}"] = (_same_sum(x, ref, ctx.tp_size), x.float().tolist())
     # Larger than a slot: gloo, same result.
     big = _values(ctx.tp_rank, (65, 64), torch.float32)
     assert not ctx.shm.fits(big)
     ref = big.clone()
     dist.all_reduce(ref, group=ctx.tp_group)
-    out["big"] = (_same_sum(ctx.all_reduce(big), ref, ctx.tp_size), big.tolist())
+    big = ctx.all_reduce(big)
+    out["big"] = (_same_sum(big, ref, ctx.tp_size), big.tolist())
     # Vocab-parallel logits: each rank's slice, concatenated in rank order.
     gathered = ctx.all_gather_last_dim(_values(ctx.tp_rank, (4, 8), torch.float32, salt=7))
     expected = torch.cat([_values(r, (4, 8), torch.float32, salt=7) for r in range(ctx.tp_size)], dim=-1)
@@ -114,9 +115,33 @@ def _many_in_flight(ctx: Any, wait_order: str) -> list[bool]:
     xs = [_values(ctx.tp_rank, (8, 16), torch.float32, salt=i) for i in range(num_ops)]
     expected = [sum(_values(r, (8, 16), torch.float32, salt=i) for r in range(ctx.tp_size)) for i in range(num_ops)]
     handles = [ctx.all_reduce_async(x) for x in xs]
-    for h in (handles if wait_order == "in_order" else reversed(handles)):
-        h.wait()
-    return [torch.allclose(x, e, rtol=0, atol=1e-5) for x, e in zip(xs, expected)]
+    sums = [h.wait() for h in (handles if wait_order == "in_order" else reversed(handles))]
+    if wait_order != "in_order":
+        sums.reverse()
+    return [torch.allclose(s, e, rtol=0, atol=1e-5) for s, e in zip(sums, expected)]
+
+
+def _claimed_slots(ctx: Any) -> dict[str, Any]:
+    """A partial sum computed straight into the next slot; a claim gone stale fails loudly."""
+    import torch
+
+    a = _values(ctx.tp_rank, (16, 8), torch.float32)
+    w = _values(ctx.tp_rank, (8, 32), torch.float32, salt=3)
+    buf = ctx.partial_sum_buffer(16, 32, torch.float32)
+    expected = sum(_values(r, (16, 8), torch.float32) @ _values(r, (8, 32), torch.float32, salt=3)
+                   for r in range(ctx.tp_size))
+    in_place = ctx.all_reduce(torch.mm(a, w, out=buf))
+    too_big = ctx.partial_sum_buffer(65, 64, torch.float32)
+    stale = ctx.partial_sum_buffer(2, 2, torch.float32)
+    stale.fill_(1.0)
+    ctx.all_reduce(torch.ones(2, 2))  # another op takes the claimed slot first
+    try:
+        ctx.all_reduce(stale)
+        stale_error = ""
+    except RuntimeError as e:
+        stale_error = str(e)
+    return {"in_place_ok": torch.allclose(in_place, expected, rtol=0, atol=1e-4), "too_big": too_big is None,
+            "stale_error": stale_error}
 
 
 def _exit_or_reduce(ctx: Any) -> str:
@@ -166,6 +191,12 @@ def test_all_reduce_and_gather_equal_gloo_on_every_rank(size: int, shm_dirs_unch
 def test_ops_in_flight_beyond_the_ring_depth(wait_order: str, shm_dirs_unchanged) -> None:
     for rank_ok in _run(2, _many_in_flight, wait_order):
         assert all(rank_ok)
+
+
+def test_a_partial_sum_computed_in_its_slot(shm_dirs_unchanged) -> None:
+    for result in _run(2, _claimed_slots):
+        assert result == {"in_place_ok": True, "too_big": True,
+                          "stale_error": "a claimed shared-memory slot was published after another op"}
 
 
 def test_a_peer_that_exits_fails_the_op(shm_dirs_unchanged) -> None:
