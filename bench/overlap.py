@@ -12,7 +12,8 @@ on one prefill step in three modes, interleaved (rotating order) and repeated:
 
 The collectives go through shared memory, as a CPU group's do (workers/shm_comm.py);
 `serial_gloo` and `overlap_gloo` repeat the two communicating modes over gloo's loopback
-TCP, for `hidden_fraction_gloo` and `serial_step_speedup_shm_vs_gloo`. Each trial's time is
+TCP, for `hidden_fraction_gloo`, `serial_step_speedup_shm_vs_gloo` and
+`comm_time_removed_vs_gloo` (1 - exposed communication over shared memory / over gloo). Each trial's time is
 the slower rank's (the step ends when both have finished); the reported times are medians
 over the repeats. Diagnostics ride along: `t_compute_chunked_ms` (collectives skipped,
 tokens chunked: what chunking itself costs) and the median CPU time per rank of each mode
@@ -159,8 +160,11 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         "t_compute_chunked_ms": round(med["compute_chunked"] * 1e3, 2),
         "t_serial_gloo_ms": round(med["serial_gloo"] * 1e3, 2),
         "t_overlap_gloo_ms": round(med["overlap_gloo"] * 1e3, 2),
-        # What the shared-memory transport buys a TP=2 step over gloo's loopback TCP.
+        # What the shared-memory transport buys a TP=2 step over gloo's loopback TCP: the
+        # speedup, and the share of gloo's exposed communication time that is gone.
         "serial_step_speedup_shm_vs_gloo": round(med["serial_gloo"] / med["serial"], 3),
+        "comm_time_removed_vs_gloo": round(1.0 - (med["serial"] - med["compute"])
+                                           / (med["serial_gloo"] - med["compute"]), 3),
         # Flat keys: --output-json writes one flat object of named figures.
         **{f"cpu_ms_per_rank_{m}": round(statistics.median(c) * 1e3, 2) for m, c in cpu.items()},
         "model": os.path.basename(spec["model_dir"].rstrip("/")),
