@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ def run_overlap_bench(quick: bool = False, *, num_tokens: int | None = None, num
                       repeats: int | None = None, model_dir: str | None = None,
                       timeout_s: float = 900.0) -> dict[str, Any]:
     from tandem.cluster.config import ParallelConfig
+    from tandem.cluster.net import free_port
     from tandem.workers.demo_model import bench_model_path
 
     spec = {
@@ -47,7 +47,7 @@ def run_overlap_bench(quick: bool = False, *, num_tokens: int | None = None, num
         "num_chunks": num_chunks or ParallelConfig().num_overlap_chunks,
         "repeats": repeats or (7 if quick else 21),
         "warmup": 2,
-        "init_method": f"tcp://127.0.0.1:{_free_port()}",
+        "init_method": f"tcp://127.0.0.1:{free_port()}",
     }
     # Plain subprocesses (not multiprocessing): nothing depends on how the caller's
     # __main__ is written, and a crashed rank cannot leave the other waiting forever.
@@ -65,12 +65,6 @@ def run_overlap_bench(quick: bool = False, *, num_tokens: int | None = None, num
         if p.returncode != 0:
             raise RuntimeError(f"overlap benchmark rank {rank} failed (exit {p.returncode}): {err.strip()[-2000:]}")
     return json.loads(outs[0][0].strip().splitlines()[-1])
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:

@@ -178,7 +178,9 @@ def local_server(model_dir: str, engine_options: dict[str, Any]) -> Iterator[tup
     app = build_app({"group_num_cpus": group_cpus, **options, "model": model_dir, "served_model_name": "tandem-bench"})
     ray.init(address=address or "local", num_cpus=None if address else cores + 4, include_dashboard=False,
              log_to_driver=False)
-    port = _free_port()
+    from tandem.cluster.net import free_port
+
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app, name="tandem-bench", route_prefix="/")
@@ -194,14 +196,6 @@ def local_server(model_dir: str, engine_options: dict[str, Any]) -> Iterator[tup
         else:
             serve.shutdown()
         ray.shutdown()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def register_serve(bench_subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:

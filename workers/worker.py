@@ -17,12 +17,12 @@ stage returns the step's RunnerOutput; the others return None.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import torch
 
 from tandem.cluster.config import EngineConfig
+from tandem.cluster.net import free_port
 from tandem.workers.model_runner import ModelRunner
 from tandem.workers.models.hf_config import HFModelConfig
 from tandem.workers.parallel import ParallelContext, init_groups
@@ -73,9 +73,7 @@ class Worker:
 
     def free_port(self) -> int:
         """A port free on this node right now, for the group's rendezvous (rank 0 only)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port("")
 
     def init_distributed(self, init_method: str) -> None:
         par = self.config.parallel

@@ -8,26 +8,21 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
 import pytest
 
+from tandem.cluster.net import free_port
+
 SLOT_BYTES = 64 * 64 * 4  # a 64 x 64 float32 tensor fills a slot exactly
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(size: int, body: Callable[..., Any], *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """body(ctx, *args) on `size` spawned ranks of a TP group; returns each rank's result."""
     spawn = mp.get_context("spawn")
     queue = spawn.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     procs = [spawn.Process(target=_rank_main, args=(rank, size, init, queue, body, args)) for rank in range(size)]
     for p in procs:
         p.start()
@@ -203,7 +198,7 @@ def test_a_peer_that_exits_fails_the_op(shm_dirs_unchanged) -> None:
     # Rank 1 never reports (it exited); rank 0's answer is all we wait for.
     spawn = mp.get_context("spawn")
     queue = spawn.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     procs = [spawn.Process(target=_rank_main, args=(r, 2, init, queue, _exit_or_reduce, ())) for r in range(2)]
     for p in procs:
         p.start()
@@ -221,7 +216,7 @@ def test_a_peer_that_exits_fails_the_op(shm_dirs_unchanged) -> None:
 def test_ranks_that_cannot_share_files_use_gloo(shm_dirs_unchanged) -> None:
     spawn = mp.get_context("spawn")
     queue = spawn.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     procs = [spawn.Process(target=_blind_rank_main, args=(r, 2, init, queue)) for r in range(2)]
     for p in procs:
         p.start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,13 +9,9 @@ from typing import Any
 
 import pytest
 
+from tandem.cluster.net import free_port
+
 APP_NAME = "tandem"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
