@@ -8,10 +8,16 @@ batches (see allocator_client.py); nothing on the per-token path waits on it.
 If the actor dies Ray restarts it empty. A group then learns from the next
 `publish` answer (False = "who are you?") that it must register again, sending
 the hashes it holds, so the directory heals without anyone stopping.
+
+The actor is detached (see docs/architecture.md), so nothing ends it with the application
+but `tandem serve`'s teardown. An application stopped some other way (`serve shutdown` of
+a config-file app) would leave it behind for good; instead, an allocator without groups for
+`idle_exit_s` (10 minutes) ends itself. A group of a later application creates it anew.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +43,7 @@ class KVAllocatorState:
     """All the allocator's logic, plain Python (the actor is a thin wrapper)."""
 
     def __init__(self, host_bytes_per_node: int | None = None, group_timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, idle_exit_s: float | None = None) -> None:
         self.host_bytes_per_node = host_bytes_per_node  # None: no node budget, grant every ask
         # A group publishes (at least its usage) every ~0.1 s; one silent this long died
         # without unregistering (its process was killed): its leases and blocks are dropped.
@@ -46,6 +52,8 @@ class KVAllocatorState:
         self.groups: dict[GroupId, GroupRecord] = {}
         self.directory = PrefixDirectory()
         self.started_at = time.time()
+        self.idle_exit_s = idle_exit_s  # None: never idle out (plain use, tests)
+        self._last_active = clock()  # a group's last register / publish / unregister
 
     # ---- membership and leases ------------------------------------------------------------------
     def register(self, group_id: GroupId, model_id: str, block_size: int, device_blocks: int, node_id: str,
@@ -57,14 +65,16 @@ class KVAllocatorState:
         if device_blocks < 1 or block_size < 1:
             raise ValueError(f"device_blocks and block_size must be >= 1, got {device_blocks}, {block_size}")
         self.directory.remove_group(group_id)
+        self._last_active = self._clock()
         self.groups[group_id] = GroupRecord(group_id, model_id, block_size, device_blocks, node_id,
-                                            kv_layout=kv_layout, last_seen=self._clock())
+                                            kv_layout=kv_layout, last_seen=self._last_active)
         self.directory.add_group(group_id)
         self.directory.apply(group_id, [("stored", h) for h in cached_hashes or ()])
         granted = self.lease_host(group_id, host_bytes) if host_bytes else 0
         return {"started_at": self.started_at, "host_bytes": granted}
 
     def unregister(self, group_id: GroupId) -> None:
+        self._last_active = self._clock()
         self.groups.pop(group_id, None)
         self.directory.remove_group(group_id)
 
@@ -87,7 +97,7 @@ class KVAllocatorState:
             return False
         self.directory.apply(group_id, events)
         record.usage = dict(usage)
-        record.last_seen = self._clock()
+        record.last_seen = self._last_active = self._clock()
         return True
 
     def expire_silent_groups(self) -> list[GroupId]:
@@ -131,6 +141,42 @@ class KVAllocatorState:
     def ping(self) -> float:
         return self.started_at
 
+    def is_idle(self) -> bool:
+        """No group has registered, published or left for `idle_exit_s` (a live group publishes
+        every ~0.1 s): the application that used this allocator is gone. Reads one float, so
+        the actor's timer thread may ask it while a call runs."""
+        return self.idle_exit_s is not None and self._clock() - self._last_active >= self.idle_exit_s
+
+
+# An allocator with no group this long ends itself (its application was stopped without
+# `tandem serve`'s teardown). Longer than any restart of an application's groups.
+IDLE_EXIT_S = 600.0
+
+
+class KVAllocatorActor(KVAllocatorState):
+    """The actor: the state, plus a timer thread that ends it once it is idle.
+
+    `ray.kill(no_restart=True)` from that thread, not `exit_actor()` from a call the actor
+    sends itself: such an exit waits for the calls the actor has in flight to itself, which
+    never run. Dying between a group's calls is safe by design (the group re-registers
+    with whichever allocator answers next, see allocator_client.py).
+    """
+
+    def __init__(self, host_bytes_per_node: int | None = None, idle_exit_s: float = IDLE_EXIT_S) -> None:
+        import ray
+
+        super().__init__(host_bytes_per_node, idle_exit_s=idle_exit_s)
+        me = ray.get_runtime_context().current_actor
+        threading.Thread(target=self._end_when_idle, args=(me, min(60.0, idle_exit_s / 4)), daemon=True,
+                         name="tandem-allocator-idle").start()
+
+    def _end_when_idle(self, me: Any, period_s: float) -> None:
+        import ray
+
+        while not self.is_idle():
+            time.sleep(period_s)
+        ray.kill(me, no_restart=True)  # not restarted; the name is free for the next application
+
 
 ALLOCATOR_NAMESPACE = "tandem"
 
@@ -140,18 +186,19 @@ def allocator_name(app_name: str) -> str:
 
 
 def get_or_create_allocator(app_name: str, host_bytes_per_node: int | None = None,
-                            namespace: str = ALLOCATOR_NAMESPACE) -> Any:
+                            namespace: str = ALLOCATOR_NAMESPACE, idle_exit_s: float = IDLE_EXIT_S) -> Any:
     """The application's allocator actor, created by whichever group asks first.
 
     Detached (it outlives the replica that created it) and restarted by Ray if it dies;
-    the application's teardown (`kill_allocator`) kills it.
+    the application's teardown (`kill_allocator`) kills it, and it ends itself after
+    `idle_exit_s` without groups.
     """
     import ray
 
-    actor_cls = ray.remote(KVAllocatorState)
+    actor_cls = ray.remote(KVAllocatorActor)
     return actor_cls.options(name=allocator_name(app_name), namespace=namespace, get_if_exists=True,
                              lifetime="detached", max_restarts=-1, max_task_retries=0,
-                             num_cpus=0).remote(host_bytes_per_node)
+                             num_cpus=0).remote(host_bytes_per_node, idle_exit_s)
 
 
 class AllocatorRef:

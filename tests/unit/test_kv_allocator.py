@@ -51,3 +51,26 @@ def test_a_group_silent_past_the_timeout_is_dropped_with_its_leases() -> None:
     assert set(a.usage()) == {"alive"}
     assert a.lease_host("alive", 800) == 800  # the dead group's host bytes went back to the node
     assert a.publish("killed", [], {}) is False  # had it only been slow: it registers again
+
+
+def test_idle_only_after_no_group_has_spoken_for_idle_exit_s() -> None:
+    now = [0.0]
+    a = KVAllocatorState(group_timeout_s=10.0, clock=lambda: now[0], idle_exit_s=600.0)
+    now[0] = 599.0
+    assert not a.is_idle()  # a fresh allocator waits for its first group as long
+    now[0] = 600.0
+    assert a.is_idle()
+    a.register("g", "m", 16, 10, "n")
+    now[0] = 5000.0
+    assert a.publish("g", [], {}) and not a.is_idle()
+    a.unregister("g")
+    now[0] = 5599.0
+    assert not a.is_idle()
+    now[0] = 5600.0
+    assert a.is_idle()
+    a.register("killed", "m", 16, 10, "n")  # never speaks again (its process was killed)
+    now[0] = 6199.0
+    assert not a.is_idle()
+    now[0] = 6200.0
+    assert a.is_idle()
+    assert not KVAllocatorState(clock=lambda: now[0]).is_idle()  # idle_exit_s None: never
