@@ -16,11 +16,17 @@ padded batch, one contiguous copy per block, for one SDPA call:
 Grouping keeps padding small when lengths differ, bounds the gathered copy's memory, and
 on CPU keeps the copy small enough to still be in cache when SDPA reads it, so K and V
 come from memory once. Plans and masks are built once per step, by the first layer.
+
+On CPU in float32, decodes go to a compiled kernel instead (workers/cpu_kernels.py,
+csrc/paged_decode.cpp). It walks each row's block table and reads K and V in place with
+an online softmax, so no gathered copy is written and read again. The torch path stays
+for other devices and dtypes, and wherever the kernel cannot be built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +36,10 @@ import torch.nn.functional as F
 # slow as one padded batch. Elsewhere the bound only caps the copies' memory.
 GROUP_BYTES = {"cpu": 2 << 20}
 DEFAULT_GROUP_BYTES = 256 << 20
+
+# The compiled CPU decode kernel (workers/cpu_kernels.py), set once at model load; None:
+# the torch path below.
+PAGED_DECODE_KERNEL: Any = None
 
 
 @dataclass
@@ -64,6 +74,17 @@ class AttentionMetadata:
     # window -> this step's decode groups (every layer has the same KV shape, so they share
     # them). Named for the masks the groups carry; bench replays clear it to pay again.
     decode_masks: dict[int | None, list[DecodeGroup]] = field(default_factory=dict)
+    kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # see kernel_tables
+
+    def kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables [num_decodes, widest] and lengths as int32 tensors, for the CPU kernel
+        (built once per step, by the first layer)."""
+        if self.kernel_inputs is None:
+            width = max(len(t) for t in self.decode_block_tables)
+            self.kernel_inputs = (
+                torch.tensor([t + [0] * (width - len(t)) for t in self.decode_block_tables], dtype=torch.int32),
+                torch.tensor(self.decode_seq_lens, dtype=torch.int32))
+        return self.kernel_inputs
 
     def decode_groups(self, window: int | None, max_group_blocks: int, device: torch.device) -> list[DecodeGroup]:
         groups = self.decode_masks.get(window)
@@ -143,6 +164,13 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor) -> None:
     """Attention of the step's decodes (query rows [0, num_decodes)), written into out's rows."""
+    kernel = PAGED_DECODE_KERNEL
+    if kernel is not None and query.device.type == "cpu" and query.dtype == torch.float32:
+        n = meta.num_decodes
+        tables, lens = meta.kernel_tables()
+        kernel.paged_decode(query[:n], key_cache, value_cache, tables, lens, meta.block_size, scale, window or 0,
+                            out[:n])
+        return
     _, kv_heads, head_dim = key_cache.shape
     bs = meta.block_size
     block_bytes = bs * kv_heads * head_dim * key_cache.element_size()

@@ -78,6 +78,11 @@ class ModelRunner:
             self.model = LlamaForCausalLM(self.hf_config, self.ctx, self.dtype, max_positions)
         load_weights(self.model, self.model_dir, show_progress=show_progress)
         use_fast_gemm_layout(self.model)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            from tandem.workers import attention
+            from tandem.workers.cpu_kernels import paged_decode_kernel
+
+            attention.PAGED_DECODE_KERNEL = paged_decode_kernel()
         self.model.eval()
 
     def kv_bytes_per_block(self) -> int:
