@@ -13,6 +13,25 @@ SCALE = HEAD_DIM ** -0.5
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch) -> None:
+    """The torch path (whose decode groups some tests inspect), whatever an earlier model
+    load in this process switched on."""
+    monkeypatch.setattr(attention, "PAGED_DECODE_KERNEL", None)
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def decode_path(request, monkeypatch) -> str:
+    """The torch path, and again the compiled CPU kernel."""
+    if request.param == "kernel":
+        from tandem.workers.cpu_kernels import paged_decode_kernel
+
+        kernel = paged_decode_kernel()
+        assert kernel is not None, "the CPU kernel did not build (see the log)"
+        monkeypatch.setattr(attention, "PAGED_DECODE_KERNEL", kernel)
+    return request.param
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int],
                     window: int | None) -> torch.Tensor:
     """q: [q_len, heads, hd]; k/v: a sequence's whole [ctx_len, kv_heads, hd]. Float64, GQA by repeat."""
@@ -77,10 +96,14 @@ MIXED = [1, 3, 4, 5, 9, 17, 30, 31, 64, 7]
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("group_bytes", [1, 1 << 30])  # one row per group / lengths alone decide
-def test_decodes_and_prefill_match_dense(window: int | None, group_bytes: int, monkeypatch) -> None:
+def test_decodes_and_prefill_match_dense(window: int | None, group_bytes: int, decode_path: str,
+                                        monkeypatch) -> None:
     monkeypatch.setitem(attention.GROUP_BYTES, "cpu", group_bytes)
     out, ref, meta = run_step(MIXED, prefill=(10, 5), window=window)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    if decode_path == "kernel":
+        assert meta.decode_masks == {}  # no groups planned: the kernel reads the blocks in place
+        return
     groups = meta.decode_masks[window]
     assert sorted(r for grp in groups for r in grp.rows.tolist()) == list(range(len(MIXED)))
     if group_bytes == 1:
