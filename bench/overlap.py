@@ -77,6 +77,7 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     from tandem.workers.parallel import init_groups
     from tandem.workers.request import SamplingParams
     from tandem.workers.scheduler_output import NewRequestData, SchedulerOutput
+    from tandem.workers.worker import shm_slot_bytes
 
     torch.set_num_threads(1)  # two workers on a two-core machine: one core each
     n = spec["num_tokens"]
@@ -85,7 +86,7 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     config = EngineConfig.from_options(model=spec["model_dir"], tensor_parallel_size=2, num_kv_blocks=num_blocks,
                                        block_size=block_size, max_num_batched_tokens=max(2048, n))
     hf_config = HFModelConfig.from_dir(spec["model_dir"])
-    ctx = init_groups(rank, 2, 1, "gloo", spec["init_method"], shm_slot_bytes=max(2048, n) * hf_config.hidden_size * 4,
+    ctx = init_groups(rank, 2, 1, "gloo", spec["init_method"], shm_slot_bytes=shm_slot_bytes(config, hf_config),
                       num_overlap_chunks=spec["num_chunks"])
     shm = ctx.shm
     assert shm is not None, "shared-memory collectives did not set up"

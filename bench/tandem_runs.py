@@ -108,14 +108,15 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
 def time_bare_forward(model: Any, inputs: list[Any], device: torch.device) -> list[float]:
     """Seconds of `model(...)` + `compute_logits` on each recorded step's inputs.
 
-    The per-step masks cached on the metadata are cleared first: building them is part of
-    the forward pass the engine paid for. Replaying writes each step's K/V into the slots it
+    The per-step masks and kernel tables cached on the metadata are cleared first: building
+    them is part of the forward pass the engine paid for. Replaying writes each step's K/V into the slots it
     wrote before (freed blocks by now), which changes nothing any request will read.
     """
     times = []
     for step in inputs:
         meta = step.meta
         meta.decode_masks.clear()
+        meta.kernel_inputs = None  # the CPU kernel's block tables, built per step like the masks
         for seq in meta.prefills:
             seq.masks.clear()
         sync(device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import time
 from functools import lru_cache
 
 import pytest
@@ -23,6 +24,16 @@ _MODEL_ROOT = tempfile.mkdtemp(prefix="tandem-test-models-")
 
 
 _built: dict[str, str] = {}
+
+
+def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.1):
+    """Poll predicate until it is truthy or timeout_s has passed; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
 
 
 def tiny_model(architecture: str = "llama", **overrides) -> str:

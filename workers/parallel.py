@@ -54,10 +54,14 @@ class ParallelContext:
             return None
         return self.shm.claim((rows, cols), dtype)
 
+    def _shm_takes(self, x: torch.Tensor) -> bool:
+        """Whether x's collective goes through shared memory (else gloo or NCCL)."""
+        return self.shm is not None and self.shm.fits(x)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over TP ranks: x itself, reduced in place, or a new tensor (shared memory)."""
         if self.tp_size > 1 and not self.skip_collectives:
-            if self.shm is not None and self.shm.fits(x):
+            if self._shm_takes(x):
                 return self.shm.all_reduce(x)
             dist.all_reduce(x, group=self.tp_group)
         return x
@@ -66,7 +70,7 @@ class ParallelContext:
         """Start an all-reduce; returns a handle whose wait() returns the sum (None when trivial)."""
         if self.tp_size == 1 or self.skip_collectives:
             return None
-        if self.shm is not None and self.shm.fits(x):
+        if self._shm_takes(x):
             return self.shm.start_all_reduce(x)
         return _GlooPending(dist.all_reduce(x, group=self.tp_group, async_op=True), x)
 
@@ -76,7 +80,7 @@ class ParallelContext:
             return x
         if self.skip_collectives:
             return torch.cat([x] * self.tp_size, dim=-1)
-        if self.shm is not None and self.shm.fits(x):
+        if self._shm_takes(x):
             return self.shm.all_gather_last_dim(x)
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)

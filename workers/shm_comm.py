@@ -129,14 +129,6 @@ class ShmCommunicator:
         _remove(directory, rank)  # every rank holds its mappings and FIFO ends: names no longer needed
         return cls(rank, size, slots, slot_bytes, max_outstanding, fds_in, fds_out, timeout_s)
 
-    def close(self) -> None:
-        for fd in [*self._fds_in.values(), *self._fds_out.values()]:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds_in, self._fds_out = {}, {}
-
     # ---- collectives ------------------------------------------------------------------------------
     def fits(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
@@ -144,8 +136,7 @@ class ShmCommunicator:
     def claim(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The slot the next op publishes from, to compute a partial sum into (None: too big).
         Publishing exactly this tensor as the next op then copies nothing."""
-        like = torch.empty(0, dtype=dtype)
-        if math.prod(shape) * like.element_size() > self.slot_bytes:
+        if math.prod(shape) * dtype.itemsize > self.slot_bytes:
             return None
         self._make_room()
         view = self._slot(self.rank, self._next_seq, shape, dtype)
@@ -170,7 +161,7 @@ class ShmCommunicator:
             if len(self._views) > 1024:
                 self._views.clear()
             start = (seq % self.depth) * self.slot_bytes
-            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             view = self._slots[rank][start:start + nbytes].view(dtype).view(shape)
             self._views[key] = view
         return view

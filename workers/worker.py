@@ -33,6 +33,14 @@ from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
 MAX_SHM_SLOT_BYTES = 32 << 20
 
 
+def shm_slot_bytes(config: EngineConfig, hf_config: HFModelConfig) -> int:
+    """A shared-memory slot's size: the largest activation a step all-reduces (float32, the
+    widest dtype used), capped; 0 when shared-memory collectives are off."""
+    if not config.parallel.shm_collectives:
+        return 0
+    return min(config.scheduler.max_num_batched_tokens * hf_config.hidden_size * 4, MAX_SHM_SLOT_BYTES)
+
+
 class Worker:
     def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str, rank: int,
                  workers_on_node: int) -> None:
@@ -78,12 +86,9 @@ class Worker:
     def init_distributed(self, init_method: str) -> None:
         par = self.config.parallel
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        # A slot holds the largest activation a step all-reduces (float32, the widest dtype used).
-        shm_slot_bytes = (self.config.scheduler.max_num_batched_tokens * self.hf_config.hidden_size * 4
-                          if par.shm_collectives else 0)
         overlap = par.overlap_comm if par.overlap_comm is not None else self.device.type == "cuda"
         self.ctx = init_groups(self.rank, par.tensor_parallel_size, par.pipeline_parallel_size, backend,
-                               init_method, shm_slot_bytes=min(shm_slot_bytes, MAX_SHM_SLOT_BYTES),
+                               init_method, shm_slot_bytes=shm_slot_bytes(self.config, self.hf_config),
                                num_overlap_chunks=par.num_overlap_chunks if overlap else 1)
 
     def load_model(self) -> int:

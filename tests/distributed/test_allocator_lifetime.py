@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tandem.cluster.kv_allocator import allocator_name, get_or_create_allocator, kill_allocator
+from tests.conftest import wait_for
 
 
 def _exists(app: str) -> bool:
@@ -22,12 +23,7 @@ def _exists(app: str) -> bool:
 
 
 def _wait_gone(app: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _exists(app):
-            return True
-        time.sleep(0.2)
-    return False
+    return wait_for(lambda: not _exists(app), timeout_s=timeout_s, interval_s=0.2)
 
 
 def test_an_allocator_without_groups_ends_itself(ray_local) -> None:

@@ -18,26 +18,32 @@ from tandem.cluster.net import free_port
 SLOT_BYTES = 64 * 64 * 4  # a 64 x 64 float32 tensor fills a slot exactly
 
 
-def _run(size: int, body: Callable[..., Any], *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """body(ctx, *args) on `size` spawned ranks of a TP group; returns each rank's result."""
+def _spawn(size: int, target: Callable[..., None], *extra: Any, num_answers: int | None = None,
+           timeout_s: float = 120.0) -> list[tuple[int, bool, Any]]:
+    """target(rank, size, init, queue, *extra) on `size` spawned ranks; the first
+    `num_answers` (default: all) (rank, ok, value) answers they put on the queue."""
     spawn = mp.get_context("spawn")
     queue = spawn.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [spawn.Process(target=_rank_main, args=(rank, size, init, queue, body, args)) for rank in range(size)]
+    procs = [spawn.Process(target=target, args=(rank, size, init, queue, *extra)) for rank in range(size)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
     try:
-        for _ in range(size):
-            rank, ok, value = queue.get(timeout=timeout_s)
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+        return [queue.get(timeout=timeout_s) for _ in range(size if num_answers is None else num_answers)]
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def _run(size: int, body: Callable[..., Any], *args: Any) -> list[Any]:
+    """body(ctx, *args) on `size` spawned ranks of a TP group; returns each rank's result."""
+    results: dict[int, Any] = {}
+    for rank, ok, value in _spawn(size, _rank_main, body, args):
+        if not ok:
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        results[rank] = value
     return [results[r] for r in range(size)]
 
 
@@ -196,33 +202,10 @@ def test_a_partial_sum_computed_in_its_slot(shm_dirs_unchanged) -> None:
 
 def test_a_peer_that_exits_fails_the_op(shm_dirs_unchanged) -> None:
     # Rank 1 never reports (it exited); rank 0's answer is all we wait for.
-    spawn = mp.get_context("spawn")
-    queue = spawn.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [spawn.Process(target=_rank_main, args=(r, 2, init, queue, _exit_or_reduce, ())) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        rank, ok, message = queue.get(timeout=120)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    [(rank, ok, message)] = _spawn(2, _rank_main, _exit_or_reduce, (), num_answers=1)
     assert (rank, ok) == (0, True)
     assert message == "TP rank 1 exited in the middle of a collective"
 
 
 def test_ranks_that_cannot_share_files_use_gloo(shm_dirs_unchanged) -> None:
-    spawn = mp.get_context("spawn")
-    queue = spawn.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [spawn.Process(target=_blind_rank_main, args=(r, 2, init, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        answers = sorted(queue.get(timeout=120) for _ in range(2))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-    assert answers == [(0, True, True), (1, True, True)]
+    assert sorted(_spawn(2, _blind_rank_main)) == [(0, True, True), (1, True, True)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import pytest
 
 from tandem.cluster.net import free_port
+from tests.conftest import wait_for  # noqa: F401 - the serve tests import it from here
 
 APP_NAME = "tandem"
 
@@ -55,15 +55,6 @@ def held_by(prompt: list[int], block_size: int) -> dict[str, int]:
     from tandem.workers.block_pool import prompt_block_hashes
 
     return ray.get(allocator().match.remote(prompt_block_hashes(prompt, block_size)), timeout=10)
-
-
-def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
 
 
 @pytest.fixture(scope="module")
