@@ -1,6 +1,7 @@
 """The compiled CPU paged-decode kernel against the torch path it replaces: the same
 attention (to float32 rounding) for plain and grouped-query heads, a sliding window,
-lengths of one token and of whole blocks, one row (heads split over threads) and many."""
+lengths of one token and of whole blocks, one row (heads split over threads) and many, and
+head sizes it unrolls (64, 128) or loops over (16). And it really runs on every thread."""
 
 from __future__ import annotations
 
@@ -35,14 +36,16 @@ def _case(num_heads: int, kv_heads: int, lens: list[int], block_size: int = 4, h
     return query, key_cache, value_cache, meta
 
 
-@pytest.mark.parametrize(("num_heads", "kv_heads", "lens", "window"), [
-    (4, 4, [1, 4, 5, 17, 40], None),          # one token, a whole block, partial blocks
-    (8, 2, [9, 33, 12], None),                # grouped-query heads
-    (4, 1, [30, 7, 16], 8),                   # a sliding window shorter and longer than rows
-    (4, 2, [57], None),                       # one row: its KV heads split over the threads
+@pytest.mark.parametrize(("num_heads", "kv_heads", "lens", "window", "head_dim"), [
+    (4, 4, [1, 4, 5, 17, 40], None, 16),      # one token, a whole block, partial blocks
+    (8, 2, [9, 33, 12], None, 16),            # grouped-query heads
+    (4, 1, [30, 7, 16], 8, 16),               # a sliding window shorter and longer than rows
+    (4, 2, [57], None, 16),                   # one row: its KV heads split over the threads
+    (8, 2, [1, 23, 64, 9], 12, 64),           # the unrolled head sizes
+    (2, 2, [3, 40], None, 128),
 ])
-def test_kernel_equals_the_torch_path(kernel, monkeypatch, num_heads, kv_heads, lens, window) -> None:
-    query, key_cache, value_cache, meta = _case(num_heads, kv_heads, lens)
+def test_kernel_equals_the_torch_path(kernel, monkeypatch, num_heads, kv_heads, lens, window, head_dim) -> None:
+    query, key_cache, value_cache, meta = _case(num_heads, kv_heads, lens, head_dim=head_dim)
     monkeypatch.setattr(attention, "PAGED_DECODE_KERNEL", None)
     expected = torch.zeros_like(query)
     decode_attention(query, key_cache, value_cache, meta, 0.25, window, expected)
@@ -50,6 +53,13 @@ def test_kernel_equals_the_torch_path(kernel, monkeypatch, num_heads, kv_heads, 
     got = torch.zeros_like(query)
     decode_attention(query, key_cache, value_cache, meta, 0.25, window, got)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_it_runs_on_every_thread(kernel) -> None:
+    # Built without OpenMP, at::parallel_for would quietly run everything on one thread. The
+    # one-thread build is for compilers without OpenMP; gcc on Linux has it.
+    assert not kernel.__name__.endswith("_serial")
+    assert kernel.parallel_threads() == torch.get_num_threads()
 
 
 def test_the_engine_uses_it_on_cpu_float32(kernel) -> None:
