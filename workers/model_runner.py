@@ -16,6 +16,7 @@ import torch
 
 from tandem.cluster.config import EngineConfig
 from tandem.workers.attention import AttentionMetadata, PrefillSeq
+from tandem.workers.huge_pages import zeros_huge
 from tandem.workers.layers import use_fast_gemm_layout
 from tandem.workers.loader import load_weights
 from tandem.workers.models.hf_config import HFModelConfig
@@ -108,8 +109,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         for attn in self.model.attention_layers:
             shape = (num_blocks * self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.value_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.key_cache, attn.value_cache = (self._zeros(shape) for _ in range(2))
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":  # decode reads blocks scattered over the cache: huge pages
+            return zeros_huge(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ---- the host KV tier and block transfer (host_tier.py) -----------------------------------
     def init_host_cache(self, num_slots: int) -> None:
