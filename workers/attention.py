@@ -210,7 +210,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         else:
             k = gather_blocks(key_cache, seq.block_ids, bs)[:seq.ctx_len]
             v = gather_blocks(value_cache, seq.block_ids, bs)[:seq.ctx_len]
-        o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                           is_causal=mask is None, scale=scale, enable_gqa=True)
-        out[seq.q_start:seq.q_start + seq.q_len] = o.transpose(0, 1)
+        # 4-D (a batch of one): torch's CPU flash kernel only takes batched inputs; 3-D ones
+        # fall to the math path, which materialises the scores (4x slower at 300 tokens).
+        o = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[seq.q_start:seq.q_start + seq.q_len] = o[0].transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)
