@@ -26,10 +26,11 @@ for other devices and dtypes, and wherever the kernel cannot be built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from tandem.workers import cpu_kernels
 
 # Most bytes one group's gathered K (and again V) may take. On CPU the copies must still be
 # in cache (L2, or L3 at worst) when SDPA reads them; 1-4 MiB measured alike, 16 MiB was as
@@ -37,9 +38,6 @@ import torch.nn.functional as F
 GROUP_BYTES = {"cpu": 2 << 20}
 DEFAULT_GROUP_BYTES = 256 << 20
 
-# The compiled CPU decode kernel (workers/cpu_kernels.py), set once at model load; None:
-# the torch path below.
-PAGED_DECODE_KERNEL: Any = None
 
 
 @dataclass
@@ -164,8 +162,8 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor) -> None:
     """Attention of the step's decodes (query rows [0, num_decodes)), written into out's rows."""
-    kernel = PAGED_DECODE_KERNEL
-    if kernel is not None and query.device.type == "cpu" and query.dtype == torch.float32:
+    kernel = cpu_kernels.active_for(query)
+    if kernel is not None:
         n = meta.num_decodes
         tables, lens = meta.kernel_tables()
         kernel.paged_decode(query[:n], key_cache, value_cache, tables, lens, meta.block_size, scale, window or 0,

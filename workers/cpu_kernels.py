@@ -1,33 +1,65 @@
 """CPU kernels compiled on first use (torch.utils.cpp_extension), with the torch path as fallback.
 
-`paged_decode` (csrc/paged_decode.cpp) attends decode rows straight from the paged KV
-cache with an online softmax. The torch path gathers every row's blocks into a padded copy
-and then runs SDPA on it, so the KV is read, written and read again; at 64 sequences of
-300-500 tokens that was ~60% of a decode step. The kernel reads it once, on every thread:
-3.9x faster per layer call on the bench model's shapes (6.1 vs 23.8 ms), close to what
-the machine's memory streams.
+One extension module (csrc/module.cpp) holds:
 
-Compiled once per machine into torch's extension cache (~30 s on 2 cores, then a load in
+- `paged_decode` (csrc/paged_decode.cpp) attends decode rows straight from the paged KV
+  cache with an online softmax. The torch path gathers every row's blocks into a padded
+  copy and then runs SDPA on it, so the KV is read, written and read again; at 64
+  sequences of 300-500 tokens that was ~60% of a decode step. The kernel reads it once, on
+  every thread: 3.9x faster per layer call on the bench model's shapes (6.1 vs 23.8 ms),
+  close to what the machine's memory streams.
+- `argmax_rows`, `rope_`, `rms_norm` (csrc/rows.cpp): one pass per row where torch runs
+  a handful of ops, each a dispatch and a trip through memory.
+
+Compiled once per machine into torch's extension cache (~40 s on 2 cores, then a load in
 well under a second). Without a compiler, or with TANDEM_CPU_KERNELS=0, everything runs
 the torch path; the outputs agree to float32 rounding (tests/model/test_cpu_kernels.py).
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import logging
 import os
+import platform
 import threading
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
+
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = ("module.cpp", "paged_decode.cpp", "rows.cpp")
+_FLOAT32 = torch.float32
 
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
 
+# The kernels the model's hot paths use (attention, layers, sampler), or None for the torch
+# path. Set once per process when a CPU float32 model loads (ModelRunner.load_model).
+ACTIVE: Any = None
 
-def paged_decode_kernel() -> Any:
-    """The compiled module (its `paged_decode`), or None when it cannot be had here."""
+
+def activate() -> Any:
+    """Switch this process's hot paths to the compiled kernels, where they can be had."""
+    global ACTIVE
+    ACTIVE = compiled_kernels()
+    return ACTIVE
+
+
+def active_for(t: Any) -> Any:
+    """The kernels if they are on and `t` is a CPU float32 tensor they take, else None."""
+    kernels = ACTIVE
+    if kernels is not None and t.dtype == _FLOAT32 and t.device.type == "cpu":
+        return kernels
+    return None
+
+
+def compiled_kernels() -> Any:
+    """The compiled module, or None when it cannot be had here."""
     global _module, _tried
     if _tried:
         return _module
@@ -39,38 +71,38 @@ def paged_decode_kernel() -> Any:
             return None
         try:
             from torch.utils.cpp_extension import load
-
-            source = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
-            logger.info("compiling the CPU paged-decode kernel (once per machine)")
-            # -march=native: the name carries the CPU's features, so a build cache shared
-            # between different machines (an NFS home) never hands one another's binary.
-            # -fopenmp: at::parallel_for is inlined here, and without OpenMP it runs on one
-            # thread. It resolves to the libgomp torch has already loaded (same soname).
-            # A compiler without OpenMP (Apple's clang) still gets the one-thread build.
-            for suffix, openmp, link in (("", "-fopenmp", ["-fopenmp"]), ("_serial", "-fopenmp-simd", [])):
-                try:
-                    _module = load(f"tandem_paged_decode_{_cpu_tag()}{suffix}", [source], verbose=False,
-                                   extra_cflags=["-O3", "-march=native", openmp], extra_ldflags=link)
-                    break
-                except Exception as exc:  # no compiler, no headers: the torch path serves
-                    logger.warning("CPU paged-decode kernel with %s unavailable (%s)", openmp, exc)
-            if _module is None:
-                logger.warning("CPU paged-decode kernel unavailable; using the torch path")
         except ImportError as exc:
-            logger.warning("CPU paged-decode kernel unavailable (%s); using the torch path", exc)
+            logger.warning("CPU kernels unavailable (%s); using the torch path", exc)
+            return None
+        sources = [os.path.join(_CSRC, name) for name in _SOURCES]
+        logger.info("compiling the CPU kernels (once per machine)")
+        # -march=native: the name carries the CPU's features (and the sources' digest, headers
+        # included), so a build cache shared between machines never hands one another's binary.
+        # -fopenmp: at::parallel_for is inlined here, and without OpenMP it runs on one thread.
+        # It resolves to the libgomp torch has already loaded (same soname). A compiler
+        # without OpenMP (Apple's clang) still gets the one-thread build.
+        for suffix, openmp, link in (("", "-fopenmp", ["-fopenmp"]), ("_serial", "-fopenmp-simd", [])):
+            try:
+                _module = load(f"tandem_cpu_kernels_{_build_tag()}{suffix}", sources, verbose=False,
+                               extra_cflags=["-O3", "-march=native", openmp], extra_ldflags=link)
+                break
+            except Exception as exc:  # no compiler, no headers: the torch path serves
+                logger.warning("CPU kernels with %s unavailable (%s)", openmp, exc)
+        if _module is None:
+            logger.warning("CPU kernels unavailable; using the torch path")
         return _module
 
 
-def _cpu_tag() -> str:
-    """A short digest of this CPU's model and instruction-set flags."""
-    import hashlib
-    import platform
-
-    info = platform.machine()
+def _build_tag() -> str:
+    """A short digest of this CPU's model and instruction-set flags and of the C++ sources."""
+    digest = hashlib.sha1(platform.machine().encode())
     try:
         with open("/proc/cpuinfo") as f:
             lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
-        info += "".join(sorted(set(lines)))
+        digest.update("".join(sorted(set(lines))).encode())
     except OSError:
         pass
-    return hashlib.sha1(info.encode()).hexdigest()[:10]
+    for path in sorted(glob.glob(os.path.join(_CSRC, "*"))):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:10]

@@ -80,10 +80,9 @@ class ModelRunner:
         load_weights(self.model, self.model_dir, show_progress=show_progress)
         use_fast_gemm_layout(self.model)
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            from tandem.workers import attention
-            from tandem.workers.cpu_kernels import paged_decode_kernel
+            from tandem.workers import cpu_kernels
 
-            attention.PAGED_DECODE_KERNEL = paged_decode_kernel()
+            cpu_kernels.activate()
         self.model.eval()
 
     def kv_bytes_per_block(self) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.workers import cpu_kernels
 from tandem.workers.request import Logprob, PositionLogprobs, SamplingParams
 
 _SEED_MASK = (1 << 63) - 1  # torch generators take a non-negative 64-bit seed
@@ -97,6 +98,12 @@ class Sampler:
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         if not rows:
             return SamplerOutput([], [])
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if not sampled and not any(r.suppress_token_ids or r.params.needs_penalties for r in rows):
+            # Plain greedy, the common case: nothing modifies the logits, so no copy of them.
+            token_ids = _argmax(logits.float()).tolist()
+            return SamplerOutput(token_ids, compute_logprobs(logits, token_ids, [r.params.logprobs for r in rows]))
         # Work on a float32 copy: the caller's logits stay raw for the logprobs below (and for
         # anyone else holding them), and bf16/fp16 lose too much precision for the filters.
         x = logits.to(torch.float32, copy=True)
@@ -105,11 +112,9 @@ class Sampler:
 
         device = x.device
         chosen = torch.empty(len(rows), dtype=torch.long, device=device)
-        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-        sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if greedy:
             gi = torch.tensor(greedy, device=device)
-            chosen[gi] = x.index_select(0, gi).argmax(-1)  # ties -> lowest id
+            chosen[gi] = _argmax(x.index_select(0, gi))  # ties -> lowest id
         if sampled:
             si = torch.tensor(sampled, device=device)
             chosen[si] = self._sample(x.index_select(0, si), [rows[i] for i in sampled])
@@ -215,6 +220,14 @@ class Sampler:
         # argmax. Clamping keeps an allowed token the winner and a zero-prob token at 0.
         noise.clamp_min_(_TINY)
         return (probs / noise).argmax(-1)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) of [rows, vocab] float32 logits: ties to the lowest id, NaN wins."""
+    kernels = cpu_kernels.active_for(x)
+    if kernels is not None and x.is_contiguous():
+        return kernels.argmax_rows(x)  # torch's is ~6x slower on [64, 32000]
+    return x.argmax(-1)
 
 
 def _filter(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.workers import attention
+from tandem.workers import cpu_kernels
 from tandem.workers.attention import AttentionMetadata, decode_attention
-from tandem.workers.cpu_kernels import paged_decode_kernel
+from tandem.workers.cpu_kernels import compiled_kernels
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    module = paged_decode_kernel()
+    module = compiled_kernels()
     assert module is not None, "the CPU kernel did not build (see the log): a compiler is expected here"
     return module
 
@@ -46,12 +46,27 @@ def _case(num_heads: int, kv_heads: int, lens: list[int], block_size: int = 4, h
 ])
 def test_kernel_equals_the_torch_path(kernel, monkeypatch, num_heads, kv_heads, lens, window, head_dim) -> None:
     query, key_cache, value_cache, meta = _case(num_heads, kv_heads, lens, head_dim=head_dim)
-    monkeypatch.setattr(attention, "PAGED_DECODE_KERNEL", None)
+    monkeypatch.setattr(cpu_kernels, "ACTIVE", None)
     expected = torch.zeros_like(query)
     decode_attention(query, key_cache, value_cache, meta, 0.25, window, expected)
-    monkeypatch.setattr(attention, "PAGED_DECODE_KERNEL", kernel)
+    monkeypatch.setattr(cpu_kernels, "ACTIVE", kernel)
     got = torch.zeros_like(query)
     decode_attention(query, key_cache, value_cache, meta, 0.25, window, got)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_query_rows_may_be_strided(kernel, monkeypatch) -> None:
+    """The query arrives as a view of the fused qkv output (RoPE rotates it in place)."""
+    query, key_cache, value_cache, meta = _case(8, 2, [9, 33, 12], head_dim=64)
+    qkv = torch.cat([query.flatten(1), torch.randn(3, 2 * 2 * 64)], dim=1)
+    strided = qkv[:, :8 * 64].view(3, 8, 64)
+    assert not strided.is_contiguous()
+    monkeypatch.setattr(cpu_kernels, "ACTIVE", None)
+    expected = torch.zeros_like(query)
+    decode_attention(query, key_cache, value_cache, meta, 0.125, None, expected)
+    monkeypatch.setattr(cpu_kernels, "ACTIVE", kernel)
+    got = torch.zeros_like(query)
+    decode_attention(strided, key_cache, value_cache, meta, 0.125, None, got)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -67,4 +82,48 @@ def test_the_engine_uses_it_on_cpu_float32(kernel) -> None:
     from tests.conftest import tiny_model
 
     LLM(tiny_model("llama"))
-    assert attention.PAGED_DECODE_KERNEL is kernel
+    assert cpu_kernels.ACTIVE is kernel
+
+
+# ---- the row kernels (csrc/rows.cpp) against the torch ops they replace ----------------------
+
+def test_argmax_rows_equals_torch(kernel) -> None:
+    x = torch.randn(7, 1000, generator=torch.Generator().manual_seed(1))
+    x[1, 10] = x[1, 500] = x[1].max() + 1  # a tie: the lower id wins
+    x[2] = float("-inf")                   # every token masked
+    x[3, 700] = x[3, 900] = float("nan")   # NaN wins, the first one
+    x[4, 0] = float("inf")
+    x[5, 999] = x[5].max() + 1             # the last id
+    assert kernel.argmax_rows(x).tolist() == x.argmax(-1).tolist()
+    assert kernel.argmax_rows(x[:0]).tolist() == []
+
+
+def test_rope_equals_the_torch_path_to_the_bit(kernel, monkeypatch) -> None:
+    from tandem.workers.layers import RotaryEmbedding, rope_inv_freq
+
+    inv_freq, scaling = rope_inv_freq(64, 10000.0, None)
+    rope = RotaryEmbedding(64, 512, inv_freq, scaling, torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(37, (8 + 2 * 2) * 64, generator=gen) * 3
+    positions = torch.randint(0, 512, (37,), generator=gen)
+
+    def run(active):
+        monkeypatch.setattr(cpu_kernels, "ACTIVE", active)
+        q, k, _ = qkv.clone().split([8 * 64, 2 * 64, 2 * 64], dim=-1)
+        q, k = rope(positions, q.view(-1, 8, 64), k.view(-1, 2, 64))
+        return q.clone(), k.clone()
+
+    (q0, k0), (q1, k1) = run(None), run(kernel)
+    assert torch.equal(q0, q1) and torch.equal(k0, k1)
+
+
+def test_rms_norm_equals_the_torch_path(kernel, monkeypatch) -> None:
+    from tandem.workers.layers import RMSNorm
+
+    norm = RMSNorm(512, 1e-6, torch.float32)
+    norm.weight.data = torch.rand(512, generator=torch.Generator().manual_seed(3)) + 0.5
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(4)) * 5
+    monkeypatch.setattr(cpu_kernels, "ACTIVE", None)
+    expected = norm(x)
+    monkeypatch.setattr(cpu_kernels, "ACTIVE", kernel)
+    torch.testing.assert_close(norm(x), expected, rtol=4e-7, atol=0)  # a last-bit mean: ~2 ulps

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.workers import attention
+from tandem.workers import attention, cpu_kernels
 from tandem.workers.attention import AttentionMetadata, PrefillSeq, paged_attention, plan_decode_groups
 
 BS, HEADS, KV_HEADS, HEAD_DIM = 4, 4, 2, 8
@@ -17,18 +17,18 @@ CPU = torch.device("cpu")
 def torch_path(monkeypatch) -> None:
     """The torch path (whose decode groups some tests inspect), whatever an earlier model
     load in this process switched on."""
-    monkeypatch.setattr(attention, "PAGED_DECODE_KERNEL", None)
+    monkeypatch.setattr(cpu_kernels, "ACTIVE", None)
 
 
 @pytest.fixture(params=["torch", "kernel"])
 def decode_path(request, monkeypatch) -> str:
     """The torch path, and again the compiled CPU kernel."""
     if request.param == "kernel":
-        from tandem.workers.cpu_kernels import paged_decode_kernel
+        from tandem.workers.cpu_kernels import compiled_kernels
 
-        kernel = paged_decode_kernel()
+        kernel = compiled_kernels()
         assert kernel is not None, "the CPU kernel did not build (see the log)"
-        monkeypatch.setattr(attention, "PAGED_DECODE_KERNEL", kernel)
+        monkeypatch.setattr(cpu_kernels, "ACTIVE", kernel)
     return request.param
 
 

@@ -3,7 +3,8 @@
 // Built with -fopenmp: at::parallel_for is a header template, and without the flag its
 // OpenMP pragma compiles away and every call runs on one thread (the first version did,
 // at half the speed; tests/model/test_cpu_kernels.py now checks that both threads work).
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -37,13 +38,13 @@ inline void scale_by(float* __restrict y, float c, int64_t d) {
 }
 
 struct Args {
-  const float* q;          // [n, H, d]
+  const float* q;          // [n, H, d], rows q_stride apart (a view of the fused qkv)
   const float* kc;         // [slots, KVH, d]
   const float* vc;         // [slots, KVH, d]
   const int32_t* tables;   // [n, W]
   const int32_t* lens;     // [n]
   float* out;              // [n, H, d]
-  int64_t n, H, d, KVH, W, block_size, window;
+  int64_t q_stride, n, H, d, KVH, W, block_size, window;
   float scale;
 };
 
@@ -66,7 +67,7 @@ void attend(const Args& a) {
       const int64_t r = task / split, g0 = (task % split) * kv_per_task, h0 = g0 * G;
       const int64_t hi = a.lens[r];
       const int64_t lo = a.window > 0 ? std::max<int64_t>(0, hi - a.window) : 0;
-      const float* qr = a.q + (r * a.H + h0) * d;
+      const float* qr = a.q + r * a.q_stride + h0 * d;
       const int32_t* table = a.tables + r * a.W;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -137,7 +138,7 @@ void attend(const Args& a) {
 
 }  // namespace
 
-// query [n, H, D], caches [slots, KVH, D], block_tables [n, W] int32, seq_lens [n] int32,
+// query [n, H, D] (rows may be strided), caches [slots, KVH, D], block_tables [n, W] int32, seq_lens [n] int32,
 // out [n, H, D].
 void paged_decode(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t block_size,
@@ -145,30 +146,16 @@ void paged_decode(const torch::Tensor& query, const torch::Tensor& key_cache, co
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kFloat32 &&
               value_cache.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32, "float32 only");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32, "int32 tables");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-              block_tables.is_contiguous() && seq_lens.is_contiguous() && out.is_contiguous(), "contiguous only");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query: heads contiguous in each row");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && block_tables.is_contiguous() &&
+              seq_lens.is_contiguous() && out.is_contiguous(), "contiguous only");
   const Args a{query.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
                block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(),
-               query.size(0), query.size(1), query.size(2), key_cache.size(1), block_tables.size(1),
+               query.stride(0), query.size(0), query.size(1), query.size(2), key_cache.size(1), block_tables.size(1),
                block_size, window, static_cast<float>(scale)};
   switch (a.d) {  // the common head sizes unrolled; any other runs the generic loop
     case 64: attend<64>(a); break;
     case 128: attend<128>(a); break;
     default: attend<0>(a);
   }
-}
-
-// How many threads a parallel_for here really runs on: 1 would mean OpenMP was compiled out.
-int64_t parallel_threads() {
-  std::vector<int> seen(at::get_num_threads(), 0);
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) seen[i] = at::get_thread_num() + 1;
-  });
-  std::sort(seen.begin(), seen.end());
-  return std::unique(seen.begin(), seen.end()) - seen.begin();
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode);
-  m.def("parallel_threads", &parallel_threads);
 }
