@@ -32,6 +32,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    # CPU float32: linear weights packed once into MKL's GEMM layout (workers/cpu_gemm.py),
+    # faster decode steps for a few MB more per weight.
+    cpu_packed_weights: bool = True
 
     def __post_init__(self) -> None:
         require_field(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")

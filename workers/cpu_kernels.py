@@ -83,7 +83,7 @@ def compiled_kernels() -> Any:
         # without OpenMP (Apple's clang) still gets the one-thread build.
         for suffix, openmp, link in (("", "-fopenmp", ["-fopenmp"]), ("_serial", "-fopenmp-simd", [])):
             try:
-                _module = load(f"tandem_cpu_kernels_{_build_tag()}{suffix}", sources, verbose=False,
+                _module = load(f"tandem_cpu_kernels_{build_tag()}{suffix}", sources, verbose=False,
                                extra_cflags=["-O3", "-march=native", openmp], extra_ldflags=link)
                 break
             except Exception as exc:  # no compiler, no headers: the torch path serves
@@ -93,7 +93,7 @@ def compiled_kernels() -> Any:
         return _module
 
 
-def _build_tag() -> str:
+def build_tag() -> str:
     """A short digest of this CPU's model and instruction-set flags and of the C++ sources."""
     digest = hashlib.sha1(platform.machine().encode())
     try:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.workers import cpu_kernels
+from tandem.workers.cpu_gemm import PackedWeight
 from tandem.workers.parallel import ParallelContext, shard_range
 
 
@@ -40,6 +41,7 @@ class ColumnParallelLinear(nn.Module):
             assert s % ctx.tp_size == 0, f"output size {s} does not split over {ctx.tp_size} ranks"
         self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(sum(self.out_sizes), dtype=dtype), requires_grad=False) if bias else None
+        self.packed: PackedWeight | None = None  # MKL's layout of the weight (cpu_gemm.py)
 
     def part_offset(self, part: int) -> int:
         return sum(self.out_sizes[:part])
@@ -51,7 +53,16 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data[offset:offset + size], source[start:start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and self.packed.takes(x):
+            return self.packed.linear(x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Every linear layer and the LM head get MKL's packed weights, where available (cpu_gemm.py)."""
+    from tandem.workers.cpu_gemm import pack_linear_weights
+
+    return pack_linear_weights(model, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))
 
 
 def use_fast_gemm_layout(model: nn.Module) -> int:
@@ -111,6 +122,7 @@ class RowParallelLinear(nn.Module):
         assert in_features % ctx.tp_size == 0, f"{in_features} does not split over {ctx.tp_size} ranks"
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: PackedWeight | None = None  # MKL's layout of the weight (cpu_gemm.py)
 
     def weight_loader(self, param: torch.Tensor, source: Any, part: int = 0) -> None:
         if param is self.bias:
@@ -122,6 +134,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.ctx.tp_rank == 0 else None
         out = self.ctx.partial_sum_buffer(x.shape[0], self.weight.shape[0], x.dtype) if x.dim() == 2 else None
+        if self.packed is not None and self.packed.takes(x):
+            return self.packed.linear(x, bias, out)
         if out is None:
             return F.linear(x, self.weight, bias)
         # Straight into the all-reduce's shared-memory slot. The kernels F.linear runs on a
@@ -144,6 +158,7 @@ class VocabParallelEmbedding(nn.Module):
         self.end = min(self.start + self.vocab_per_rank, vocab_size)
         # Padded to vocab_per_rank rows so every rank's logits have the same width.
         self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden_size, dtype=dtype), requires_grad=False)
+        self.packed: PackedWeight | None = None  # the LM head's weight in MKL's layout (cpu_gemm.py)
 
     def weight_loader(self, param: torch.Tensor, source: Any, part: int = 0) -> None:
         _copy(param.data[:self.end - self.start], source[self.start:self.end])
@@ -161,7 +176,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-parallel output projection: each rank scores its vocab slice, then gather."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [num_tokens, vocab_per_rank]
+        if self.packed is not None and self.packed.takes(hidden):
+            logits = self.packed.linear(hidden)  # [num_tokens, vocab_per_rank]
+        else:
+            logits = F.linear(hidden, self.weight)
         logits = self.ctx.all_gather_last_dim(logits)
         return logits[:, :self.vocab_size]
 

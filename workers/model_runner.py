@@ -17,7 +17,7 @@ import torch
 from tandem.cluster.config import EngineConfig
 from tandem.workers.attention import AttentionMetadata, PrefillSeq
 from tandem.workers.huge_pages import zeros_huge
-from tandem.workers.layers import use_fast_gemm_layout
+from tandem.workers.layers import pack_cpu_weights, use_fast_gemm_layout
 from tandem.workers.loader import load_weights
 from tandem.workers.models.hf_config import HFModelConfig
 from tandem.workers.models.llama import LlamaForCausalLM
@@ -83,6 +83,8 @@ class ModelRunner:
             from tandem.workers import cpu_kernels
 
             cpu_kernels.activate()
+            if self.config.model.cpu_packed_weights:
+                pack_cpu_weights(self.model)
         self.model.eval()
 
     def kv_bytes_per_block(self) -> int:
