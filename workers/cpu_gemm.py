@@ -78,8 +78,8 @@ class PackedWeight:
         """x W^T (+ bias) for x [..., in_features]; into `out` ([rows, out_features]) if given."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < self.in_features):
+            x2 = x2.contiguous()  # MKL takes rows at a stride >= their length (not broadcast)
         if out is None:
             out = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
         if bias is not None:

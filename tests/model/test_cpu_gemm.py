@@ -37,6 +37,8 @@ def test_strided_and_batched_inputs_and_an_out_buffer(module) -> None:
     torch.testing.assert_close(packed.linear(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
     x3 = torch.randn(2, 5, 32, generator=gen)
     torch.testing.assert_close(packed.linear(x3), x3 @ weight.t(), rtol=1e-5, atol=1e-5)
+    broadcast = torch.randn(1, 32, generator=gen).expand(4, 32)  # rows 0 apart
+    torch.testing.assert_close(packed.linear(broadcast), broadcast @ weight.t(), rtol=1e-5, atol=1e-5)
     out = torch.full((10, 48), 7.0)
     assert packed.linear(x, out=out).data_ptr() == out.data_ptr()
     torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
