@@ -44,12 +44,11 @@ def mkl_gemm() -> Any:
         if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0" or not torch.backends.mkl.is_available():
             return None
         try:
-            from torch.utils.cpp_extension import load
-
-            from tandem.workers.cpu_kernels import build_tag
+            from tandem.workers.cpu_kernels import build_extension, build_tag
 
             source = os.path.join(os.path.dirname(__file__), "csrc", "mkl_gemm.cpp")
-            _module = load(f"tandem_mkl_gemm_{build_tag()}", [source], verbose=False, extra_cflags=["-O2"])
+            _module = build_extension("MKL's packed GEMM", f"tandem_mkl_gemm_{build_tag()}", [source],
+                                      extra_cflags=["-O2"])
         except Exception as exc:  # no compiler, or this torch's MKL lacks the entry points
             logger.warning("MKL packed GEMM unavailable (%s); linear layers use torch.mm", exc)
             _module = None

@@ -69,13 +69,7 @@ def compiled_kernels() -> Any:
         _tried = True
         if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
             return None
-        try:
-            from torch.utils.cpp_extension import load
-        except ImportError as exc:
-            logger.warning("CPU kernels unavailable (%s); using the torch path", exc)
-            return None
         sources = [os.path.join(_CSRC, name) for name in _SOURCES]
-        logger.info("compiling the CPU kernels (once per machine)")
         # -march=native: the name carries the CPU's features (and the sources' digest, headers
         # included), so a build cache shared between machines never hands one another's binary.
         # -fopenmp: at::parallel_for is inlined here, and without OpenMP it runs on one thread.
@@ -83,14 +77,40 @@ def compiled_kernels() -> Any:
         # without OpenMP (Apple's clang) still gets the one-thread build.
         for suffix, openmp, link in (("", "-fopenmp", ["-fopenmp"]), ("_serial", "-fopenmp-simd", [])):
             try:
-                _module = load(f"tandem_cpu_kernels_{build_tag()}{suffix}", sources, verbose=False,
-                               extra_cflags=["-O3", "-march=native", openmp], extra_ldflags=link)
+                _module = build_extension("the CPU kernels", f"tandem_cpu_kernels_{build_tag()}{suffix}", sources,
+                                          extra_cflags=["-O3", "-march=native", openmp], extra_ldflags=link)
                 break
             except Exception as exc:  # no compiler, no headers: the torch path serves
                 logger.warning("CPU kernels with %s unavailable (%s)", openmp, exc)
         if _module is None:
             logger.warning("CPU kernels unavailable; using the torch path")
         return _module
+
+
+def build_extension(what: str, name: str, sources: list[str], **options: Any) -> Any:
+    """torch.utils.cpp_extension.load, with a progress line while it compiles. A cached build
+    loads in well under a second; a first build takes ~30-60 s on 2 cores, so after 2 s
+    without a result the wait is shown (model loading otherwise goes silent)."""
+    from torch.utils.cpp_extension import load
+    from tqdm.auto import tqdm
+
+    done = threading.Event()
+
+    def show() -> None:
+        if done.wait(2.0):
+            return
+        logger.info("compiling %s (once per machine)", what)
+        with tqdm(desc=f"compiling {what} (once per machine)", bar_format="{desc}: {elapsed}") as bar:
+            while not done.wait(0.5):
+                bar.refresh()
+
+    watcher = threading.Thread(target=show, name="extension-build-progress", daemon=True)
+    watcher.start()
+    try:
+        return load(name, sources, verbose=False, **options)
+    finally:
+        done.set()
+        watcher.join()
 
 
 def build_tag() -> str:
