@@ -19,6 +19,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes of host memory per group for evicted prefix blocks (default 0: none)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    p.add_argument("--no-cpu-packed-weights", dest="cpu_packed_weights", action="store_false", default=None,
+                   help="CPU float32: do not keep a copy of each linear weight in MKL's packed layout "
+                        "(saves ~1.2x the linear weights' memory; batched decode runs ~1.2x slower)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
     p.add_argument("--speculative-model", default=None, help='draft model directory, or "ngram"')
@@ -36,7 +39,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     names = ["model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "kv_cache_memory", "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "tensor_parallel_size",
              "pipeline_parallel_size", "speculative_model", "num_speculative_tokens", "speculative_draft_dtype",
-             "speculative_draft_tensor_parallel_size", "address", "seed"]
+             "speculative_draft_tensor_parallel_size", "address", "seed", "cpu_packed_weights"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

@@ -25,17 +25,18 @@ def test_serve_flags_become_build_app_args():
         "--max-num-batched-tokens", "1024", "--block-size", "32", "--kv-cache-memory", "1000000",
         "--dtype", "float32", "--host", "127.0.0.1", "--port", "8001", "--grpc-port", "9001",
         "--api-key", "k", "--address", "ray://x:10001", "--routing", "load", "--host-kv-cache-memory", "4096",
-        "--host-kv-memory-per-node", "8192", "--kv-fetch", "never"])
+        "--host-kv-memory-per-node", "8192", "--kv-fetch", "never", "--no-cpu-packed-weights"])
     options = app_args(args)
     assert options == {
         "model": os.path.abspath("some/model"), "served_model_name": "m", "tensor_parallel_size": 2,
         "pipeline_parallel_size": 1, "num_replicas": 3, "max_model_len": 512, "max_num_seqs": 8,
         "max_num_batched_tokens": 1024, "block_size": 32, "kv_cache_memory": 1000000, "dtype": "float32",
         "api_key": "k", "routing": "load", "host_kv_cache_memory": 4096, "host_kv_memory_per_node": 8192,
-        "kv_fetch": "never"}
+        "kv_fetch": "never", "cpu_packed_weights": False}
     assert (args.host, args.port, args.grpc_port, args.address) == ("127.0.0.1", 8001, 9001, "ray://x:10001")
     defaults = build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.5"])
     assert app_args(defaults)["gpu_memory_utilization"] == 0.5 and "model" not in app_args(defaults)
+    assert "cpu_packed_weights" not in app_args(defaults)  # the engine's default (on)
     assert (app_args(defaults)["routing"], app_args(defaults)["kv_fetch"]) == ("prefix", "auto")
 
 

@@ -91,6 +91,8 @@ def test_allocator_death_serving_goes_on_and_groups_register_again(server):
     assert wait_for(restarted_with_both_groups, timeout_s=60, interval_s=0.5)
     # The groups re-registered with what they hold: the directory knows the prefix again...
     assert wait_for(lambda: held_by(prefix + [1]).get(holder) == PREFIX_BLOCKS, timeout_s=20)
-    # ...and routing uses it.
-    group, cached = complete(server, prefix + [9])
-    assert (group, cached) == (holder, PREFIX_BLOCKS * BLOCK)
+    # ...and routing uses it. The router's first queries to the restarted actor may miss their
+    # 0.2 s budget on a loaded machine (those requests route by load), so allow a few.
+    suffixes = iter(range(9, 200))
+    assert wait_for(lambda: complete(server, prefix + [next(suffixes)]) == (holder, PREFIX_BLOCKS * BLOCK),
+                    timeout_s=20, interval_s=0.5)
