@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from typing import Any
 
@@ -95,13 +96,15 @@ def build_extension(what: str, name: str, sources: list[str], **options: Any) ->
     from tqdm.auto import tqdm
 
     done = threading.Event()
+    # Redrawn in place on a terminal; in a log (a Ray worker's) every redraw is a line.
+    redraw_s = 0.5 if sys.stderr.isatty() else 15.0
 
     def show() -> None:
         if done.wait(2.0):
             return
         logger.info("compiling %s (once per machine)", what)
         with tqdm(desc=f"compiling {what} (once per machine)", bar_format="{desc}: {elapsed}") as bar:
-            while not done.wait(0.5):
+            while not done.wait(redraw_s):
                 bar.refresh()
 
     watcher = threading.Thread(target=show, name="extension-build-progress", daemon=True)
