@@ -39,7 +39,6 @@ GROUP_BYTES = {"cpu": 2 << 20}
 DEFAULT_GROUP_BYTES = 256 << 20
 
 
-
 @dataclass
 class PrefillSeq:
     q_start: int  # index of the chunk's first token in the step's flattened tokens

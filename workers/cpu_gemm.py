@@ -17,42 +17,27 @@ entry points are missing (non-x86 builds of torch) nothing is packed.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from typing import Any
 
 import torch
 from torch import nn
+
+from tandem.workers.cpu_kernels import CompiledExtension
 
 logger = logging.getLogger(__name__)
 
 # The row count MKL tunes the packed layout for; any count may use it (a decode batch).
 PACK_ROWS_HINT = 64
 
-_lock = threading.Lock()
-_module: Any = None
-_tried = False
+_MKL_GEMM = CompiledExtension("MKL's packed GEMM", "tandem_mkl_gemm", ("mkl_gemm.cpp",),
+                              "linear layers use torch.mm", variants=(("", ["-O2"], []),),
+                              usable=torch.backends.mkl.is_available)
 
 
 def mkl_gemm() -> Any:
-    """The compiled packed-GEMM module, or None where it cannot be had."""
-    global _module, _tried
-    with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0" or not torch.backends.mkl.is_available():
-            return None
-        try:
-            from tandem.workers.cpu_kernels import build_extension, build_tag
-
-            source = os.path.join(os.path.dirname(__file__), "csrc", "mkl_gemm.cpp")
-            _module = build_extension("MKL's packed GEMM", f"tandem_mkl_gemm_{build_tag()}", [source],
-                                      extra_cflags=["-O2"])
-        except Exception as exc:  # no compiler, or this torch's MKL lacks the entry points
-            logger.warning("MKL packed GEMM unavailable (%s); linear layers use torch.mm", exc)
-            _module = None
-        return _module
+    """The compiled packed-GEMM module, or None where it cannot be had (no MKL in this torch,
+    no compiler, or an MKL without the packing entry points)."""
+    return _MKL_GEMM.get()
 
 
 # Products with fewer rows run on the plain weight (see above).
@@ -95,9 +80,9 @@ def pack_linear_weights(model: nn.Module, linear_types: tuple[type, ...]) -> int
         return 0
     num, num_bytes = 0, 0
     for layer in model.modules():
-        weight = getattr(layer, "weight", None)
-        if isinstance(layer, linear_types) and weight.device.type == "cpu" and weight.dtype == torch.float32:
-            layer.packed = PackedWeight(module, weight.data)
+        if isinstance(layer, linear_types) and layer.weight.device.type == "cpu" and \
+                layer.weight.dtype == torch.float32:
+            layer.packed = PackedWeight(module, layer.weight.data)
             num, num_bytes = num + 1, num_bytes + layer.packed.num_bytes
     logger.info("packed %d linear weights for MKL (%.0f MB more memory)", num, num_bytes / 2**20)
     return num

@@ -25,6 +25,7 @@ import os
 import platform
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,12 +33,56 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("module.cpp", "paged_decode.cpp", "rows.cpp")
-_FLOAT32 = torch.float32
 
-_lock = threading.Lock()
-_module: Any = None
-_tried = False
+
+class CompiledExtension:
+    """A C++ extension from csrc/, built on first use and then loaded from torch's extension
+    cache; `get()` is the module, or None where it cannot be had (TANDEM_CPU_KERNELS=0, no
+    compiler, or `usable()` says no). Builds are tried in `variants` order, each a (name
+    suffix, compile flags, link flags), and the first that builds wins."""
+
+    def __init__(self, what: str, name: str, sources: tuple[str, ...], fallback: str,
+                 variants: tuple[tuple[str, list[str], list[str]], ...],
+                 usable: Callable[[], bool] = lambda: True) -> None:
+        self.what, self.name, self.fallback = what, name, fallback
+        self.sources = [os.path.join(_CSRC, source) for source in sources]
+        self.variants = variants
+        self.usable = usable
+        self._lock = threading.Lock()
+        self._module: Any = None
+        self._tried = False
+
+    def get(self) -> Any:
+        if self._tried:
+            return self._module
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                if os.environ.get("TANDEM_CPU_KERNELS", "1") != "0" and self.usable():
+                    self._module = self._build()
+            return self._module
+
+    def _build(self) -> Any:
+        tag = build_tag(self.sources)
+        for suffix, cflags, ldflags in self.variants:
+            try:
+                return build_extension(self.what, f"{self.name}_{tag}{suffix}", self.sources,
+                                       extra_cflags=cflags, extra_ldflags=ldflags)
+            except Exception as exc:  # no compiler, no headers, a missing symbol: try the next
+                logger.warning("building %s with %s failed (%s)", self.what, " ".join(cflags), exc)
+        logger.warning("%s unavailable; %s", self.what, self.fallback)
+        return None
+
+
+# -march=native: the name carries the CPU's features (and the sources' digest), so a build
+# cache shared between machines never hands one another's binary. -fopenmp: at::parallel_for
+# is inlined here, and without OpenMP it runs on one thread; it resolves to the libgomp torch
+# has already loaded (same soname). A compiler without OpenMP (Apple's clang) still gets the
+# one-thread build.
+_KERNELS = CompiledExtension(
+    "the CPU kernels", "tandem_cpu_kernels", ("module.cpp", "paged_decode.cpp", "rows.cpp"), "using the torch path",
+    variants=(("", ["-O3", "-march=native", "-fopenmp"], ["-fopenmp"]),
+              ("_serial", ["-O3", "-march=native", "-fopenmp-simd"], [])))
 
 # The kernels the model's hot paths use (attention, layers, sampler), or None for the torch
 # path. Set once per process when a CPU float32 model loads (ModelRunner.load_model).
@@ -54,38 +99,14 @@ def activate() -> Any:
 def active_for(t: Any) -> Any:
     """The kernels if they are on and `t` is a CPU float32 tensor they take, else None."""
     kernels = ACTIVE
-    if kernels is not None and t.dtype == _FLOAT32 and t.device.type == "cpu":
+    if kernels is not None and t.dtype == torch.float32 and t.device.type == "cpu":
         return kernels
     return None
 
 
 def compiled_kernels() -> Any:
     """The compiled module, or None when it cannot be had here."""
-    global _module, _tried
-    if _tried:
-        return _module
-    with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
-            return None
-        sources = [os.path.join(_CSRC, name) for name in _SOURCES]
-        # -march=native: the name carries the CPU's features (and the sources' digest, headers
-        # included), so a build cache shared between machines never hands one another's binary.
-        # -fopenmp: at::parallel_for is inlined here, and without OpenMP it runs on one thread.
-        # It resolves to the libgomp torch has already loaded (same soname). A compiler
-        # without OpenMP (Apple's clang) still gets the one-thread build.
-        for suffix, openmp, link in (("", "-fopenmp", ["-fopenmp"]), ("_serial", "-fopenmp-simd", [])):
-            try:
-                _module = build_extension("the CPU kernels", f"tandem_cpu_kernels_{build_tag()}{suffix}", sources,
-                                          extra_cflags=["-O3", "-march=native", openmp], extra_ldflags=link)
-                break
-            except Exception as exc:  # no compiler, no headers: the torch path serves
-                logger.warning("CPU kernels with %s unavailable (%s)", openmp, exc)
-        if _module is None:
-            logger.warning("CPU kernels unavailable; using the torch path")
-        return _module
+    return _KERNELS.get()
 
 
 def build_extension(what: str, name: str, sources: list[str], **options: Any) -> Any:
@@ -116,8 +137,9 @@ def build_extension(what: str, name: str, sources: list[str], **options: Any) ->
         watcher.join()
 
 
-def build_tag() -> str:
-    """A short digest of this CPU's model and instruction-set flags and of the C++ sources."""
+def build_tag(sources: list[str]) -> str:
+    """A short digest of this CPU's model and instruction-set flags, of `sources` and of the
+    headers beside them (torch's cache notices changed sources, not headers)."""
     digest = hashlib.sha1(platform.machine().encode())
     try:
         with open("/proc/cpuinfo") as f:
@@ -125,7 +147,7 @@ def build_tag() -> str:
         digest.update("".join(sorted(set(lines))).encode())
     except OSError:
         pass
-    for path in sorted(glob.glob(os.path.join(_CSRC, "*"))):
+    for path in [*sources, *sorted(glob.glob(os.path.join(_CSRC, "*.h")))]:
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:10]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.workers import cpu_kernels
-from tandem.workers.cpu_gemm import PackedWeight
+from tandem.workers.cpu_gemm import PackedWeight, pack_linear_weights
 from tandem.workers.parallel import ParallelContext, shard_range
 
 
@@ -60,8 +60,6 @@ class ColumnParallelLinear(nn.Module):
 
 def pack_cpu_weights(model: nn.Module) -> int:
     """Every linear layer and the LM head get MKL's packed weights, where available (cpu_gemm.py)."""
-    from tandem.workers.cpu_gemm import pack_linear_weights
-
     return pack_linear_weights(model, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))
 
 

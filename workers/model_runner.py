@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.cluster.config import EngineConfig
+from tandem.workers import cpu_kernels
 from tandem.workers.attention import AttentionMetadata, PrefillSeq
 from tandem.workers.huge_pages import zeros_huge
 from tandem.workers.layers import pack_cpu_weights, use_fast_gemm_layout
@@ -80,8 +81,6 @@ class ModelRunner:
         load_weights(self.model, self.model_dir, show_progress=show_progress)
         use_fast_gemm_layout(self.model)
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            from tandem.workers import cpu_kernels
-
             cpu_kernels.activate()
             if self.config.model.cpu_packed_weights:
                 pack_cpu_weights(self.model)

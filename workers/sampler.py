@@ -98,14 +98,19 @@ class Sampler:
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         if not rows:
             return SamplerOutput([], [])
+        token_ids = self._choose(logits, rows).tolist()
+        logprobs = compute_logprobs(logits, token_ids, [r.params.logprobs for r in rows])
+        return SamplerOutput(token_ids, logprobs)
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Each row's next token."""
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not sampled and not any(r.suppress_token_ids or r.params.needs_penalties for r in rows):
             # Plain greedy, the common case: nothing modifies the logits, so no copy of them.
-            token_ids = _argmax(logits.float()).tolist()
-            return SamplerOutput(token_ids, compute_logprobs(logits, token_ids, [r.params.logprobs for r in rows]))
-        # Work on a float32 copy: the caller's logits stay raw for the logprobs below (and for
-        # anyone else holding them), and bf16/fp16 lose too much precision for the filters.
+            return _argmax(logits.float())
+        # Work on a float32 copy: the caller's logits stay raw for the logprobs (and for anyone
+        # else holding them), and bf16/fp16 lose too much precision for the filters.
         x = logits.to(torch.float32, copy=True)
         self._suppress(x, rows)
         self._apply_penalties(x, rows)
@@ -118,10 +123,7 @@ class Sampler:
         if sampled:
             si = torch.tensor(sampled, device=device)
             chosen[si] = self._sample(x.index_select(0, si), [rows[i] for i in sampled])
-
-        token_ids = chosen.tolist()
-        logprobs = compute_logprobs(logits, token_ids, [r.params.logprobs for r in rows])
-        return SamplerOutput(token_ids, logprobs)
+        return chosen
 
     def probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The distribution each row samples from, after every processing step: [rows, vocab].

@@ -36,6 +36,14 @@ def _case(num_heads: int, kv_heads: int, lens: list[int], block_size: int = 4, h
     return query, key_cache, value_cache, meta
 
 
+def _decode(monkeypatch, active, query, key_cache, value_cache, meta, scale, window) -> torch.Tensor:
+    """decode_attention with the kernels `active` (None: the torch path)."""
+    monkeypatch.setattr(cpu_kernels, "ACTIVE", active)
+    out = torch.zeros(query.shape)
+    decode_attention(query, key_cache, value_cache, meta, scale, window, out)
+    return out
+
+
 @pytest.mark.parametrize(("num_heads", "kv_heads", "lens", "window", "head_dim"), [
     (4, 4, [1, 4, 5, 17, 40], None, 16),      # one token, a whole block, partial blocks
     (8, 2, [9, 33, 12], None, 16),            # grouped-query heads
@@ -45,28 +53,20 @@ def _case(num_heads: int, kv_heads: int, lens: list[int], block_size: int = 4, h
     (2, 2, [3, 40], None, 128),
 ])
 def test_kernel_equals_the_torch_path(kernel, monkeypatch, num_heads, kv_heads, lens, window, head_dim) -> None:
-    query, key_cache, value_cache, meta = _case(num_heads, kv_heads, lens, head_dim=head_dim)
-    monkeypatch.setattr(cpu_kernels, "ACTIVE", None)
-    expected = torch.zeros_like(query)
-    decode_attention(query, key_cache, value_cache, meta, 0.25, window, expected)
-    monkeypatch.setattr(cpu_kernels, "ACTIVE", kernel)
-    got = torch.zeros_like(query)
-    decode_attention(query, key_cache, value_cache, meta, 0.25, window, got)
+    case = _case(num_heads, kv_heads, lens, head_dim=head_dim)
+    expected = _decode(monkeypatch, None, *case, 0.25, window)
+    got = _decode(monkeypatch, kernel, *case, 0.25, window)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_query_rows_may_be_strided(kernel, monkeypatch) -> None:
     """The query arrives as a view of the fused qkv output (RoPE rotates it in place)."""
-    query, key_cache, value_cache, meta = _case(8, 2, [9, 33, 12], head_dim=64)
+    query, *cache = _case(8, 2, [9, 33, 12], head_dim=64)
     qkv = torch.cat([query.flatten(1), torch.randn(3, 2 * 2 * 64)], dim=1)
     strided = qkv[:, :8 * 64].view(3, 8, 64)
     assert not strided.is_contiguous()
-    monkeypatch.setattr(cpu_kernels, "ACTIVE", None)
-    expected = torch.zeros_like(query)
-    decode_attention(query, key_cache, value_cache, meta, 0.125, None, expected)
-    monkeypatch.setattr(cpu_kernels, "ACTIVE", kernel)
-    got = torch.zeros_like(query)
-    decode_attention(strided, key_cache, value_cache, meta, 0.125, None, got)
+    expected = _decode(monkeypatch, None, query, *cache, 0.125, None)
+    got = _decode(monkeypatch, kernel, strided, *cache, 0.125, None)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 

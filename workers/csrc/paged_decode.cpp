@@ -37,6 +37,11 @@ inline void scale_by(float* __restrict y, float c, int64_t d) {
   for (int64_t i = 0; i < dim<D>(d); ++i) y[i] *= c;
 }
 
+// Fetch `n` floats into the cache ahead of use, one 64-byte line at a time.
+inline void prefetch(const float* p, int64_t n) {
+  for (int64_t x = 0; x < n; x += 16) __builtin_prefetch(p + x);
+}
+
 struct Args {
   const float* q;          // [n, H, d], rows q_stride apart (a view of the fused qkv)
   const float* kc;         // [slots, KVH, d]
@@ -90,8 +95,7 @@ void attend(const Args& a) {
         }
         for (int64_t t = 0; t < nk; ++t) {
           const float* k = kb + t * key_stride;
-          if (next_k)
-            for (int64_t x = 0; x < span; x += 16) __builtin_prefetch(next_k + t * key_stride + x);
+          if (next_k) prefetch(next_k + t * key_stride, span);
           for (int64_t j = 0; j < kv_per_task; ++j)
             for (int64_t g = 0; g < G; ++g) {
               const int64_t h = j * G + g;
@@ -117,8 +121,7 @@ void attend(const Args& a) {
         }
         for (int64_t t = 0; t < nk; ++t) {
           const float* v = vb + t * key_stride;
-          if (next_v)
-            for (int64_t x = 0; x < span; x += 16) __builtin_prefetch(next_v + t * key_stride + x);
+          if (next_v) prefetch(next_v + t * key_stride, span);
           for (int64_t j = 0; j < kv_per_task; ++j)
             for (int64_t g = 0; g < G; ++g) {
               const int64_t h = j * G + g;
