@@ -10,7 +10,7 @@ on one prefill step in three modes, interleaved (rotating order) and repeated:
 
     hidden_fraction = 1 - (T_overlap - T_compute) / (T_serial - T_compute)
 
-The collectives go through shared memory, as a CPU group's do (workers/shm_comm.py);
+The collectives go through shared memory, as a CPU group's do (workers/distributed/shm_comm.py);
 `serial_gloo` and `overlap_gloo` repeat the two communicating modes over gloo's loopback
 TCP, for `hidden_fraction_gloo`, `serial_step_speedup_shm_vs_gloo` and
 `comm_time_removed_vs_gloo` (1 - exposed communication over shared memory / over gloo). Each trial's time is
@@ -37,9 +37,9 @@ MODES = ("serial", "overlap", "compute")
 def run_overlap_bench(quick: bool = False, *, num_tokens: int | None = None, num_chunks: int | None = None,
                       repeats: int | None = None, model_dir: str | None = None,
                       timeout_s: float = 900.0) -> dict[str, Any]:
-    from tandem.cluster.config import ParallelConfig
+    from tandem.workers.config import ParallelConfig
     from tandem.cluster.net import free_port
-    from tandem.workers.demo_model import bench_model_path
+    from tandem.workers.model.demo_model import bench_model_path
 
     spec = {
         "model_dir": model_dir or bench_model_path(),
@@ -71,13 +71,13 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from tandem.cluster.config import EngineConfig
-    from tandem.workers.model_runner import ModelRunner
-    from tandem.workers.models.hf_config import HFModelConfig
-    from tandem.workers.parallel import init_groups
-    from tandem.workers.request import SamplingParams
-    from tandem.workers.scheduler_output import NewRequestData, SchedulerOutput
-    from tandem.workers.worker import shm_slot_bytes
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.runner.model_runner import ModelRunner
+    from tandem.workers.model.hf_config import HFModelConfig
+    from tandem.workers.distributed.parallel import init_groups
+    from tandem.workers.core.request import SamplingParams
+    from tandem.workers.core.scheduler_output import NewRequestData, SchedulerOutput
+    from tandem.workers.distributed.worker import shm_slot_bytes
 
     torch.set_num_threads(1)  # two workers on a two-core machine: one core each
     n = spec["num_tokens"]

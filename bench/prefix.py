@@ -140,8 +140,8 @@ def run_prefix_bench(cfg: PrefixBenchConfig, *, model: str | None = None,
                      show_progress: bool = True) -> dict[str, Any]:
     """Every figure of the benchmark as one flat dict (see the module docstring)."""
     from tandem.bench.hardware import wait_for_idle
-    from tandem.workers.demo_model import bench_model_path
-    from tandem.workers.models.hf_config import HFModelConfig
+    from tandem.workers.model.demo_model import bench_model_path
+    from tandem.workers.model.hf_config import HFModelConfig
 
     model_dir = os.path.abspath(model or bench_model_path())
     hf_config = HFModelConfig.from_dir(model_dir)

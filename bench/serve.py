@@ -75,8 +75,8 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
         _run_levels(url, spec, vocab, levels, figures, figures["model"] or None, api_key, show_progress)
         return figures
 
-    from tandem.workers.demo_model import bench_model_path
-    from tandem.workers.models.hf_config import HFModelConfig
+    from tandem.workers.model.demo_model import bench_model_path
+    from tandem.workers.model.hf_config import HFModelConfig
 
     model_dir = os.path.abspath(model or bench_model_path())
     options = dict(engine_options or {})
@@ -138,7 +138,7 @@ def offline_throughput(model_dir: str, engine_options: dict[str, Any], requests:
 
 
 def _offline_run(engine: Any, requests: list[BenchRequest], concurrency: int) -> tuple[int, float]:
-    from tandem.workers.request import SamplingParams
+    from tandem.workers.core.request import SamplingParams
 
     engine.pool.reset_prefix_cache()  # as the server sees them: no request hits another's prefix
     pending = deque(enumerate(requests))

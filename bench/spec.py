@@ -22,7 +22,7 @@ step reads its own layers plus the whole LM head (vocab x hidden floats, 65.5 MB
 the target's 200 MB: d ~= 0.41 (0.36 measured: 5.2 ms against 14.6 ms). v = target step over
 k + 1 tokens / target step over 1 token: ~1 while a step is memory-bound, but on this 2-core CPU
 small-row GEMMs run below peak: v was 2.5 at k = 8 with the [out, in] weight layout, ~2.1 once
-`use_fast_gemm_layout` (workers/layers.py) gave MKL row-major weights. With d and v both
+`use_fast_gemm_layout` (workers/model/layers.py) gave MKL row-major weights. With d and v both
 measured, k = 12 is where the bound clears 2x on this machine (see bench/RESULTS.md).
 """
 
@@ -48,7 +48,7 @@ def _copy_heavy_prompts(num: int, passage_len: int, vocab: int, seed: int) -> li
 
 def _tpot(llm: Any, prompt: list[int], max_tokens: int) -> float:
     """Seconds per output token after the first, for one request alone."""
-    from tandem.workers.request import SamplingParams
+    from tandem.workers.core.request import SamplingParams
 
     engine = llm.engine
     engine.add_request("tpot", {"prompt_token_ids": prompt},
@@ -65,7 +65,7 @@ def _tpot(llm: Any, prompt: list[int], max_tokens: int) -> float:
 
 
 def _throughput(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
-    from tandem.workers.request import SamplingParams
+    from tandem.workers.core.request import SamplingParams
 
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -91,7 +91,7 @@ def run_spec_bench(model: str | None, quick: bool, k: int = DEFAULT_K, repeats: 
                    progress: bool = True, draft: str | None = None, idle_wait_s: float = 0.0,
                    draft_dtype: str = "auto") -> dict[str, Any]:
     from tandem.bench.hardware import wait_for_idle
-    from tandem.workers.demo_model import spec_model_paths
+    from tandem.workers.model.demo_model import spec_model_paths
     from tandem.workers.llm import LLM
 
     if model is None:

@@ -81,7 +81,7 @@ def load_systems(opts: BenchOptions, request_sets: list[list[BenchRequest]]) -> 
     the rest.
     """
     from tandem.workers.llm import LLM
-    from tandem.workers.models.hf_config import HFModelConfig
+    from tandem.workers.model.hf_config import HFModelConfig
 
     model_dir = resolve_model_dir(opts)
     device = resolve_device(opts.device)
@@ -118,10 +118,10 @@ def _kv_bytes_for(request_sets: list[list[BenchRequest]], hf_config: Any, dtype:
 
 
 def resolve_model_dir(opts: BenchOptions) -> str:
-    from tandem.workers.demo_model import bench_model_path
+    from tandem.workers.model.demo_model import bench_model_path
     return opts.model or bench_model_path()
 
 
 def vocab_size_of(model_dir: str) -> int:
-    from tandem.workers.models.hf_config import HFModelConfig
+    from tandem.workers.model.hf_config import HFModelConfig
     return HFModelConfig.from_dir(model_dir).vocab_size

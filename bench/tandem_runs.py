@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from tandem.bench.hardware import sync
 from tandem.bench.workload import BenchRequest
-from tandem.workers.request import SamplingParams
+from tandem.workers.core.request import SamplingParams
 
 _run_ids = itertools.count()
 

@@ -18,7 +18,7 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from tandem.cluster.config import EngineConfig
+from tandem.workers.config import EngineConfig
 from tandem.router.group_server import GroupServer
 from tandem.router.ingress import OpenAIIngress
 from tandem.router.kv_fetch import FETCH_MODES

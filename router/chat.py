@@ -20,7 +20,7 @@ from tandem.router.protocol import (
     TopLogprob,
 )
 from tandem.router.streams import DONE, ChoiceState, Reply, UsageCounter, merge, open_streams, sse
-from tandem.workers.tokenizer import apply_chat_template
+from tandem.workers.text.tokenizer import apply_chat_template
 
 
 class ChatServing:

@@ -45,7 +45,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from tandem.workers.llm import LLM
-    from tandem.workers.request import SamplingParams
+    from tandem.workers.core.request import SamplingParams
 
     llm = LLM(**engine_options(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)

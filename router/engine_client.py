@@ -20,7 +20,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
-from tandem.workers.request import SamplingParams
+from tandem.workers.core.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -36,12 +36,12 @@ from typing import Any
 from ray import serve
 
 from tandem.cluster.allocator_client import AllocatorClient, GroupIdentity
-from tandem.cluster.config import EngineConfig
+from tandem.workers.config import EngineConfig
 from tandem.cluster.kv_allocator import get_or_create_allocator
 from tandem.router.kv_fetch import KVFetcher
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine import EngineDeadError
-from tandem.workers.request import RequestOutput, SamplingParams
+from tandem.workers.core.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 @serve.deployment(name="GroupServer")
 class GroupServer:
     def __init__(self, engine_options: dict[str, Any], group_options: dict[str, Any] | None = None) -> None:
-        from tandem.workers.draft_proposer import draft_actor_name
+        from tandem.workers.spec.draft_proposer import draft_actor_name
         from tandem.workers.llm import build_engine  # torch and the model: only in the group
 
         # Two threads share this process's GIL: the engine's (model steps: hundreds of short
@@ -64,7 +64,7 @@ class GroupServer:
         spec = config.speculative
         if (spec.enabled and spec.speculative_model != "ngram" and spec.speculative_draft_actor_name is None
                 and group_options.get("share_draft", True)):
-            # One draft actor for the application's groups (workers/draft_proposer.py).
+            # One draft actor for the application's groups (workers/spec/draft_proposer.py).
             config = replace(config, speculative=replace(spec, speculative_draft_actor_name=draft_actor_name(
                 context.app_name)))
         self.config = config

@@ -23,7 +23,7 @@ import grpc
 
 from tandem.router import tandem_pb2 as pb
 from tandem.router.engine_client import ServiceUnavailable
-from tandem.workers.request import SamplingParams
+from tandem.workers.core.request import SamplingParams
 
 if TYPE_CHECKING:
     from ray.serve.grpc_util import RayServegRPCContext

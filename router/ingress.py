@@ -89,9 +89,9 @@ async def _guard_stream(chunks):
 @serve.ingress(app)
 class OpenAIIngress(GrpcMethods):
     def __init__(self, group, config: dict[str, Any]) -> None:
-        from tandem.workers.demo_model import demo_model_path
-        from tandem.workers.models.hf_config import HFModelConfig
-        from tandem.workers.tokenizer import load_tokenizer
+        from tandem.workers.model.demo_model import demo_model_path
+        from tandem.workers.model.hf_config import HFModelConfig
+        from tandem.workers.text.tokenizer import load_tokenizer
 
         model_dir = config.get("model") or demo_model_path()
         hf_config = HFModelConfig.from_dir(model_dir)

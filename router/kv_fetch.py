@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.cluster.kv_allocator import AllocatorRef
-from tandem.workers.block_pool import prompt_block_hashes
+from tandem.workers.core.block_pool import prompt_block_hashes
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 
 from tandem.cluster.prefix_directory import leading_blocks
-from tandem.workers.block_pool import prompt_block_hashes
+from tandem.workers.core.block_pool import prompt_block_hashes
 
 logger = logging.getLogger(__name__)
 

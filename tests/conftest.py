@@ -38,7 +38,7 @@ def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.1):
 
 def tiny_model(architecture: str = "llama", **overrides) -> str:
     """Path of a tiny model (built once per test session and options)."""
-    from tandem.workers.demo_model import create_model_dir
+    from tandem.workers.model.demo_model import create_model_dir
 
     name = architecture + "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
     if name in _built:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tandem.workers.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from tandem.workers.core.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from tandem.workers.llm import LLM

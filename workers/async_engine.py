@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.workers.engine import GroupEngine, Prompt
-from tandem.workers.request import RequestOutput, SamplingParams
+from tandem.workers.core.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -15,14 +15,14 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol
 
-from tandem.cluster.config import EngineConfig
-from tandem.workers.block_pool import BlockPool, CapacitySource, LocalCapacity
+from tandem.workers.config import EngineConfig
+from tandem.workers.core.block_pool import BlockPool, CapacitySource, LocalCapacity
 from tandem.workers.executor import Executor
-from tandem.workers.models.hf_config import HFModelConfig
-from tandem.workers.output_processor import OutputProcessor, RequestState
-from tandem.workers.request import Request, RequestOutput, RequestStatus, SamplingParams
-from tandem.workers.scheduler import Scheduler
-from tandem.workers.spec_policy import SpeculationPolicy
+from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.text.output_processor import OutputProcessor, RequestState
+from tandem.workers.core.request import Request, RequestOutput, RequestStatus, SamplingParams
+from tandem.workers.core.scheduler import Scheduler
+from tandem.workers.spec.policy import SpeculationPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ from typing import Any, Protocol
 
 import torch
 
-from tandem.cluster.config import EngineConfig
+from tandem.workers.config import EngineConfig
 from tandem.cluster.placement import DevicePin
-from tandem.workers.model_runner import ModelRunner
-from tandem.workers.models.hf_config import HFModelConfig
-from tandem.workers.parallel import ParallelContext
-from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
+from tandem.workers.runner.model_runner import ModelRunner
+from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.distributed.parallel import ParallelContext
+from tandem.workers.core.scheduler_output import RunnerOutput, SchedulerOutput
 
 
 class Executor(Protocol):

@@ -7,18 +7,18 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from tandem.cluster.config import EngineConfig
+from tandem.workers.config import EngineConfig
 from tandem.workers.engine import GroupEngine, Prompt
-from tandem.workers.request import RequestOutput, SamplingParams
-from tandem.workers.tokenizer import apply_chat_template
+from tandem.workers.core.request import RequestOutput, SamplingParams
+from tandem.workers.text.tokenizer import apply_chat_template
 
 
 def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEngine:
     """Resolve the model, load tokenizer and weights, size the KV cache, and start a group."""
-    from tandem.workers.demo_model import demo_model_path
+    from tandem.workers.model.demo_model import demo_model_path
     from tandem.workers.executor import UniProcExecutor
-    from tandem.workers.models.hf_config import HFModelConfig
-    from tandem.workers.tokenizer import load_tokenizer
+    from tandem.workers.model.hf_config import HFModelConfig
+    from tandem.workers.text.tokenizer import load_tokenizer
 
     model_dir = config.model.model or demo_model_path()
     hf_config = HFModelConfig.from_dir(model_dir)
@@ -28,7 +28,7 @@ def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEn
                          f"({hf_config.max_position_embeddings})")
     tokenizer = load_tokenizer(model_dir)
     if config.parallel.world_size > 1:
-        from tandem.workers.ray_executor import RayExecutor  # issue: replica groups on Ray
+        from tandem.workers.distributed.ray_executor import RayExecutor  # issue: replica groups on Ray
         executor = RayExecutor(config, hf_config, model_dir)
     else:
         executor = UniProcExecutor(config, hf_config, model_dir, show_progress=show_progress)
@@ -49,12 +49,12 @@ def build_proposer(config: EngineConfig, hf_config, executor):
     if not spec.enabled:
         return None
     if spec.speculative_model == "ngram":
-        from tandem.workers.ngram_proposer import NgramProposer
+        from tandem.workers.spec.ngram_proposer import NgramProposer
 
         return NgramProposer(spec.num_speculative_tokens, spec.ngram_prompt_lookup_min,
                              spec.ngram_prompt_lookup_max)
-    from tandem.workers.draft_proposer import start_draft
-    from tandem.workers.models.hf_config import HFModelConfig
+    from tandem.workers.spec.draft_proposer import start_draft
+    from tandem.workers.model.hf_config import HFModelConfig
 
     draft_config = HFModelConfig.from_dir(spec.speculative_model)
     if draft_config.vocab_size != hf_config.vocab_size:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.workers.llm import LLM
-from tandem.workers.request import SamplingParams
+from tandem.workers.core.request import SamplingParams
 from tests.conftest import hf_greedy, tiny_model
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tandem.workers.request import SamplingParams
-from tandem.workers.scheduler_output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
-from tandem.workers.worker import merge_outputs, split_micro_batches
+from tandem.workers.core.request import SamplingParams
+from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from tandem.workers.distributed.worker import merge_outputs, split_micro_batches
 
 
 def _step(tokens: dict[str, int]) -> SchedulerOutput:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tandem.workers.llm import LLM
-from tandem.workers.overlap import chunk_bounds, split_metadata
-from tandem.workers.parallel import ParallelContext
-from tandem.workers.request import SamplingParams
+from tandem.workers.distributed.overlap import chunk_bounds, split_metadata
+from tandem.workers.distributed.parallel import ParallelContext
+from tandem.workers.core.request import SamplingParams
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
 
@@ -18,7 +18,7 @@ from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 def chunked_everywhere(monkeypatch) -> list[int]:
     """Make the single-process model take the overlapped path (its all-reduces are no-ops);
     yields the chunk counts of the forward passes that took it."""
-    from tandem.workers.models.llama import LlamaForCausalLM
+    from tandem.workers.model.llama import LlamaForCausalLM
 
     calls: list[int] = []
     original = LlamaForCausalLM._forward_overlapped
@@ -56,7 +56,7 @@ def test_chunked_layers_match_transformers(chunked_everywhere, arch: str, num_ch
 def test_chunked_hidden_states_equal_serial(chunked_everywhere) -> None:
     """One mixed step (2 decodes, a prompt continuing a cached prefix, a fresh prompt) through
     both paths; chunk edges cut the decodes and both prompts."""
-    from tandem.workers.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+    from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
     llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=64)
     runner = llm.engine.executor.runner

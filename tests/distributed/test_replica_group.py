@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.workers.llm import LLM
-from tandem.workers.request import SamplingParams
+from tandem.workers.core.request import SamplingParams
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
 MAX_TOKENS = 16
@@ -103,7 +103,7 @@ def _count_overlapped_passes(llm: LLM) -> None:
 
 def _check_shards(info: list[dict], model_spec: dict, tp: int, pp: int) -> None:
     """Each worker holds only its stage's layers and its share of the KV heads."""
-    from tandem.workers.parallel import stage_layers
+    from tandem.workers.distributed.parallel import stage_layers
 
     num_layers = model_spec.get("num_hidden_layers", 2)
     kv_heads = model_spec.get("num_key_value_heads", 2)

@@ -1,4 +1,4 @@
-"""Shared-memory TP collectives (workers/shm_comm.py) in real processes over gloo: gloo's
+"""Shared-memory TP collectives (workers/distributed/shm_comm.py) in real processes over gloo: gloo's
 values (bit for bit at two ranks), identical on every rank; ops in flight beyond the ring's depth; the
 gloo fallback for tensors larger than a slot and for ranks that cannot share files; a
 peer that exits fails the op at once; nothing is left in /dev/shm."""
@@ -50,7 +50,7 @@ def _run(size: int, body: Callable[..., Any], *args: Any) -> list[Any]:
 def _rank_main(rank: int, size: int, init: str, queue: Any, body: Callable[..., Any], args: tuple) -> None:
     import torch
 
-    from tandem.workers.parallel import init_groups
+    from tandem.workers.distributed.parallel import init_groups
 
     torch.set_num_threads(1)
     try:

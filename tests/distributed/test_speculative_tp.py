@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.workers.llm import LLM
-from tandem.workers.request import SamplingParams
+from tandem.workers.core.request import SamplingParams
 from tests.conftest import hf_greedy, mixed_prompts
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from tandem.workers.async_engine import AsyncEngine, merge_deltas
 from tandem.workers.llm import build_engine
-from tandem.workers.request import CompletionOutput, RequestOutput, SamplingParams
+from tandem.workers.core.request import CompletionOutput, RequestOutput, SamplingParams
 from tests.conftest import hf_greedy, mixed_prompts
 
 
@@ -24,7 +24,7 @@ def test_merge_deltas_concatenates_each_sequence_and_keeps_the_latest_state():
 
 @pytest.fixture(scope="module")
 def engine(llama_dir: str):
-    from tandem.cluster.config import EngineConfig
+    from tandem.workers.config import EngineConfig
 
     eng = AsyncEngine(build_engine(EngineConfig.from_options(model=llama_dir, num_kv_blocks=64, block_size=4),
                                    show_progress=False))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.workers.cpu_gemm import PackedWeight, mkl_gemm
+from tandem.workers.kernels.cpu_gemm import PackedWeight, mkl_gemm
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.workers import cpu_kernels
-from tandem.workers.attention import AttentionMetadata, decode_attention
-from tandem.workers.cpu_kernels import compiled_kernels
+from tandem.workers.kernels import cpu_kernels
+from tandem.workers.model.attention import AttentionMetadata, decode_attention
+from tandem.workers.kernels.cpu_kernels import compiled_kernels
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_argmax_rows_equals_torch(kernel) -> None:
 
 
 def test_rope_equals_the_torch_path_to_the_bit(kernel, monkeypatch) -> None:
-    from tandem.workers.layers import RotaryEmbedding, rope_inv_freq
+    from tandem.workers.model.layers import RotaryEmbedding, rope_inv_freq
 
     inv_freq, scaling = rope_inv_freq(64, 10000.0, None)
     rope = RotaryEmbedding(64, 512, inv_freq, scaling, torch.float32)
@@ -118,7 +118,7 @@ def test_rope_equals_the_torch_path_to_the_bit(kernel, monkeypatch) -> None:
 
 
 def test_rms_norm_equals_the_torch_path(kernel, monkeypatch) -> None:
-    from tandem.workers.layers import RMSNorm
+    from tandem.workers.model.layers import RMSNorm
 
     norm = RMSNorm(512, 1e-6, torch.float32)
     norm.weight.data = torch.rand(512, generator=torch.Generator().manual_seed(3)) + 0.5

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.workers import draft as draft_module
-from tandem.workers.draft import DraftModelCore, DraftSettings
+from tandem.workers.spec import draft_model as draft_module
+from tandem.workers.spec.draft_model import DraftModelCore, DraftSettings
 from tests.conftest import hf_greedy, mixed_prompts
 
 

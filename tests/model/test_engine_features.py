@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.workers.llm import LLM
-from tandem.workers.request import Request, SamplingParams
+from tandem.workers.core.request import Request, SamplingParams
 from tests.conftest import hf_greedy, hf_logits, mixed_prompts
 
 

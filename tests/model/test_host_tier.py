@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tandem.workers.llm import LLM
-from tandem.workers.request import SamplingParams
+from tandem.workers.core.request import SamplingParams
 from tests.conftest import hf_greedy
 
 BLOCK = 4
@@ -29,7 +29,7 @@ def prompts(seed: int, num: int, length: int) -> list[list[int]]:
 
 
 def _request(tokens: list[int]):
-    from tandem.workers.request import Request
+    from tandem.workers.core.request import Request
 
     return Request("probe", tokens, GREEDY, arrival_seq=0)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.workers.llm import LLM
-from tandem.workers.request import Request, SamplingParams
+from tandem.workers.core.request import Request, SamplingParams
 from tests.conftest import hf_greedy, hf_logits, mixed_prompts, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -22,7 +22,7 @@ def draft_dir(llama_dir: str, tmp_path_factory) -> str:
     """A different, smaller model sharing the target's tokenizer."""
     from transformers import AutoTokenizer
 
-    from tandem.workers.demo_model import create_model_dir
+    from tandem.workers.model.demo_model import create_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     return create_model_dir(tmp_path_factory.mktemp("draft"), vocab_size=512, hidden_size=32, intermediate_size=64,

@@ -52,7 +52,7 @@ def held_by(prompt: list[int], block_size: int) -> dict[str, int]:
     """Leading prompt blocks each group holds, as the allocator's directory has it."""
     import ray
 
-    from tandem.workers.block_pool import prompt_block_hashes
+    from tandem.workers.core.block_pool import prompt_block_hashes
 
     return ray.get(allocator().match.remote(prompt_block_hashes(prompt, block_size)), timeout=10)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.cluster.config import EngineConfig
+from tandem.workers.config import EngineConfig
 from tandem.router.app import SERVING_DEFAULTS, _group_options, build_app, num_cpus_needed
 
 

@@ -70,7 +70,7 @@ class FakeGroup:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama):
-    from tandem.workers.tokenizer import load_tokenizer
+    from tandem.workers.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama)
 

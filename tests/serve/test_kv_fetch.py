@@ -8,7 +8,7 @@ import random
 import pytest
 import requests
 
-from tandem.workers.tokenizer import load_tokenizer
+from tandem.workers.text.tokenizer import load_tokenizer
 from tests.conftest import hf_greedy
 from tests.serve.conftest import allocator, group_handle, held_by, serve_app, wait_for
 

@@ -35,7 +35,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama):
-    from tandem.workers.tokenizer import load_tokenizer
+    from tandem.workers.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama)
 
@@ -87,7 +87,7 @@ def test_echo_returns_the_prompt_first(client):
 
 
 def test_chat_uses_the_models_chat_template(client, tokenizer):
-    from tandem.workers.tokenizer import apply_chat_template
+    from tandem.workers.text.tokenizer import apply_chat_template
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,

@@ -51,7 +51,7 @@ def test_one_request_with_many_prompts_can_use_both_groups(server):
 def _draft() -> dict:
     import ray
 
-    from tandem.workers.draft_proposer import DRAFT_NAMESPACE, draft_actor_name
+    from tandem.workers.spec.draft_proposer import DRAFT_NAMESPACE, draft_actor_name
     from tests.serve.conftest import APP_NAME
 
     return ray.get(ray.get_actor(draft_actor_name(APP_NAME), namespace=DRAFT_NAMESPACE).describe.remote(), timeout=30)
@@ -59,7 +59,7 @@ def _draft() -> dict:
 
 def test_both_groups_draft_with_one_shared_draft_actor(server, tiny_llama):
     from tandem.workers.llm import LLM
-    from tandem.workers.request import SamplingParams
+    from tandem.workers.core.request import SamplingParams
 
     assert len(_draft()["attached"]) == 2  # one actor, both groups attached
     prompts = [f"shared draft {i}" for i in range(8)]

@@ -1,12 +1,13 @@
-"""Tests for tandem.workers.attention: paged attention against a dense reference."""
+"""Tests for tandem.workers.model.attention: paged attention against a dense reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.workers import attention, cpu_kernels
-from tandem.workers.attention import AttentionMetadata, PrefillSeq, paged_attention, plan_decode_groups
+from tandem.workers.kernels import cpu_kernels
+from tandem.workers.model import attention
+from tandem.workers.model.attention import AttentionMetadata, PrefillSeq, paged_attention, plan_decode_groups
 
 BS, HEADS, KV_HEADS, HEAD_DIM = 4, 4, 2, 8
 SCALE = HEAD_DIM ** -0.5
@@ -24,7 +25,7 @@ def torch_path(monkeypatch) -> None:
 def decode_path(request, monkeypatch) -> str:
     """The torch path, and again the compiled CPU kernel."""
     if request.param == "kernel":
-        from tandem.workers.cpu_kernels import compiled_kernels
+        from tandem.workers.kernels.cpu_kernels import compiled_kernels
 
         kernel = compiled_kernels()
         assert kernel is not None, "the CPU kernel did not build (see the log)"

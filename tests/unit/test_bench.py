@@ -22,7 +22,7 @@ TINY_LATENCY = latency.LatencyShape(prompt_len=12, output_len=5, sweep_prompt_le
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
-    from tandem.workers.demo_model import create_model_dir
+    from tandem.workers.model.demo_model import create_model_dir
     return create_model_dir(tmp_path_factory.mktemp("bench-model"), hidden_size=64, intermediate_size=128,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 

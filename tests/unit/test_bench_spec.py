@@ -4,13 +4,13 @@ import pytest
 
 from tandem.bench.spec import _copy_heavy_prompts, run_spec_bench
 from tandem.workers.llm import LLM
-from tandem.workers.request import SamplingParams
+from tandem.workers.core.request import SamplingParams
 from tests.conftest import mixed_prompts, tiny_model
 
 
 @pytest.fixture(scope="module")
 def spec_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    from tandem.workers.demo_model import create_spec_pair
+    from tandem.workers.model.demo_model import create_spec_pair
 
     return create_spec_pair(tmp_path_factory.mktemp("pair"), vocab_size=512, hidden_size=64, intermediate_size=128,
                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, seed=5)

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from tandem.workers.block_pool import BlockEvent, BlockPool, LocalCapacity, hash_block
+from tandem.workers.core.block_pool import BlockEvent, BlockPool, LocalCapacity, hash_block
 
 
 def make_pool(num_blocks: int = 8, record_events: bool = False) -> BlockPool:

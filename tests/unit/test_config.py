@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.cluster.config import (
+from tandem.workers.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -142,7 +142,7 @@ def test_speculation_lookahead_is_checked_against_the_token_budget() -> None:
 
 
 def test_draft_dtype_defaults_to_the_targets_and_is_validated():
-    from tandem.cluster.config import draft_dtype
+    from tandem.workers.config import draft_dtype
 
     assert draft_dtype(EngineConfig.from_options(dtype="float32")) == "float32"
     assert draft_dtype(EngineConfig.from_options(dtype="float32", speculative_draft_dtype="bfloat16")) == "bfloat16"

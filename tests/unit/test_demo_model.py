@@ -1,4 +1,4 @@
-"""Tests for tandem.workers.demo_model: the locally generated tokenizer and checkpoints."""
+"""Tests for tandem.workers.model.demo_model: the locally generated tokenizer and checkpoints."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem.workers import demo_model
-from tandem.workers.demo_model import build_tokenizer, create_model_dir
+from tandem.workers.model import demo_model
+from tandem.workers.model.demo_model import build_tokenizer, create_model_dir
 
 MULTIBYTE_TEXT = "Héllo wörld, naïve café! 日本語 😀🚀 鬱 x . y\n\tz  12345 <|im_end|> done"
 

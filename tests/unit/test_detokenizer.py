@@ -1,4 +1,4 @@
-"""Tests for tandem.workers.detokenizer with a tiny byte-level BPE tokenizer trained in memory."""
+"""Tests for tandem.workers.text.detokenizer with a tiny byte-level BPE tokenizer trained in memory."""
 from __future__ import annotations
 
 import random
@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tandem.workers.detokenizer import IncrementalDetokenizer, find_stop
+from tandem.workers.text.detokenizer import IncrementalDetokenizer, find_stop
 
 SENTENCES = [
     "héllo wörld",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.cluster.placement import DevicePin
-from tandem.workers.draft_proposer import plan_draft
+from tandem.workers.spec.draft_proposer import plan_draft
 
 N1, N2 = "a1" * 28, "b2" * 28  # node ids are 28-byte hex strings
 GPU_GROUP = [DevicePin(N1, (0,)), DevicePin(N1, (1,))]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.workers.block_pool import BlockPool, LocalCapacity
-from tandem.workers.host_tier import HostKVTier
-from tandem.workers.kv_cache_manager import KVCacheManager
-from tandem.workers.request import Request, SamplingParams
+from tandem.workers.core.block_pool import BlockPool, LocalCapacity
+from tandem.workers.core.host_tier import HostKVTier
+from tandem.workers.core.kv_cache_manager import KVCacheManager
+from tandem.workers.core.request import Request, SamplingParams
 
 
 def test_save_queues_a_copy_and_evicts_least_recent_when_full():

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from tandem.workers.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages, zeros_huge
+from tandem.workers.kernels.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages, zeros_huge
 
 
 def _thp_mode() -> str:

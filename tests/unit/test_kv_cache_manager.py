@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from tandem.workers.block_pool import BlockEvent, BlockPool, LocalCapacity, hash_block
-from tandem.workers.kv_cache_manager import KVCacheManager
-from tandem.workers.request import Request, SamplingParams
+from tandem.workers.core.block_pool import BlockEvent, BlockPool, LocalCapacity, hash_block
+from tandem.workers.core.kv_cache_manager import KVCacheManager
+from tandem.workers.core.request import Request, SamplingParams
 
 BS = 4
 

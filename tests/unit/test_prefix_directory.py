@@ -5,7 +5,7 @@ import random
 import pytest
 
 from tandem.cluster.prefix_directory import PrefixDirectory
-from tandem.workers.block_pool import hash_block
+from tandem.workers.core.block_pool import hash_block
 
 
 def _chain(tokens: list[int], block_size: int = 4) -> list[int]:

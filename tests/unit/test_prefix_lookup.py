@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from tandem.router.prefix_lookup import PrefixLookup, RecentRoutes
-from tandem.workers.block_pool import hash_block, prompt_block_hashes
+from tandem.workers.core.block_pool import hash_block, prompt_block_hashes
 
 
 class Clock:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.workers.request import CompletionOutput, Request, RequestStatus, SamplingParams
+from tandem.workers.core.request import CompletionOutput, Request, RequestStatus, SamplingParams
 
 BAD = [
     (dict(n=0), "n"),

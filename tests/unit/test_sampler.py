@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from tandem.workers.request import SamplingParams
-from tandem.workers.sampler import Sampler, SamplingRow, compute_logprobs
+from tandem.workers.core.request import SamplingParams
+from tandem.workers.sample.sampler import Sampler, SamplingRow, compute_logprobs
 
 
 def row(prompt: list[int] | None = None, output: list[int] | None = None,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.cluster.config import CacheConfig, SchedulerConfig
-from tandem.workers.block_pool import BlockPool, LocalCapacity
-from tandem.workers.request import Request, RequestStatus, SamplingParams
-from tandem.workers.scheduler import Scheduler, StepUpdate
-from tandem.workers.scheduler_output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from tandem.workers.config import CacheConfig, SchedulerConfig
+from tandem.workers.core.block_pool import BlockPool, LocalCapacity
+from tandem.workers.core.request import Request, RequestStatus, SamplingParams
+from tandem.workers.core.scheduler import Scheduler, StepUpdate
+from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 
 BS = 4
 EOS = 2

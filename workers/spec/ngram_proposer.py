@@ -8,7 +8,7 @@ distribution is a point mass (q = one-hot), which the rejection sampler handles.
 
 from __future__ import annotations
 
-from tandem.workers.request import Request
+from tandem.workers.core.request import Request
 
 
 def find_ngram_continuation(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:

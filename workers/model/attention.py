@@ -17,7 +17,7 @@ Grouping keeps padding small when lengths differ, bounds the gathered copy's mem
 on CPU keeps the copy small enough to still be in cache when SDPA reads it, so K and V
 come from memory once. Plans and masks are built once per step, by the first layer.
 
-On CPU in float32, decodes go to a compiled kernel instead (workers/cpu_kernels.py,
+On CPU in float32, decodes go to a compiled kernel instead (workers/kernels/cpu_kernels.py,
 csrc/paged_decode.cpp). It walks each row's block table and reads K and V in place with
 an online softmax, so no gathered copy is written and read again. The torch path stays
 for other devices and dtypes, and wherever the kernel cannot be built.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tandem.workers import cpu_kernels
+from tandem.workers.kernels import cpu_kernels
 
 # Most bytes one group's gathered K (and again V) may take. On CPU the copies must still be
 # in cache (L2, or L3 at worst) when SDPA reads them; 1-4 MiB measured alike, 16 MiB was as

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.workers.request import Request
+from tandem.workers.core.request import Request
 
 
 @dataclass

@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Any
 
-from tandem.cluster.config import EngineConfig
+from tandem.workers.config import EngineConfig
 from tandem.cluster.placement import (
     DevicePin,
     PlacementPlan,
@@ -34,8 +34,8 @@ from tandem.cluster.placement import (
     ensure_ray,
     plan_on_cluster,
 )
-from tandem.workers.models.hf_config import HFModelConfig
-from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
+from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.core.scheduler_output import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class RayExecutor:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from tandem.workers.worker import Worker
+        from tandem.workers.distributed.worker import Worker
 
         bundles = self.bundles
         actor_cls = ray.remote(Worker)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tandem.workers.attention import AttentionMetadata, PrefillSeq
+from tandem.workers.model.attention import AttentionMetadata, PrefillSeq
 
 
 @dataclass

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.workers import cpu_kernels
-from tandem.workers.cpu_gemm import PackedWeight, pack_linear_weights
-from tandem.workers.parallel import ParallelContext, shard_range
+from tandem.workers.kernels import cpu_kernels
+from tandem.workers.kernels.cpu_gemm import PackedWeight, pack_linear_weights
+from tandem.workers.distributed.parallel import ParallelContext, shard_range
 
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.workers.detokenizer import IncrementalDetokenizer
-from tandem.workers.request import (
+from tandem.workers.text.detokenizer import IncrementalDetokenizer
+from tandem.workers.core.request import (
     CompletionOutput,
     PositionLogprobs,
     Request,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tandem.cluster.config import require_field
+from tandem.workers.config import require_field
 
 
 @dataclass

@@ -22,10 +22,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tandem.cluster.config import EngineConfig, draft_dtype
+from tandem.workers.config import EngineConfig, draft_dtype
 from tandem.cluster.placement import DevicePin
-from tandem.workers.draft import DraftModelCore, DraftSettings
-from tandem.workers.request import Request
+from tandem.workers.spec.draft_model import DraftModelCore, DraftSettings
+from tandem.workers.core.request import Request
 
 logger = logging.getLogger(__name__)
 DRAFT_NAMESPACE = "tandem"  # the Ray namespace of shared draft actors

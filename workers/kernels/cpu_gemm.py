@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.workers.cpu_kernels import CompiledExtension
+from tandem.workers.kernels.cpu_kernels import CompiledExtension
 
 logger = logging.getLogger(__name__)
 

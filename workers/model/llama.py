@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.workers.attention import AttentionMetadata, paged_attention
-from tandem.workers.layers import (
+from tandem.workers.model.attention import AttentionMetadata, paged_attention
+from tandem.workers.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -29,9 +29,9 @@ from tandem.workers.layers import (
     VocabParallelEmbedding,
     rope_inv_freq,
 )
-from tandem.workers.models.hf_config import HFModelConfig
-from tandem.workers.overlap import Pending, chunk_bounds, settle, split_metadata
-from tandem.workers.parallel import ParallelContext, stage_layers
+from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.distributed.overlap import Pending, chunk_bounds, settle, split_metadata
+from tandem.workers.distributed.parallel import ParallelContext, stage_layers
 
 
 class LlamaAttention(nn.Module):
@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
             chunk 1:              qkv attn o ─ar─────┼──┐      mlp ─ar───────────┐      │
                                                 wait ┘  └ wait           (next layer) wait ┘ qkv ...
 
-        Each chunk attends with its own slice of the metadata (workers/overlap.py); residual
+        Each chunk attends with its own slice of the metadata (workers/distributed/overlap.py); residual
         adds happen in the same order as in the serial path.
         """
         bounds = chunk_bounds(x.shape[0], num_chunks)

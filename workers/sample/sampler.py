@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.workers import cpu_kernels
-from tandem.workers.request import Logprob, PositionLogprobs, SamplingParams
+from tandem.workers.kernels import cpu_kernels
+from tandem.workers.core.request import Logprob, PositionLogprobs, SamplingParams
 
 _SEED_MASK = (1 << 63) - 1  # torch generators take a non-negative 64-bit seed
 _TINY = torch.finfo(torch.float32).tiny

@@ -3,7 +3,7 @@
 With tp_size == 1 every collective is a no-op, so the single-process engine runs
 the same layer code as a sharded worker. A worker calls `init_groups` once
 (gloo on CPU, nccl on CUDA) to get its context with the TP and PP subgroups. On CPU a
-stage's TP collectives go through shared memory (workers/shm_comm.py) rather than
+stage's TP collectives go through shared memory (workers/distributed/shm_comm.py) rather than
 gloo's loopback TCP; gloo stays for what does not fit and for stage-to-stage sends.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.workers.shm_comm import ShmCommunicator
+from tandem.workers.distributed.shm_comm import ShmCommunicator
 
 
 @dataclass

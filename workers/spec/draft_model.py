@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.cluster.config import EngineConfig
+from tandem.workers.config import EngineConfig
 from tandem.cluster.placement import DevicePin
-from tandem.workers.block_pool import BlockPool, LocalCapacity
-from tandem.workers.models.hf_config import HFModelConfig
-from tandem.workers.request import SamplingParams
-from tandem.workers.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tandem.workers.core.block_pool import BlockPool, LocalCapacity
+from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.core.request import SamplingParams
+from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
@@ -81,7 +81,7 @@ class DraftModelCore:
             tensor_parallel_size=settings.tensor_parallel_size,
             max_num_seqs=256, max_num_batched_tokens=max(8192, 256 * (1 + settings.k)))
         if settings.tensor_parallel_size > 1:
-            from tandem.workers.ray_executor import RayExecutor
+            from tandem.workers.distributed.ray_executor import RayExecutor
 
             self.executor: Any = RayExecutor(self.config, self.hf_config, settings.model, pins=pins)
         else:

@@ -32,7 +32,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    # CPU float32: linear weights packed once into MKL's GEMM layout (workers/cpu_gemm.py),
+    # CPU float32: linear weights packed once into MKL's GEMM layout (workers/kernels/cpu_gemm.py),
     # faster decode steps for a few MB more per weight.
     cpu_packed_weights: bool = True
 

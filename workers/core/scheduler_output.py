@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.workers.request import PositionLogprobs, SamplingParams
+from tandem.workers.core.request import PositionLogprobs, SamplingParams
 
 
 @dataclass

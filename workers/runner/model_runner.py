@@ -14,19 +14,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.cluster.config import EngineConfig
-from tandem.workers import cpu_kernels
-from tandem.workers.attention import AttentionMetadata, PrefillSeq
-from tandem.workers.huge_pages import zeros_huge
-from tandem.workers.layers import pack_cpu_weights, use_fast_gemm_layout
-from tandem.workers.loader import load_weights
-from tandem.workers.models.hf_config import HFModelConfig
-from tandem.workers.models.llama import LlamaForCausalLM
-from tandem.workers.parallel import ParallelContext
-from tandem.workers.request import PositionLogprobs, SamplingParams
-from tandem.workers.rejection_sampler import rejection_sample
-from tandem.workers.sampler import Sampler, SamplingRow, compute_logprobs
-from tandem.workers.scheduler_output import RunnerOutput, SchedulerOutput
+from tandem.workers.config import EngineConfig
+from tandem.workers.kernels import cpu_kernels
+from tandem.workers.model.attention import AttentionMetadata, PrefillSeq
+from tandem.workers.kernels.huge_pages import zeros_huge
+from tandem.workers.model.layers import pack_cpu_weights, use_fast_gemm_layout
+from tandem.workers.model.loader import load_weights
+from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.model.llama import LlamaForCausalLM
+from tandem.workers.distributed.parallel import ParallelContext
+from tandem.workers.core.request import PositionLogprobs, SamplingParams
+from tandem.workers.sample.rejection_sampler import rejection_sample
+from tandem.workers.sample.sampler import Sampler, SamplingRow, compute_logprobs
+from tandem.workers.core.scheduler_output import RunnerOutput, SchedulerOutput
 
 
 @dataclass
@@ -97,7 +97,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free
             return max(0, int(total * cache.gpu_memory_utilization) - used_by_others)
-        from tandem.cluster.config import DEFAULT_CPU_KV_CACHE_BYTES
+        from tandem.workers.config import DEFAULT_CPU_KV_CACHE_BYTES
         return cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
 
     def num_blocks_fit(self) -> int:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from tandem.workers.models.llama import LlamaForCausalLM
+from tandem.workers.model.llama import LlamaForCausalLM
 
 
 class _LazyTensor:

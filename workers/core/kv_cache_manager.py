@@ -13,9 +13,9 @@ start of the step (see host_tier.py), so they count as computed, like device hit
 
 from __future__ import annotations
 
-from tandem.workers.block_pool import BlockPool, hash_block
-from tandem.workers.host_tier import HostKVTier
-from tandem.workers.request import Request
+from tandem.workers.core.block_pool import BlockPool, hash_block
+from tandem.workers.core.host_tier import HostKVTier
+from tandem.workers.core.request import Request
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from tandem.cluster.config import CacheConfig, SchedulerConfig
-from tandem.workers.block_pool import BlockPool
-from tandem.workers.kv_cache_manager import KVCacheManager
-from tandem.workers.request import Request, RequestStatus
-from tandem.workers.scheduler_output import (
+from tandem.workers.config import CacheConfig, SchedulerConfig
+from tandem.workers.core.block_pool import BlockPool
+from tandem.workers.core.kv_cache_manager import KVCacheManager
+from tandem.workers.core.request import Request, RequestStatus
+from tandem.workers.core.scheduler_output import (
     CachedRequestData,
     NewRequestData,
     RunnerOutput,
