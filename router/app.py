@@ -18,10 +18,10 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from tandem.workers.config import EngineConfig
 from tandem.router.group_server import GroupServer
 from tandem.router.ingress import OpenAIIngress
 from tandem.router.kv_fetch import FETCH_MODES
+from tandem.workers.config import EngineConfig
 
 DEMO_MODEL_NAME = "tandem-demo"
 
@@ -38,9 +38,8 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "health_check_period_s": 2.0,
     "ingress_num_replicas": 1,
     "ingress_num_cpus": 0,  # tokenizing is light; a laptop's CPUs go to the groups
-    # Streams one ingress replica carries at once. Serve's default (5) queued the rest at the
-    # proxy: with 8 clients streaming, 3 waited whole requests for a slot (time to first
-    # token over a second, half the server's throughput gone). The ingress only awaits.
+    # Streams one ingress replica carries at once. The ingress only awaits, so it can carry
+    # thousands; Serve's default (5) would hold the rest at the proxy for whole requests.
     "ingress_max_ongoing_requests": 4096,
     "routing": "prefix",  # "prefix": prefix-cache-aware (router/policy.py); "load": load only
     "routing_tokens_per_request": 256.0,  # prefix routing: cached tokens worth one queued request
@@ -67,7 +66,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             serving[key] = value
         elif key != "address" and value is not None:  # where to join Ray: the caller's business
             engine_options[key] = value
-    config = EngineConfig.from_options(**engine_options)  # unknown or bad options fail here
+    # Parsed here only: unknown or bad options fail before anything starts, and every group
+    # gets this EngineConfig.
+    config = EngineConfig.from_options(**engine_options)
     if serving["routing"] not in ROUTING_POLICIES:
         raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {serving['routing']!r}")
     served_model_name = serving["served_model_name"] or config.model.model or DEMO_MODEL_NAME
@@ -77,7 +78,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     group_options = {"kv_allocator": config.cache.enable_prefix_caching,
                      "host_kv_memory_per_node": serving["host_kv_memory_per_node"], "kv_fetch": serving["kv_fetch"],
                      "stream_interval_ms": serving["stream_interval_ms"], "share_draft": serving["share_draft"]}
-    group = GroupServer.options(**_group_options(config, serving)).bind(engine_options, group_options)
+    group = GroupServer.options(**_group_options(config, serving)).bind(config, group_options)
     ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
                       "max_model_len": config.model.max_model_len, "api_key": serving["api_key"]}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
@@ -91,10 +92,9 @@ def local_group_num_cpus(num_replicas: int, cores: int) -> int:
     when the whole application runs on this machine: its cores but one, shared by the groups.
 
     The spare core is for Serve's proxy, the ingress and the groups' event loops, which
-    stream every token. On 2 cores, a group with both cores served 85-92 output tok/s at
-    8 streams and one with one core 106-113 (interleaved runs, bench/RESULTS.md): with both,
-    every burst of Serve work stalled one of the model's two OpenMP threads, and the other
-    waited for it at each GEMM's end.
+    stream every token. Were the model's OpenMP threads on every core, each burst of Serve
+    work would stall one of them, and the others would wait for it at each GEMM's end
+    (bench/RESULTS.md compares the two).
     """
     return max(1, (cores - 1) // max(1, num_replicas))
 

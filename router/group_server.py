@@ -36,30 +36,30 @@ from typing import Any
 from ray import serve
 
 from tandem.cluster.allocator_client import AllocatorClient, GroupIdentity
-from tandem.workers.config import EngineConfig
 from tandem.cluster.kv_allocator import get_or_create_allocator
 from tandem.router.kv_fetch import KVFetcher
 from tandem.workers.async_engine import AsyncEngine
-from tandem.workers.engine import EngineDeadError
+from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import RequestOutput, SamplingParams
+from tandem.workers.engine import EngineDeadError, GroupEngine
+from tandem.workers.kv_transfer import kv_layout
 
 logger = logging.getLogger(__name__)
 
 
 @serve.deployment(name="GroupServer")
 class GroupServer:
-    def __init__(self, engine_options: dict[str, Any], group_options: dict[str, Any] | None = None) -> None:
-        from tandem.workers.spec.draft_proposer import draft_actor_name
+    def __init__(self, config: EngineConfig, group_options: dict[str, Any] | None = None) -> None:
         from tandem.workers.llm import build_engine  # torch and the model: only in the group
+        from tandem.workers.spec.draft_proposer import draft_actor_name
 
         # Two threads share this process's GIL: the engine's (model steps: hundreds of short
         # Python stretches between torch ops) and Serve's event loop (every streamed delta).
-        # At CPython's default 5 ms switch interval the engine thread waited that long for
-        # the GIL again and again under load; 0.5 ms took the served throughput at 8
-        # streams from 0.44 to 0.56 of the offline engine's (bench/RESULTS.md).
+        # Under load, CPython's default 5 ms switch interval leaves the engine thread waiting
+        # that long for the GIL again and again; a tenth of it keeps the model stepping
+        # (figures in bench/RESULTS.md).
         sys.setswitchinterval(0.0005)
         group_options = group_options or {}
-        config = EngineConfig.from_options(**engine_options)
         context = serve.get_replica_context()
         spec = config.speculative
         if (spec.enabled and spec.speculative_model != "ngram" and spec.speculative_draft_actor_name is None
@@ -80,7 +80,7 @@ class GroupServer:
         self.stream_interval_s = group_options.get("stream_interval_ms", 0) / 1e3
         host_bytes = config.cache.host_kv_cache_memory
         if group_options.get("kv_allocator", True) and config.cache.enable_prefix_caching:
-            self.allocator, host_bytes = self._link_allocator(context.app_name, group_options, host_bytes)
+            self.allocator, host_bytes = self._link_allocator(engine, context.app_name, group_options, host_bytes)
         if host_bytes:
             engine.enable_host_tier(host_bytes)
             if self.allocator is not None:
@@ -90,15 +90,14 @@ class GroupServer:
         logger.info("replica group %s ready: %d KV blocks", self.group_id,
                     self.engine.last_stats.get("kv_blocks_total", 0))
 
-    def _link_allocator(self, app_name: str, group_options: dict[str, Any],
+    def _link_allocator(self, engine: GroupEngine, app_name: str, group_options: dict[str, Any],
                         host_ask: int) -> tuple[AllocatorClient, int]:
         """Register with the allocator (leasing the host tier first); returns (client, host bytes)."""
         import ray
 
-        engine = self.engine.engine
         identity = GroupIdentity(
             group_id=self.group_id, model_id=self.config.model.model or "tandem-demo",
-            block_size=self.config.cache.block_size, device_blocks=engine.pool.num_blocks,
+            block_size=engine.block_size, device_blocks=engine.num_kv_blocks,
             node_id=ray.get_runtime_context().get_node_id(), kv_layout=kv_layout(self.config))
         budget = group_options.get("host_kv_memory_per_node")
         granted = self._lease_host(identity, get_or_create_allocator(app_name, budget), host_ask)
@@ -130,16 +129,9 @@ class GroupServer:
 
     async def export_prefix(self, request: dict[str, Any]) -> dict[str, Any]:
         """Another group's fetch (kv_fetch.py): this group's device blocks for a hash chain."""
-        from tandem.workers.executor import UniProcExecutor
-        from tandem.workers.kv_transfer import export_prefix
-
         if request.get("target_group") != self.group_id:  # routed here by mistake: nothing
             return {"num_blocks": 0, "per_rank": []}
-        num, per_rank = await self.engine.run_on_engine(lambda eng: export_prefix(eng, request["block_hashes"]))
-        if isinstance(self.engine.engine.executor, UniProcExecutor) and per_rank:
-            import ray
-
-            per_rank = [ray.put(data) for data in per_rank]  # through the object store, not Serve
+        num, per_rank = await self.engine.export_prefix(request["block_hashes"])
         return {"num_blocks": num, "per_rank": per_rank}  # object refs, one per rank
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -182,7 +174,7 @@ class GroupServer:
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:
-            raise RuntimeError(f"replica group {self.group_id} has failed: {self.engine.engine.dead_error}")
+            raise RuntimeError(f"replica group {self.group_id} has failed: {self.engine.dead_error}")
 
     def __del__(self) -> None:
         allocator = getattr(self, "allocator", None)
@@ -217,10 +209,3 @@ class GroupServer:
     def _error(self, request_id: str, message: str, error_type: str) -> dict[str, Any]:
         return {"request_id": request_id, "group_id": self.group_id, "outputs": [], "finished": True,
                 "num_prompt_tokens": 0, "num_cached_tokens": 0, "error": message, "error_type": error_type}
-
-
-def kv_layout(config: EngineConfig) -> str:
-    """Groups with equal layouts hold KV blocks of the same shape on each rank."""
-    par, model = config.parallel, config.model
-    return (f"{model.model or 'tandem-demo'}|{model.dtype}|bs{config.cache.block_size}"
-            f"|tp{par.tensor_parallel_size}|pp{par.pipeline_parallel_size}")

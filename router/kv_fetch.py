@@ -23,10 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.cluster.kv_allocator import AllocatorRef
 from tandem.workers.core.block_pool import prompt_block_hashes
+
+if TYPE_CHECKING:
+    from tandem.workers.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +52,19 @@ class FetchCost:
 
 
 class KVFetcher:
-    def __init__(self, engine: Any, group_id: str, app_name: str, layout: str, *, mode: str = "auto",
+    def __init__(self, engine: AsyncEngine, group_id: str, app_name: str, layout: str, *, mode: str = "auto",
                  cost: FetchCost = FetchCost(), timeout_s: float = 5.0) -> None:
         if mode not in FETCH_MODES:
             raise ValueError(f"kv_fetch: must be one of {', '.join(FETCH_MODES)}, got {mode!r}")
-        self.engine = engine  # the group's AsyncEngine
+        self.engine = engine
         self.group_id = group_id
         self.app_name = app_name
         self.layout = layout
         self.mode = mode
         self.cost = cost
         self.timeout_s = timeout_s
-        self.block_size = engine.engine.config.cache.block_size
-        self.block_bytes = engine.engine.executor.kv_bytes_per_block()
+        self.block_size = engine.block_size
+        self.block_bytes = engine.kv_bytes_per_block()
         self._groups: Any = None  # a handle to this application's GroupServer deployment
         self._allocator = AllocatorRef(app_name)
         self.num_fetches = 0
@@ -72,10 +75,8 @@ class KVFetcher:
         """Fetch the prompt's prefix blocks held elsewhere, if it pays; returns blocks fetched."""
         if self.mode == "never":
             return 0
-        from tandem.workers.kv_transfer import held_prefix
-
         hashes = prompt_block_hashes(prompt_token_ids, self.block_size)
-        local = held_prefix(self.engine.engine, hashes)
+        local = self.engine.held_prefix(hashes)
         if len(hashes) - local < self.cost.min_blocks:
             return 0
         try:
@@ -86,29 +87,22 @@ class KVFetcher:
             return 0
 
     async def _fetch(self, hashes: list[int], local: int) -> int:
-        from tandem.workers.kv_transfer import import_prefix
-
         holders = await self._allocator.call("holders", hashes, self.layout)
         holders.pop(self.group_id, None)
         if not holders:
             return 0
         source, held = max(holders.items(), key=lambda item: item[1])
         num = held - local
-        speed = self.engine.engine.prefill_tokens_per_s
+        speed = self.engine.prefill_tokens_per_s
         if num < self.cost.min_blocks or (
                 self.mode == "auto" and not self.cost.pays(num, self.block_bytes, self.block_size, speed)):
             return 0
         reply = await self._group_handle().export_prefix.remote(
             {"target_group": source, "block_hashes": hashes[local:held]})
-        exported, per_rank = reply["num_blocks"], reply["per_rank"]
+        exported = reply["num_blocks"]
         if not exported:
             return 0  # evicted there since it published
-        from tandem.workers.executor import UniProcExecutor
-
-        if isinstance(self.engine.engine.executor, UniProcExecutor):  # the model is in this process
-            per_rank = list(await asyncio.gather(*per_rank))  # (Ray workers take the refs themselves)
-        imported = await self.engine.run_on_engine(
-            lambda eng: import_prefix(eng, hashes[local:local + exported], per_rank))
+        imported = await self.engine.import_prefix(hashes[local:local + exported], reply["per_rank"])
         self.num_fetches += 1
         self.num_blocks_fetched += imported
         return imported

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tandem.workers.engine import GroupEngine, Prompt
 from tandem.workers.core.request import RequestOutput, SamplingParams
+from tandem.workers.engine import GroupEngine, Prompt
+from tandem.workers.kv_transfer import export_prefix, held_prefix, import_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,23 @@ class AsyncEngine:
     @property
     def is_healthy(self) -> bool:
         return self.engine.dead_error is None and self._thread.is_alive()
+
+    @property
+    def dead_error(self) -> str | None:
+        return self.engine.dead_error
+
+    # The engine's figures below never change after start, or are single reads that are
+    # safe off the engine thread.
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    def kv_bytes_per_block(self) -> int:
+        return self.engine.kv_bytes_per_block()
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return self.engine.prefill_tokens_per_s
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
                        stream_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
@@ -145,6 +163,29 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._post(lambda: self._abort(request_id))
+
+    # ---- prefix KV between groups (workers/kv_transfer.py) ----------------------------------------
+    def held_prefix(self, block_hashes: list[int]) -> int:
+        """Leading blocks of the chain this group holds (an estimate: read off the engine thread)."""
+        return held_prefix(self.engine, block_hashes)
+
+    async def export_prefix(self, block_hashes: list[int]) -> tuple[int, list[Any]]:
+        """(how many leading blocks of the chain are on the device, each rank's KV of them as
+        an object ref): refs travel through the object store, not the caller's reply."""
+        num, per_rank = await self.run_on_engine(lambda eng: export_prefix(eng, block_hashes))
+        if per_rank and self.engine.model_in_process:
+            import ray
+
+            per_rank = [ray.put(data) for data in per_rank]
+        return num, per_rank
+
+    async def import_prefix(self, block_hashes: list[int], per_rank: list[Any]) -> int:
+        """Put blocks another group exported (one object ref per rank) into the host tier;
+        returns how many. Ray workers fetch their refs themselves; a model in this process
+        gets them fetched here, on the event loop, so the engine thread never waits."""
+        if self.engine.model_in_process:
+            per_rank = list(await asyncio.gather(*per_rank))
+        return await self.run_on_engine(lambda eng: import_prefix(eng, block_hashes, per_rank))
 
     def shutdown(self) -> None:
         self._stopped = True

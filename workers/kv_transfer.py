@@ -4,16 +4,25 @@ The exporting group reads the blocks it holds on its device for a chain of block
 hashes (every rank its shard); the importing group writes them into its host tier,
 where admission finds them as host hits and copies them to the device at the start
 of the step, exactly as for blocks it had evicted itself. Both run on their engine's
-thread between steps (`AsyncEngine.run_on_engine`), so no step reads or writes the
-blocks meanwhile. Only groups with the same KV layout (model, dtype, block size, TP,
-PP; see `kv_layout`) exchange blocks: a rank's shard has the same shape on both.
+thread between steps (`AsyncEngine.export_prefix`, `AsyncEngine.import_prefix`), so no
+step reads or writes the blocks meanwhile. Only groups with the same KV layout (model,
+dtype, block size, TP, PP; see `kv_layout`) exchange blocks: a rank's shard has the same
+shape on both.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tandem.workers.config import EngineConfig
 from tandem.workers.engine import GroupEngine
+
+
+def kv_layout(config: EngineConfig) -> str:
+    """Groups with equal layouts hold KV blocks of the same shape on each rank."""
+    par, model = config.parallel, config.model
+    return (f"{model.model or 'tandem-demo'}|{model.dtype}|bs{config.cache.block_size}"
+            f"|tp{par.tensor_parallel_size}|pp{par.pipeline_parallel_size}")
 
 
 def held_prefix(engine: GroupEngine, block_hashes: list[int]) -> int:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 from tandem.workers.core.block_pool import prompt_block_hashes
+from tandem.workers.core.request import SamplingParams
 from tandem.workers.kv_transfer import export_prefix, held_prefix, import_prefix
 from tandem.workers.llm import LLM
-from tandem.workers.core.request import SamplingParams
 from tests.conftest import hf_greedy, tiny_model
 
 BLOCK = 4

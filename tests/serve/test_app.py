@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.workers.config import EngineConfig
 from tandem.router.app import SERVING_DEFAULTS, _group_options, build_app, num_cpus_needed
+from tandem.workers.config import EngineConfig
 
 
 def options(**engine) -> dict:

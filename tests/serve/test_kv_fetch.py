@@ -61,7 +61,7 @@ def test_a_group_fetches_a_prefix_it_never_computed_and_outputs_are_unchanged(se
     assert stats["host_kv_blocks_loaded"] == PREFIX_BLOCKS
     # Block accounting: both groups idle, every device block free again.
     for g in (holder, group):
-        assert wait_for(lambda: group_stats(g)["kv_blocks_free"] == group_stats(g)["kv_blocks_total"])
+        assert wait_for(lambda g=g: group_stats(g)["kv_blocks_free"] == group_stats(g)["kv_blocks_total"])
 
 
 def test_host_leases_share_the_node_budget(server):

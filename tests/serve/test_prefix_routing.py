@@ -56,7 +56,8 @@ def test_every_prefix_after_its_first_request_goes_where_it_is_cached(server):
                 assert cached == PREFIX_BLOCKS * BLOCK
     # The directory agrees: each prefix is held (whole) by the group that served it.
     for p, prefix in enumerate(shared):
-        assert wait_for(lambda: held_by(prefix + [1]).get(first_group[p]) == PREFIX_BLOCKS, timeout_s=10)
+        assert wait_for(lambda prefix=prefix, p=p: held_by(prefix + [1]).get(first_group[p]) == PREFIX_BLOCKS,
+                        timeout_s=10)
 
 
 def test_a_hot_prefix_spills_to_the_other_group_beyond_the_imbalance_bound(server):

@@ -58,8 +58,8 @@ def _draft() -> dict:
 
 
 def test_both_groups_draft_with_one_shared_draft_actor(server, tiny_llama):
-    from tandem.workers.llm import LLM
     from tandem.workers.core.request import SamplingParams
+    from tandem.workers.llm import LLM
 
     assert len(_draft()["attached"]) == 2  # one actor, both groups attached
     prompts = [f"shared draft {i}" for i in range(8)]

@@ -11,7 +11,6 @@ from tandem.workers.config import (
     SpeculativeConfig,
 )
 
-
 # Each case: (config class, bad keyword options, the field the message must start with).
 BAD = [
     (ModelConfig, dict(dtype="float64"), "dtype"),

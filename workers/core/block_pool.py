@@ -17,22 +17,12 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
-
-
-class CapacitySource(Protocol):
-    """Where a pool's blocks come from: a local budget now, a cluster lease later."""
-
-    def acquire(self, num_blocks: int) -> int:
-        """Grant up to num_blocks; returns how many were granted."""
-        ...
-
-    def release(self, num_blocks: int) -> None: ...
 
 
 @dataclass
 class LocalCapacity:
-    """A fixed local budget: the KV tensors this process (or group) allocated."""
+    """The blocks of the KV tensors this process (or group) allocated: a pool draws its
+    blocks from it, and gives them back on close."""
 
     total_blocks: int
     granted: int = 0
@@ -81,9 +71,9 @@ class BlockEvent:
 
 
 class BlockPool:
-    def __init__(self, source: CapacitySource, num_blocks: int, *, record_events: bool = False) -> None:
+    def __init__(self, source: LocalCapacity, num_blocks: int, *, record_events: bool = False) -> None:
         self.num_blocks = source.acquire(num_blocks)
-        assert self.num_blocks > 0, "the capacity source granted no KV blocks"
+        assert self.num_blocks > 0, "the capacity granted no KV blocks"
         self._source = source
         self.ref_cnt = [0] * self.num_blocks
         self.block_hash: list[int | None] = [None] * self.num_blocks
