@@ -10,14 +10,19 @@ import os
 import random
 import tempfile
 import time
-from functools import lru_cache
+from functools import cache
 
 import pytest
+import torch
 
 # Built-in models made by tests go to a throwaway cache, never the user's.
 os.environ.setdefault("TANDEM_CACHE_DIR", tempfile.mkdtemp(prefix="tandem-test-cache-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, the Triton kernels run through Triton's interpreter. It must be on before any
+# kernel is defined (at import), so it is set here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 _MODEL_ROOT = tempfile.mkdtemp(prefix="tandem-test-models-")
@@ -57,7 +62,7 @@ def mixed_prompts(seed: int = 0, lengths: tuple[int, ...] = (3, 17, 40, 90)) -> 
     return [[rng.randrange(10, 500) for _ in range(n)] for n in lengths]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hf_model(model_dir: str):
     import torch
     from transformers import AutoModelForCausalLM
@@ -67,7 +72,7 @@ def _hf_model(model_dir: str):
     return model.eval()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hf_greedy_one(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     import torch
 

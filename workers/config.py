@@ -1,4 +1,4 @@
-"""Frozen configuration for one replica group (and, later, the cluster).
+"""Frozen configuration of one replica group's engine.
 
 Every option a user can set lands in one of these dataclasses, validated in
 ``__post_init__`` so that a bad value fails at construction with a message that
@@ -35,9 +35,18 @@ class ModelConfig:
     # CPU float32: linear weights packed once into MKL's GEMM layout (workers/kernels/cpu_gemm.py),
     # faster decode steps for a few MB more per weight.
     cpu_packed_weights: bool = True
+    # CUDA: no CUDA graphs; every decode step launches its kernels one by one (vLLM's name).
+    enforce_eager: bool = False
+    # auto: the Triton kernels on CUDA, torch elsewhere; triton on CPU needs TRITON_INTERPRET=1.
+    attention_backend: str = "auto"
+    # Prepare and launch step N+1 before turning step N's tokens into text, so the host's work
+    # overlaps the device's; None = on CUDA (on CPU both compete for the same cores).
+    overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:
         require_field(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        require_field(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
+                      f"must be auto, torch or triton, got {self.attention_backend!r}")
         require_field(self.device in ("auto", "cpu", "cuda"), "device",
                  f"must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None:
@@ -164,7 +173,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @staticmethod
-    def from_options(**options: Any) -> "EngineConfig":
+    def from_options(**options: Any) -> EngineConfig:
         """Build from flat vLLM-style keyword options; unknown names are a ValueError."""
         parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
         for key, value in options.items():

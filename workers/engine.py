@@ -16,13 +16,14 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from tandem.workers.config import EngineConfig
-from tandem.workers.core.block_pool import BlockPool, CapacitySource, LocalCapacity
-from tandem.workers.executor import Executor
-from tandem.workers.model.hf_config import HFModelConfig
-from tandem.workers.text.output_processor import OutputProcessor, RequestState
+from tandem.workers.core.block_pool import BlockPool, LocalCapacity
 from tandem.workers.core.request import Request, RequestOutput, RequestStatus, SamplingParams
-from tandem.workers.core.scheduler import Scheduler
+from tandem.workers.core.scheduler import Scheduler, StepUpdate
+from tandem.workers.core.scheduler_output import PendingOutput
+from tandem.workers.executor import Executor, UniProcExecutor
+from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.spec.policy import SpeculationPolicy
+from tandem.workers.text.output_processor import OutputProcessor, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,7 @@ class EngineDeadError(RuntimeError):
 
 
 class GroupEngine:
-    def __init__(self, config: EngineConfig, hf_config: HFModelConfig, tokenizer, executor: Executor,
-                 capacity: CapacitySource | None = None) -> None:
+    def __init__(self, config: EngineConfig, hf_config: HFModelConfig, tokenizer, executor: Executor) -> None:
         self.config = config
         self.hf_config = hf_config
         self.tokenizer = tokenizer
@@ -51,8 +51,7 @@ class GroupEngine:
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens: must be >= max_model_len ({self.max_model_len}) "
                              "when chunked prefill is off")
-        capacity = capacity or LocalCapacity(executor.num_kv_blocks)
-        self.pool = BlockPool(capacity, executor.num_kv_blocks)
+        self.pool = BlockPool(LocalCapacity(executor.num_kv_blocks), executor.num_kv_blocks)
         self.scheduler = Scheduler(sched, config.cache, self.pool)
         self.outputs = OutputProcessor(tokenizer)
         self.states: dict[str, RequestState] = {}
@@ -61,6 +60,10 @@ class GroupEngine:
         self.proposer: Proposer | None = None
         self.prefill_tokens_per_s: float | None = None  # measured; see _note_prefill_speed
         self.spec_policy = SpeculationPolicy(disable_batch_size=config.speculative.disable_batch_size)
+        overlap = config.model.overlap_steps
+        self.overlap_steps = overlap if overlap is not None else getattr(executor, "device_type", "cpu") == "cuda"
+        self._in_flight: tuple[Any, PendingOutput, float] | None = None  # (step, its output, launched at)
+        self._failed_outputs: list[RequestOutput] = []
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -128,12 +131,32 @@ class GroupEngine:
         return self.outputs.make_output(state)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.states)
+        return bool(self.states) or self._in_flight is not None
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Finish the step in flight, launch the next one, then turn the finished step's tokens
+        into outputs (text, stop strings) while the device runs the new one.
+
+        With `overlap_steps` off (the default on CPU, where host and model share the cores) the
+        step launched here also finishes within this call, so its outputs come back at once.
+        """
         if self.dead_error is not None:
             raise EngineDeadError(f"the replica group has failed: {self.dead_error}")
+        done = self._collect()
+        if self.dead_error is None:
+            self._launch()
+        if self.dead_error is not None:
+            return self._failed_outputs
+        outputs = self._emit(done)
+        if not self.overlap_steps:
+            done = self._collect()
+            if self.dead_error is not None:
+                return outputs + self._failed_outputs
+            outputs += self._emit(done)
+        return outputs
+
+    def _launch(self) -> None:
         if self.proposer is not None:
             # Draft tokens for running decodes when it pays; the scheduler reserves their slots.
             candidates = self.spec_policy.candidates(self.scheduler.running)
@@ -142,12 +165,26 @@ class GroupEngine:
                 self.spec_policy.stats.num_steps_with_drafts += 1
         sched_out = self.scheduler.schedule()
         if not sched_out.has_work:
-            return []
+            return
         started = time.perf_counter()
         try:
-            result = self.executor.execute(sched_out)
+            pending = self.executor.execute_async(sched_out)
         except Exception as exc:  # a worker died or raised: fail the group loudly
-            return self.fail(f"{type(exc).__name__}: {exc}")
+            self._failed_outputs = self.fail(f"{type(exc).__name__}: {exc}")
+            return
+        self._in_flight = (sched_out, pending, started)
+
+    def _collect(self) -> list[StepUpdate]:
+        """Wait for the step in flight; the scheduler takes its tokens (token-level stops)."""
+        if self._in_flight is None:
+            return []
+        sched_out, pending, started = self._in_flight
+        self._in_flight = None
+        try:
+            result = pending.result()
+        except Exception as exc:  # a worker died or raised: fail the group loudly
+            self._failed_outputs = self.fail(f"{type(exc).__name__}: {exc}")
+            return []
         self._note_prefill_speed(sched_out, time.perf_counter() - started)
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             drafts = sched_out.spec_token_ids.get(req_id)
@@ -158,8 +195,12 @@ class GroupEngine:
             state = self.states.get(req.parent_id) if req is not None and req.index == 0 else None
             if state is not None:
                 self.outputs.add_prompt_logprobs(state, first, entries)
+        return self.scheduler.update(sched_out, result)
+
+    def _emit(self, updates: list[StepUpdate]) -> list[RequestOutput]:
+        """Text, stop strings and outputs of a finished step's tokens."""
         touched: dict[str, RequestState] = {}
-        for update in self.scheduler.update(sched_out, result):
+        for update in updates:
             req = update.request
             state = self.states.get(req.parent_id)
             if state is None:
@@ -172,9 +213,11 @@ class GroupEngine:
             touched[state.request_id] = state
         outputs = []
         for request_id, state in touched.items():
-            outputs.append(self.outputs.make_output(state))
             if state.finished:
                 del self.states[request_id]
+            elif state.params.output_kind == "final":
+                continue  # its one output comes when it finishes
+            outputs.append(self.outputs.make_output(state))
         return outputs
 
     def _note_prefill_speed(self, sched_out: Any, seconds: float) -> None:
@@ -189,6 +232,7 @@ class GroupEngine:
         """End every in-flight request with finish reason 'error'; refuse new ones."""
         logger.error("replica group failed: %s", error)
         self.dead_error = error
+        self._in_flight = None
         outputs = []
         for request_id, state in list(self.states.items()):
             state.error = error
@@ -230,6 +274,26 @@ class GroupEngine:
         self.executor.init_host_cache(num_slots)
         self.scheduler.kv.enable_host_tier(num_slots)
         return num_slots
+
+    # ---- the server's view: block geometry, where the model runs -------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.cache.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The group's KV blocks on its devices."""
+        return self.pool.num_blocks
+
+    def kv_bytes_per_block(self) -> int:
+        """One block's KV over the whole group (every rank's shard)."""
+        return self.executor.kv_bytes_per_block()
+
+    @property
+    def model_in_process(self) -> bool:
+        """The model runs in this process, not on Ray workers: the KV blocks it exports and
+        imports are tensors here, where Ray workers would take object refs themselves."""
+        return isinstance(self.executor, UniProcExecutor)
 
     # ---- the cluster allocator's view ----------------------------------------------------------
     def enable_block_events(self) -> None:

@@ -1,7 +1,7 @@
-"""How an engine reaches its model: in this process, or (later) over Ray worker actors.
+"""How an engine reaches its model: in this process, or over Ray worker actors.
 
-The engine only calls `execute(step) -> RunnerOutput`; everything about where the
-shards live stays behind this seam.
+The engine calls `execute_async(step) -> PendingOutput` (and `execute` where it must
+wait at once); everything about where the shards live stays behind this seam.
 """
 
 from __future__ import annotations
@@ -10,18 +10,23 @@ from typing import Any, Protocol
 
 import torch
 
-from tandem.workers.config import EngineConfig
 from tandem.cluster.placement import DevicePin
-from tandem.workers.runner.model_runner import ModelRunner
-from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.config import EngineConfig
+from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
 from tandem.workers.distributed.parallel import ParallelContext
-from tandem.workers.core.scheduler_output import RunnerOutput, SchedulerOutput
+from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.runner.model_runner import ModelRunner
 
 
 class Executor(Protocol):
     num_kv_blocks: int
+    device_type: str  # "cuda" or "cpu": where the model runs
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput: ...
+
+    def execute_async(self, step: SchedulerOutput) -> PendingOutput:
+        """Start the step; its output may still be on its way (the device, the workers)."""
+        ...
 
     def kv_bytes_per_block(self) -> int:
         """One block's KV over the whole group (every rank's shard)."""
@@ -56,6 +61,7 @@ class UniProcExecutor:
     def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str,
                  show_progress: bool = True) -> None:
         device = pick_device(config.model.device)
+        self.device_type = device.type
         self.runner = ModelRunner(config, hf_config, model_dir, ParallelContext(), device)
         self.runner.load_model(show_progress=show_progress)
         self.num_kv_blocks = self.runner.num_blocks_fit()
@@ -66,6 +72,9 @@ class UniProcExecutor:
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(step)
+
+    def execute_async(self, step: SchedulerOutput) -> PendingOutput:
+        return self.runner.launch(step)
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
@@ -92,4 +101,6 @@ class UniProcExecutor:
         return [DevicePin(ray.get_runtime_context().get_node_id(), tuple(gpus))]
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.release()  # the device memory goes back now, not at garbage collection
         self.runner = None

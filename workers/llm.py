@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from tandem.workers.config import EngineConfig
-from tandem.workers.engine import GroupEngine, Prompt
 from tandem.workers.core.request import RequestOutput, SamplingParams
+from tandem.workers.engine import GroupEngine, Prompt
 from tandem.workers.text.tokenizer import apply_chat_template
 
 
 def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEngine:
     """Resolve the model, load tokenizer and weights, size the KV cache, and start a group."""
-    from tandem.workers.model.demo_model import demo_model_path
     from tandem.workers.executor import UniProcExecutor
+    from tandem.workers.model.demo_model import demo_model_path
     from tandem.workers.model.hf_config import HFModelConfig
     from tandem.workers.text.tokenizer import load_tokenizer
 
@@ -28,7 +29,7 @@ def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEn
                          f"({hf_config.max_position_embeddings})")
     tokenizer = load_tokenizer(model_dir)
     if config.parallel.world_size > 1:
-        from tandem.workers.distributed.ray_executor import RayExecutor  # issue: replica groups on Ray
+        from tandem.workers.distributed.ray_executor import RayExecutor  # Ray only when a group spans ranks
         executor = RayExecutor(config, hf_config, model_dir)
     else:
         executor = UniProcExecutor(config, hf_config, model_dir, show_progress=show_progress)
@@ -53,8 +54,8 @@ def build_proposer(config: EngineConfig, hf_config, executor):
 
         return NgramProposer(spec.num_speculative_tokens, spec.ngram_prompt_lookup_min,
                              spec.ngram_prompt_lookup_max)
-    from tandem.workers.spec.draft_proposer import start_draft
     from tandem.workers.model.hf_config import HFModelConfig
+    from tandem.workers.spec.draft_proposer import start_draft
 
     draft_config = HFModelConfig.from_dir(spec.speculative_model)
     if draft_config.vocab_size != hf_config.vocab_size:
@@ -87,7 +88,9 @@ class LLM:
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         ids = [str(next(self._ids)) for _ in prompts]
         for request_id, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(request_id, prompt, p)
+            # Only finished outputs are returned: the engine builds no output (and decodes no
+            # text) for a request until it finishes.
+            self.engine.add_request(request_id, prompt, replace(p, output_kind="final"))
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

@@ -77,8 +77,7 @@ def run_step(decode_lens: list[int], prefill: tuple[int, int] | None, window: in
     value = torch.cat([v[n - q:] for v, n, q in zip(full_v, ctx_lens, q_lens)])
     prefills = []
     if prefill:
-        block_ids = torch.tensor(tables[-1], device=device)
-        prefills.append(PrefillSeq(len(decode_lens), prefill[1], sum(prefill), block_ids))
+        prefills.append(PrefillSeq(len(decode_lens), prefill[1], sum(prefill), list(tables[-1])))
     d = len(decode_lens)
     meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(device), num_decodes=d,
                              decode_block_tables=tables[:d] or None, decode_seq_lens=decode_lens or None,
@@ -103,9 +102,9 @@ def test_decodes_and_prefill_match_dense(window: int | None, group_bytes: int, d
     out, ref, meta = run_step(MIXED, prefill=(10, 5), window=window)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     if decode_path == "kernel":
-        assert meta.decode_masks == {}  # no groups planned: the kernel reads the blocks in place
+        assert meta.decode_groups_by_window == {}  # no groups planned: the kernel reads the blocks in place
         return
-    groups = meta.decode_masks[window]
+    groups = meta.decode_groups_by_window[window]
     assert sorted(r for grp in groups for r in grp.rows.tolist()) == list(range(len(MIXED)))
     if group_bytes == 1:
         assert [grp.num_rows for grp in groups] == [1] * len(MIXED)
@@ -122,7 +121,7 @@ def test_matches_dense_on_cuda(window: int | None) -> None:
 def test_equal_lengths_form_one_unmasked_group() -> None:
     out, ref, meta = run_step([12] * 5, prefill=None, window=None)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    [group] = meta.decode_masks[None]
+    [group] = meta.decode_groups_by_window[None]
     assert (group.num_rows, group.num_keys, group.mask) == (5, 12, None)
 
 
@@ -155,7 +154,7 @@ def test_plan_skips_blocks_before_window() -> None:
 
 def test_groups_are_planned_once_per_step() -> None:
     _, _, meta = run_step([5, 20], prefill=None, window=None)
-    groups = meta.decode_masks[None]
+    groups = meta.decode_groups_by_window[None]
     assert meta.decode_groups(None, 1000, CPU) is groups
 
 

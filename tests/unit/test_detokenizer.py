@@ -104,6 +104,24 @@ def test_stream_equals_full_decode_random(tok: PreTrainedTokenizerFast, skip_spe
         assert detok.output_text == expected
 
 
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_unread_tokens_decode_at_finish_to_the_streamed_text(tok: PreTrainedTokenizerFast,
+                                                             skip_special: bool) -> None:
+    """A final-only request's tokens are decoded once, at the end: the same text as streaming."""
+    rng = random.Random(1)
+    base = enc(tok, SAMPLE + " " + SAMPLE[::-1])
+    prompt = enc(tok, "the quick brown fox ")
+    for _ in range(200):
+        ids = _random_sequence(rng, tok, base) + ([tok.eos_token_id] if rng.random() < 0.3 else [])
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special)
+        step = rng.choice([1, 2, 5])
+        for i in range(0, len(ids), step):
+            detok.add_tokens_unread(ids[i:i + step])
+        assert detok.output_text == ""
+        assert detok.finish() is None
+        assert detok.output_text == tok.decode(ids, skip_special_tokens=skip_special), ids
+
+
 def test_output_ending_mid_character_is_flushed(tok: PreTrainedTokenizerFast) -> None:
     ids = enc(tok, "ok 😀")
     cut = ids[:-1]  # the emoji's last byte(s) never arrive
@@ -174,7 +192,8 @@ def test_stop_string_spanning_tokens(tok: PreTrainedTokenizerFast) -> None:
     # Premise: no single token contains the whole stop string.
     assert all(stop not in tok.decode([i]) for i in ids)
     detok = IncrementalDetokenizer(tok, [], stop=[stop])
-    results = [detok.add_tokens([i]) for i in ids[: next(n for n in range(len(ids) + 1) if stop in tok.decode(ids[:n]))]]
+    num = next(n for n in range(len(ids) + 1) if stop in tok.decode(ids[:n]))
+    results = [detok.add_tokens([i]) for i in ids[:num]]
     assert results[-1] == stop and all(r is None for r in results[:-1])
     assert detok.output_text == "hél"
 

@@ -29,7 +29,7 @@ BAD = [
     (dict(stop=["ok", 3]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(stop_token_ids=[1.0]), "stop_token_ids"),
-    (dict(output_kind="final"), "output_kind"),
+    (dict(output_kind="streaming"), "output_kind"),
 ]
 
 

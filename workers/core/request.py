@@ -30,7 +30,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives besides the chosen token
     prompt_logprobs: int | None = None  # the same for every prompt token (computes the whole prompt)
     skip_special_tokens: bool = True
-    output_kind: str = "cumulative"  # cumulative | delta (streaming)
+    # cumulative | delta (streaming) | final (one output, when finished: no text is decoded
+    # until then unless a stop string needs it; what LLM.generate asks for)
+    output_kind: str = "cumulative"
     use_speculation: bool = True  # per-request opt-out of speculative decoding
 
     def __post_init__(self) -> None:
@@ -69,8 +71,8 @@ class SamplingParams:
         require_field(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         require_field(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "must be non-negative integers")
-        require_field(self.output_kind in ("cumulative", "delta"), "output_kind",
-                 f"must be 'cumulative' or 'delta', got {self.output_kind!r}")
+        require_field(self.output_kind in ("cumulative", "delta", "final"), "output_kind",
+                      f"must be 'cumulative', 'delta' or 'final', got {self.output_kind!r}")
 
     @property
     def is_greedy(self) -> bool:

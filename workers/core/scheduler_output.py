@@ -7,7 +7,9 @@ message stays small however long the sequences get.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.workers.core.request import PositionLogprobs, SamplingParams
 
@@ -68,3 +70,24 @@ class RunnerOutput:
     num_accepted_draft_tokens: int = 0
     # req_id -> (prompt index of the first entry, logprobs of prompt tokens from there on)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+
+
+class PendingOutput:
+    """A step's RunnerOutput, possibly still being computed: `result()` waits for it (for an
+    event the device records after copying the sampled tokens out, or a Ray future)."""
+
+    def __init__(self, finish: Callable[[], RunnerOutput], event: Any = None) -> None:
+        self._finish = finish
+        self._event = event
+        self._output: RunnerOutput | None = None
+
+    @staticmethod
+    def done(output: RunnerOutput) -> PendingOutput:
+        return PendingOutput(lambda: output)
+
+    def result(self) -> RunnerOutput:
+        if self._output is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._output = self._finish()
+        return self._output

@@ -24,7 +24,6 @@ import statistics
 import time
 from typing import Any
 
-from tandem.workers.config import EngineConfig
 from tandem.cluster.placement import (
     DevicePin,
     PlacementPlan,
@@ -34,8 +33,9 @@ from tandem.cluster.placement import (
     ensure_ray,
     plan_on_cluster,
 )
+from tandem.workers.config import EngineConfig
+from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
 from tandem.workers.model.hf_config import HFModelConfig
-from tandem.workers.core.scheduler_output import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class RayExecutor:
         self.pins = pins
         try:
             self.bundles = self._reserve(config, placement_timeout_s)
+            self.device_type = "cuda" if self.bundles.use_gpu else "cpu"
             self._start_workers(config, hf_config, model_dir)
             self.num_kv_blocks = self._init_workers()
             self.worker_info = ray.get([w.describe.remote() for w in self.workers])
@@ -162,6 +163,27 @@ class RayExecutor:
         except Exception as exc:
             raise self._fail(exc) from exc
         return results[self.output_rank]
+
+    def execute_async(self, step: SchedulerOutput) -> PendingOutput:
+        """With the compiled graph, the step runs while the caller goes on; `result()` waits."""
+        if self._dag is None:
+            return PendingOutput.done(self.execute(step))
+        import ray
+
+        if self.dead_error is not None:
+            raise GroupFailedError(f"the replica group has failed: {self.dead_error}")
+        try:
+            ref = self._dag.execute(step)
+        except Exception as exc:
+            raise self._fail(exc) from exc
+
+        def finish() -> RunnerOutput:
+            try:
+                return ray.get(ref, timeout=self.step_timeout_s)[self.output_rank]
+            except Exception as exc:
+                raise self._fail(exc) from exc
+
+        return PendingOutput(finish)
 
     def _broadcast(self, step: SchedulerOutput) -> list[Any]:
         import ray

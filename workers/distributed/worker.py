@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from tandem.workers.config import EngineConfig
 from tandem.cluster.net import free_port
-from tandem.workers.runner.model_runner import ModelRunner
-from tandem.workers.model.hf_config import HFModelConfig
-from tandem.workers.distributed.parallel import ParallelContext, init_groups
+from tandem.workers.config import EngineConfig
 from tandem.workers.core.scheduler_output import RunnerOutput, SchedulerOutput
+from tandem.workers.distributed.parallel import ParallelContext, init_groups
+from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.runner.model_runner import ModelRunner
 
 # Beyond this a step's activations go through gloo: the ring holds 2 x chunks slots per
 # rank in /dev/shm, which containers often keep small.

@@ -19,12 +19,19 @@ come from memory once. Plans and masks are built once per step, by the first lay
 
 On CPU in float32, decodes go to a compiled kernel instead (workers/kernels/cpu_kernels.py,
 csrc/paged_decode.cpp). It walks each row's block table and reads K and V in place with
-an online softmax, so no gathered copy is written and read again. The torch path stays
-for other devices and dtypes, and wherever the kernel cannot be built.
+an online softmax, so no gathered copy is written and read again.
+
+On CUDA, a step whose metadata carries `KernelTables` (the runner builds them when the
+Triton backend is on) runs three Triton launches per layer whatever its shape: the KV
+write, flash-decoding over the decode rows, and one variable-length causal kernel over
+every other row (workers/kernels/triton_attention.py). Nothing is gathered, no mask is
+built and no per-sequence loop runs on the host, so the step is CUDA-graph capturable.
+The torch path stays for every other device and dtype, and wherever Triton is missing.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -44,8 +51,28 @@ class PrefillSeq:
     q_start: int  # index of the chunk's first token in the step's flattened tokens
     q_len: int
     ctx_len: int  # tokens of this sequence whose KV exists after this step (prefix + chunk)
-    block_ids: torch.Tensor  # [ceil(ctx_len / bs)]
+    block_ids: list[int]  # [ceil(ctx_len / bs)] (host list: the kernel path never needs a tensor of it)
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> mask
+    block_index: torch.Tensor | None = None  # block_ids on the device, made by the first layer that gathers
+
+    def block_tensor(self, device: torch.device) -> torch.Tensor:
+        if self.block_index is None:
+            self.block_index = torch.tensor(self.block_ids, dtype=torch.long, device=device)
+        return self.block_index
+
+
+@dataclass
+class KernelTables:
+    """What the GPU kernels read, on the device (int32). Decode rows come first in the step;
+    every other row belongs to a sequence of the prefill part."""
+
+    decode_block_tables: torch.Tensor | None  # [num_decodes, width]
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] context length, this step's token included
+    num_splits: int  # flash-decoding splits per row (fixed per CUDA-graph bucket)
+    prefill_block_tables: torch.Tensor | None  # [num_prefills, width]
+    prefill_seq_lens: torch.Tensor | None  # [num_prefills] context length after this step
+    prefill_query_start: torch.Tensor | None  # [num_prefills + 1] offsets among the prefill rows
+    prefill_max_query_len: int
 
 
 @dataclass
@@ -69,9 +96,10 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     block_size: int = 16
     # window -> this step's decode groups (every layer has the same KV shape, so they share
-    # them). Named for the masks the groups carry; bench replays clear it to pay again.
-    decode_masks: dict[int | None, list[DecodeGroup]] = field(default_factory=dict)
+    # them); bench replays clear it to pay again.
+    decode_groups_by_window: dict[int | None, list[DecodeGroup]] = field(default_factory=dict)
     kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # see kernel_tables
+    gpu: KernelTables | None = None  # set: the Triton kernels attend (see paged_attention)
 
     def kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables [num_decodes, widest] and lengths as int32 tensors, for the CPU kernel
@@ -84,11 +112,11 @@ class AttentionMetadata:
         return self.kernel_inputs
 
     def decode_groups(self, window: int | None, max_group_blocks: int, device: torch.device) -> list[DecodeGroup]:
-        groups = self.decode_masks.get(window)
+        groups = self.decode_groups_by_window.get(window)
         if groups is None:
             groups = plan_decode_groups(self.decode_block_tables, self.decode_seq_lens, self.block_size,
                                         window, max_group_blocks, device)
-            self.decode_masks[window] = groups
+            self.decode_groups_by_window[window] = groups
         return groups
 
 
@@ -154,6 +182,7 @@ def prefill_mask(seq: PrefillSeq, window: int | None, device: torch.device) -> t
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
+    slot_mapping = slot_mapping.long()  # a no-op for int64; the runner's staging buffer is int32
     key_cache.index_copy_(0, slot_mapping, key)
     value_cache.index_copy_(0, slot_mapping, value)
 
@@ -179,8 +208,9 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         # GQA without repeating K/V: a KV head's query heads act as its queries. Every query
         # of a row sees the same keys, so the per-row mask holds for all of them.
         q = query.index_select(0, group.rows).view(n, kv_heads, -1, head_dim)  # [n, kvh, heads/kvh, hd]
-        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask,
-                                           scale=scale)
+        with _sdpa_backends(query.device):
+            o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask,
+                                               scale=scale)
         out.index_copy_(0, group.rows, o.reshape(n, -1, head_dim))
 
 
@@ -191,6 +221,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     Writes this step's KV into the cache, then attends. Returns [num_tokens, num_heads * head_dim].
     """
+    if meta.gpu is not None:
+        return kernel_attention(query, key, value, key_cache, value_cache, meta, scale, window)
     write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
@@ -205,11 +237,46 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             k = key[seq.q_start:seq.q_start + seq.q_len]
             v = value[seq.q_start:seq.q_start + seq.q_len]
         else:
-            k = gather_blocks(key_cache, seq.block_ids, bs)[:seq.ctx_len]
-            v = gather_blocks(value_cache, seq.block_ids, bs)[:seq.ctx_len]
+            blocks = seq.block_tensor(query.device)
+            k = gather_blocks(key_cache, blocks, bs)[:seq.ctx_len]
+            v = gather_blocks(value_cache, blocks, bs)[:seq.ctx_len]
         # 4-D (a batch of one): torch's CPU flash kernel only takes batched inputs; 3-D ones
         # fall to the math path, which materialises the scores (4x slower at 300 tokens).
-        o = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        with _sdpa_backends(query.device):
+            o = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                               attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=True)
         out[seq.q_start:seq.q_start + seq.q_len] = o[0].transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def kernel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     window: int | None) -> torch.Tensor:
+    """The Triton path: [num_tokens, num_heads * head_dim], three launches whatever the step."""
+    from tandem.workers.kernels import triton_attention as kernels
+
+    tables = meta.gpu
+    num_tokens, num_heads, head_dim = query.shape
+    kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    n = meta.num_decodes
+    if n:
+        kernels.decode_attention(query[:n], key_cache, value_cache, tables.decode_block_tables,
+                                 tables.decode_seq_lens, meta.block_size, scale, window or 0, out[:n],
+                                 tables.num_splits)
+    if num_tokens > n:
+        kernels.prefill_attention(query[n:], key_cache, value_cache, tables.prefill_block_tables,
+                                  tables.prefill_seq_lens, tables.prefill_query_start, tables.prefill_max_query_len,
+                                  meta.block_size, scale, window or 0, out[n:])
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def _sdpa_backends(device: torch.device):
+    """On CUDA, SDPA without cuDNN: it builds a new plan for every new shape (~750 us of CPU
+    each), and a step's shapes change all the time. Elsewhere no restriction."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

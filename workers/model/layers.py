@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.workers.kernels import cpu_kernels
-from tandem.workers.kernels.cpu_gemm import PackedWeight, pack_linear_weights
 from tandem.workers.distributed.parallel import ParallelContext, shard_range
+from tandem.workers.kernels import cpu_kernels, gpu_kernels
+from tandem.workers.kernels.cpu_gemm import PackedWeight, pack_linear_weights
 
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -191,7 +191,26 @@ class RMSNorm(nn.Module):
     def weight_loader(self, param: torch.Tensor, source: Any, part: int = 0) -> None:
         _copy(param, source[:])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); or, given the residual stream, (norm(x + residual), x + residual).
+
+        The sum is rounded to the dtype before the norm, as `residual + x` would be, so both
+        forms give the same bits as adding first; on the GPU one kernel does both in place.
+        """
+        if residual is None:
+            return self._norm(x)
+        gpu = gpu_kernels.active_for(x)
+        if gpu is not None and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
+            gpu.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        gpu = gpu_kernels.active_for(x)
+        if gpu is not None and x.dim() == 2 and x.is_contiguous():
+            return gpu.rms_norm(x, self.weight, self.eps)  # one kernel instead of six
         kernels = cpu_kernels.active_for(x)
         if kernels is not None and x.dim() == 2 and x.is_contiguous():
             return kernels.rms_norm(x, self.weight, self.eps)  # one pass instead of six ops
@@ -217,6 +236,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        gpu = gpu_kernels.active_for(q)
+        if gpu is not None and self.cos.dtype == q.dtype:
+            gpu.rope_(q, k, self.cos, self.sin, positions)  # in place, q and k in one launch
+            return q, k
         kernels = cpu_kernels.active_for(q)
         if kernels is not None and self.cos.dtype == q.dtype:
             # In place, on the fused qkv output they view: the same bits as below in one pass

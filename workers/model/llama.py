@@ -18,7 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.workers.distributed.overlap import Pending, chunk_bounds, settle, split_metadata
+from tandem.workers.distributed.parallel import ParallelContext, stage_layers
+from tandem.workers.kernels import gpu_kernels
 from tandem.workers.model.attention import AttentionMetadata, paged_attention
+from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -29,9 +33,6 @@ from tandem.workers.model.layers import (
     VocabParallelEmbedding,
     rope_inv_freq,
 )
-from tandem.workers.model.hf_config import HFModelConfig
-from tandem.workers.distributed.overlap import Pending, chunk_bounds, settle, split_metadata
-from tandem.workers.distributed.parallel import ParallelContext, stage_layers
 
 
 class LlamaAttention(nn.Module):
@@ -73,7 +74,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, ctx, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        gpu = gpu_kernels.active_for(gate_up)
+        if gpu is not None and gate_up.dim() == 2:
+            return self.down_proj(gpu.silu_and_mul(gate_up))  # one kernel instead of three
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # partial sum when TP > 1
 
 
@@ -87,9 +92,32 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, ctx, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.ctx.all_reduce(self.self_attn(positions, self.input_layernorm(x), meta))
-        return x + self.ctx.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next layer's norm adds
+        them (one fused kernel on the GPU). `residual` None: x is the stage's input."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.ctx.all_reduce(self.self_attn(positions, h, meta))
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.ctx.all_reduce(self.mlp(h)), residual
+
+
+# A decoder layer's checkpoint tensors (`model.layers.{i}.{suffix}.weight`, and `.bias` where
+# the module has one) -> (the module in LlamaDecoderLayer, its part of a fused module).
+LAYER_WEIGHTS: tuple[tuple[str, str, int], ...] = (
+    ("input_layernorm", "input_layernorm", 0),
+    ("post_attention_layernorm", "post_attention_layernorm", 0),
+    ("self_attn.q_proj", "self_attn.qkv_proj", 0),
+    ("self_attn.k_proj", "self_attn.qkv_proj", 1),
+    ("self_attn.v_proj", "self_attn.qkv_proj", 2),
+    ("self_attn.o_proj", "self_attn.o_proj", 0),
+    ("mlp.gate_proj", "mlp.gate_up_proj", 0),
+    ("mlp.up_proj", "mlp.gate_up_proj", 1),
+    ("mlp.down_proj", "mlp.down_proj", 0),
+)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -120,10 +148,15 @@ class LlamaForCausalLM(nn.Module):
         num_chunks = min(ctx.num_overlap_chunks, x.shape[0] // ctx.min_chunk_tokens) if ctx.overlaps_comm else 1
         if num_chunks > 1:
             x = self._forward_overlapped(positions, x, meta, num_chunks)
-        else:
-            for layer in self.layers:
-                x = layer(positions, x, meta)
-        return self.norm(x) if self.norm is not None else x
+            return self.norm(x) if self.norm is not None else x
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, meta, residual)
+        if residual is None:  # a stage without layers
+            return self.norm(x) if self.norm is not None else x
+        if self.norm is not None:
+            return self.norm(x, residual)[0]
+        return x + residual
 
     def _forward_overlapped(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                             num_chunks: int) -> torch.Tensor:
@@ -172,25 +205,13 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_tokens is not None:
             add("model.embed_tokens.weight", self.embed_tokens, self.embed_tokens.weight)
         for offset, layer in enumerate(self.layers):
-            p = f"model.layers.{self.start_layer + offset}."
-            attn, mlp = layer.self_attn, layer.mlp
-            add(p + "input_layernorm.weight", layer.input_layernorm, layer.input_layernorm.weight)
-            add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm,
-                layer.post_attention_layernorm.weight)
-            for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-                add(f"{p}self_attn.{proj}.weight", attn.qkv_proj, attn.qkv_proj.weight, part)
-                if attn.qkv_proj.bias is not None:
-                    add(f"{p}self_attn.{proj}.bias", attn.qkv_proj, attn.qkv_proj.bias, part)
-            add(p + "self_attn.o_proj.weight", attn.o_proj, attn.o_proj.weight)
-            if attn.o_proj.bias is not None:
-                add(p + "self_attn.o_proj.bias", attn.o_proj, attn.o_proj.bias)
-            for part, proj in enumerate(("gate_proj", "up_proj")):
-                add(f"{p}mlp.{proj}.weight", mlp.gate_up_proj, mlp.gate_up_proj.weight, part)
-                if mlp.gate_up_proj.bias is not None:
-                    add(f"{p}mlp.{proj}.bias", mlp.gate_up_proj, mlp.gate_up_proj.bias, part)
-            add(p + "mlp.down_proj.weight", mlp.down_proj, mlp.down_proj.weight)
-            if mlp.down_proj.bias is not None:
-                add(p + "mlp.down_proj.bias", mlp.down_proj, mlp.down_proj.bias)
+            prefix = f"model.layers.{self.start_layer + offset}."
+            for suffix, path, part in LAYER_WEIGHTS:
+                module = layer.get_submodule(path)
+                for kind in ("weight", "bias"):
+                    param = getattr(module, kind, None)
+                    if param is not None:
+                        add(f"{prefix}{suffix}.{kind}", module, param, part)
         if self.norm is not None:
             add("model.norm.weight", self.norm, self.norm.weight)
             head_name = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"

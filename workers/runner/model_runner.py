@@ -1,32 +1,36 @@
 """Turns a step message into tensors, runs this stage's layers, and (last stage) samples.
 
 The runner keeps each request's token ids and block table, updated from the
-scheduler's diffs; it never decides anything on its own. Draft tokens (speculative
-decoding) are scored in the same pass: the target samples at every draft position
-and keeps drafts while they equal its own sample, then adds one more token. That
-is exactly the target's own sampling run, position by position, so greedy and
-seeded outputs are unchanged by speculation.
+scheduler's diffs; it never decides anything on its own. A step's inputs reach the
+device in one copy (step_inputs.py); on CUDA, decode steps replay captured graphs
+(cuda_graphs.py) and greedy steps leave their sampled tokens in flight
+(step_sampler.py), so the caller can do the next step's host work meanwhile.
+
+The KV cache holds one block more than the pool hands out: the scratch block, which
+padding rows of a graph batch read and write, and which no request ever holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tandem.workers.config import EngineConfig
-from tandem.workers.kernels import cpu_kernels
-from tandem.workers.model.attention import AttentionMetadata, PrefillSeq
-from tandem.workers.kernels.huge_pages import zeros_huge
-from tandem.workers.model.layers import pack_cpu_weights, use_fast_gemm_layout
-from tandem.workers.model.loader import load_weights
-from tandem.workers.model.hf_config import HFModelConfig
-from tandem.workers.model.llama import LlamaForCausalLM
-from tandem.workers.distributed.parallel import ParallelContext
 from tandem.workers.core.request import PositionLogprobs, SamplingParams
-from tandem.workers.sample.rejection_sampler import rejection_sample
-from tandem.workers.sample.sampler import Sampler, SamplingRow, compute_logprobs
-from tandem.workers.core.scheduler_output import RunnerOutput, SchedulerOutput
+from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
+from tandem.workers.distributed.parallel import ParallelContext
+from tandem.workers.kernels import cpu_kernels, gpu_kernels
+from tandem.workers.kernels.huge_pages import zeros_huge
+from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.model.layers import pack_cpu_weights, use_fast_gemm_layout
+from tandem.workers.model.llama import LlamaForCausalLM
+from tandem.workers.model.loader import load_weights
+from tandem.workers.runner import gpu_memory
+from tandem.workers.runner.cuda_graphs import DecodeGraphs, GraphLayout
+from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, StepInputs
+from tandem.workers.runner.step_sampler import StepSampler
+from tandem.workers.sample.sampler import Sampler, compute_logprobs
 
 
 @dataclass
@@ -36,22 +40,9 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
 
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-
-@dataclass
-class StepInputs:
-    """One step's tensors, plus which rows of the last hidden states to score."""
-
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    req_ids: list[str]  # in the order their tokens appear
-    logits_rows: list[list[int]]  # per request: token indices to score ([] = partial prefill)
-    drafts: list[list[int]]
-    # Requests asking for prompt logprobs: (req_id, first prompt index scored, token rows, prompt tokens)
-    prompt_rows: list[tuple[str, int, list[int], list[int]]] = field(default_factory=list)
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 class ModelRunner:
@@ -67,9 +58,14 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(seed=config.model.seed)
+        self.step_sampler = StepSampler(self.sampler, hf_config.eos_token_ids)
         self.model: LlamaForCausalLM | None = None
         self.num_blocks = 0
         self.host_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.use_gpu_kernels = gpu_kernels.wanted(config.model.attention_backend, device)
+        self.builder: InputBuilder | None = None  # made with the KV cache (it knows the scratch block)
+        self.graphs: DecodeGraphs | None = None
+        self.activation_bytes = 0  # CUDA: peak activation memory of the largest step (profiled)
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, show_progress: bool = True) -> None:
@@ -84,6 +80,7 @@ class ModelRunner:
             cpu_kernels.activate()
             if self.config.model.cpu_packed_weights:
                 pack_cpu_weights(self.model)
+        gpu_kernels.configure(self.use_gpu_kernels, self.device)
         self.model.eval()
 
     def kv_bytes_per_block(self) -> int:
@@ -94,9 +91,13 @@ class ModelRunner:
     def available_kv_memory(self) -> int:
         cache = self.config.cache
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            return max(0, int(total * cache.gpu_memory_utilization) - used_by_others)
+            # The largest steps the scheduler may send, profiled without a KV cache: what
+            # they allocate must stay free beside it (graphs: their own pool, as large as
+            # the largest decode step's).
+            prefill, decode = gpu_memory.profile_steps(self, self.config.scheduler)
+            self.activation_bytes = prefill
+            reserve = prefill + (decode if self._graph_mode() == "capture" else 0)
+            return gpu_memory.kv_budget(self.device, cache.gpu_memory_utilization, reserve)
         from tandem.workers.config import DEFAULT_CPU_KV_CACHE_BYTES
         return cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
 
@@ -105,11 +106,53 @@ class ModelRunner:
             return self.config.cache.num_kv_blocks
         return self.available_kv_memory() // self.kv_bytes_per_block()
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, show_progress: bool = False) -> None:
+        """num_blocks for the pool, plus the scratch block (id num_blocks) for padding rows."""
         self.num_blocks = num_blocks
         for attn in self.model.attention_layers:
-            shape = (num_blocks * self.block_size, attn.num_kv_heads, attn.head_dim)
+            shape = ((num_blocks + 1) * self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.key_cache, attn.value_cache = (self._zeros(shape) for _ in range(2))
+        self.builder = InputBuilder(self.block_size, self.device, num_blocks, self.use_gpu_kernels,
+                                    self._num_splits)
+        mode = self._graph_mode()
+        if mode is not None:
+            layout = GraphLayout(self.config.scheduler.max_num_seqs, self._max_blocks_per_seq(), self.block_size,
+                                 num_blocks, self.max_model_len)
+            self.graphs = DecodeGraphs(self._decode_forward, layout, self.device, self._num_splits)
+            if mode == "capture":
+                with torch.inference_mode():
+                    self.graphs.capture(show_progress)
+
+    def _graph_mode(self) -> str | None:
+        """"capture" (CUDA, the Triton kernels, one stage, not enforce_eager): decode steps replay
+        CUDA graphs; None: no bucketing. "eager" pads decode steps to the same buckets and runs
+        them without capture: tests use it to run the graph path on CPU."""
+        if self.config.model.enforce_eager or self.ctx.pp_size > 1:
+            return None
+        if self.device.type == "cuda" and self.use_gpu_kernels:
+            return "capture"
+        return None
+
+    def _max_blocks_per_seq(self) -> int:
+        max_len = self.max_model_len + self.config.scheduler.num_lookahead_slots + 1
+        return -(-max_len // self.block_size)
+
+    def _num_splits(self, batch: int, max_context: int) -> int:
+        from tandem.workers.kernels.triton_attention import default_num_splits
+
+        attn = self.model.attention_layers[0]
+        return default_num_splits(batch, attn.num_kv_heads, max_context, self.block_size, gpu_kernels.num_sms())
+
+    def release(self) -> None:
+        """Drop the model, caches and graphs, and give their device memory back."""
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = None
+        self.builder = None
+        self.model = None
+        self.host_cache = []
+        self.states.clear()
+        gpu_memory.release(self.device)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":  # decode reads blocks scattered over the cache: huge pages
@@ -126,10 +169,12 @@ class ModelRunner:
             for attn in self.model.attention_layers]
 
     def _block_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, K and V as [blocks, block_size, heads, head_dim] (the scratch block left out)."""
         views = []
+        num_slots = self.num_blocks * self.block_size
         for attn in self.model.attention_layers:
             shape = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            views.append((attn.key_cache.view(shape), attn.value_cache.view(shape)))
+            views.append((attn.key_cache[:num_slots].view(shape), attn.value_cache[:num_slots].view(shape)))
         return views
 
     @torch.inference_mode()
@@ -179,69 +224,29 @@ class ModelRunner:
             state.block_ids.extend(diff.new_block_ids)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        computed = {r.req_id: r.num_computed_tokens for r in out.new_requests}
-        computed.update({r.req_id: r.num_computed_tokens for r in out.cached_requests})
-        # Decodes (exactly one new token, no drafts) first: they batch into one attention call.
-        order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
-        num_decodes = sum(1 for r in order if out.num_scheduled_tokens[r] == 1)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[list[int]] = []
-        drafts: list[list[int]] = []
-        prefills: list[PrefillSeq] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prompt_rows: list[tuple[str, int, list[int], list[int]]] = []
-        for req_id in order:
-            state = self.states[req_id]
-            start, num = computed[req_id], out.num_scheduled_tokens[req_id]
-            draft = out.spec_token_ids.get(req_id, [])
-            tokens = state.token_ids()
-            seq_tokens = tokens[start:start + num - len(draft)] + draft
-            q_start = len(input_ids)
-            input_ids.extend(seq_tokens)
-            pos = range(start, start + num)
-            positions.extend(pos)
-            table = state.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            end = start + num
-            if end - len(draft) >= len(tokens):  # reaches the last known token: sample
-                logits_rows.append(list(range(q_start + num - 1 - len(draft), q_start + num)))
-            else:
-                logits_rows.append([])
-            drafts.append(draft)
-            num_prompt = len(state.prompt_token_ids)
-            if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
-                # Position p's logits score prompt token p + 1.
-                last = min(end, num_prompt - 1)
-                prompt_rows.append((req_id, start + 1, list(range(q_start, q_start + last - start)),
-                                    state.prompt_token_ids[start + 1:last + 1]))
-            if num == 1:
-                decode_tables.append(table[:(end + bs - 1) // bs])
-                decode_lens.append(end)
-            else:
-                prefills.append(PrefillSeq(q_start, num, end, torch.tensor(
-                    table[:(end + bs - 1) // bs], dtype=torch.long, device=self.device)))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decodes=num_decodes,
-            decode_block_tables=decode_tables or None,
-            decode_seq_lens=decode_lens or None,
-            prefills=prefills,
-            block_size=bs,
-        )
-        return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                          torch.tensor(positions, dtype=torch.long, device=self.device),
-                          meta, order, logits_rows, drafts, prompt_rows)
+        return self.builder.build(out, self.states, self._graph_target(out))
+
+    def _graph_target(self, out: SchedulerOutput) -> GraphTarget | None:
+        """A pure decode step (one token per request, no drafts, no prompt logprobs) that a
+        graph bucket holds, on the last stage that runs whole steps."""
+        if self.graphs is None or out.spec_token_ids or len(out.num_scheduled_tokens) > self.graphs.max_batch \
+                or out.total_num_scheduled_tokens != len(out.num_scheduled_tokens):
+            return None
+        for req_id in out.num_scheduled_tokens:
+            if self.states[req_id].sampling_params.prompt_logprobs is not None:
+                return None
+        return self.graphs.target(len(out.num_scheduled_tokens))
 
     def execute(self, out: SchedulerOutput, hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor | None:
         """Run one step. Non-last pipeline stages return hidden states for the next stage."""
         self.update_states(out)
         return self.execute_batch(out, hidden)
 
-    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingOutput | None:
+        """Run one whole step (a single stage) without waiting for its sampled tokens."""
+        self.update_states(out)
+        return self.launch_batch(out)
+
     def execute_batch(self, out: SchedulerOutput,
                       hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor | None:
         """Run requests whose state is already up to date (a step, or one micro-batch of it).
@@ -249,17 +254,54 @@ class ModelRunner:
         The last stage's TP rank 0 samples; its other TP ranks only take part in the logits
         gather and return None.
         """
+        result = self.launch_batch(out, hidden)
+        return result.result() if isinstance(result, PendingOutput) else result
+
+    @torch.inference_mode()
+    def launch_batch(self, out: SchedulerOutput,
+                     hidden: torch.Tensor | None = None) -> PendingOutput | torch.Tensor | None:
         if out.is_empty:
-            return RunnerOutput([], [], []) if self.ctx.tp_rank == 0 else None
+            return PendingOutput.done(RunnerOutput([], [], [])) if self.ctx.tp_rank == 0 else None
         inputs = self.prepare_inputs(out)
-        hidden = self.model(inputs.input_ids if self.ctx.is_first_stage else None, inputs.positions,
-                            inputs.meta, hidden)
-        if not self.ctx.is_last_stage:
-            return hidden
-        return self.sample(inputs, hidden)
+        if inputs.graph_batch is not None:
+            logits = self._scored(self.graphs.run(inputs), inputs)
+            hidden = None
+        else:
+            hidden = self.model(inputs.input_ids if self.ctx.is_first_stage else None, inputs.positions,
+                                inputs.meta, hidden)
+            if not self.ctx.is_last_stage:
+                return hidden
+            logits = self.model.compute_logits(hidden[inputs.logits_index]) if inputs.num_scored else None
+        prompt_logprobs = self.prompt_logprobs(inputs, hidden)
+        if self.ctx.tp_rank != 0:
+            return None
+        return self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs)
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """A decode step's logits at every (padded) row: what a CUDA graph captures."""
+        return self.model.compute_logits(self.model(input_ids, positions, meta))
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The bare model on prepared inputs (graph replay for graph steps), logits of the
+        scored rows: what benchmarks compare the whole engine step against."""
+        if inputs.graph_batch is not None:
+            return self._scored(self.graphs.run(inputs), inputs)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logits_index])
+
+    @staticmethod
+    def _scored(logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """A graph step's scored rows: its first rows in order, unless a 1-token prefill chunk
+        in the batch scores nothing."""
+        rows = [r for req_rows in inputs.logits_rows for r in req_rows]
+        if not rows:
+            return None
+        if rows[-1] == len(rows) - 1:
+            return logits[:len(rows)]
+        return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
     def prompt_logprobs(self, inputs: StepInputs,
-                        hidden: torch.Tensor) -> dict[str, tuple[int, list[PositionLogprobs]]]:
+                        hidden: torch.Tensor | None) -> dict[str, tuple[int, list[PositionLogprobs]]]:
         """Logprobs of the prompt tokens this step's chunks score (every TP rank joins the gather)."""
         if not inputs.prompt_rows:
             return {}
@@ -276,60 +318,3 @@ class ModelRunner:
             out[req_id] = (first, entries[k:k + len(req_rows)])
             k += len(req_rows)
         return out
-
-    def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> RunnerOutput | None:
-        prompt_logprobs = self.prompt_logprobs(inputs, hidden)
-        flat_rows = [i for rows in inputs.logits_rows for i in rows]
-        if not flat_rows:
-            if self.ctx.tp_rank != 0:
-                return None
-            return RunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids], [None] * len(inputs.req_ids),
-                                prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(flat_rows, device=self.device)])
-        if self.ctx.tp_rank != 0:
-            return None
-        rows: list[SamplingRow] = []
-        for req_id, idx, draft in zip(inputs.req_ids, inputs.logits_rows, inputs.drafts):
-            state = self.states[req_id]
-            for j in range(len(idx)):
-                outputs = state.output_token_ids + draft[:j]
-                rows.append(SamplingRow(state.sampling_params, state.prompt_token_ids, outputs,
-                                        self._suppressed(state.sampling_params, len(outputs))))
-        result = self.sampler(logits, rows)
-        sampled: list[list[int]] = []
-        logprobs: list[list | None] = []
-        num_drafts = num_accepted = 0
-        k = 0
-        for idx, draft in zip(inputs.logits_rows, inputs.drafts):
-            tokens = result.token_ids[k:k + len(idx)]
-            lps = result.logprobs[k:k + len(idx)]
-            if draft and not rows[k].params.is_greedy:
-                tokens, lps = self._verify_sampled(logits[k:k + len(idx)], rows[k:k + len(idx)], draft)
-            else:
-                # Greedy: keep drafts while they equal the target's argmax, then its next token.
-                accepted = 0
-                while accepted < len(draft) and tokens[accepted] == draft[accepted]:
-                    accepted += 1
-                tokens, lps = tokens[:accepted + 1], lps[:accepted + 1]
-            k += len(idx)
-            sampled.append(tokens if idx else [])
-            logprobs.append(lps if idx and lps[0] is not None else None)
-            num_drafts += len(draft)
-            num_accepted += len(tokens) - 1 if idx and draft else 0
-        return RunnerOutput(inputs.req_ids, sampled, logprobs, num_drafts, num_accepted, prompt_logprobs)
-
-    def _verify_sampled(self, logits: torch.Tensor, rows: list[SamplingRow],
-                        draft: list[int]) -> tuple[list[int], list]:
-        """Rejection-sample a sampled request's drafts against its processed target distribution."""
-        probs = self.sampler.probs(logits, rows)
-        # Seeded from (seed, first draft position): reproducible whatever the batch.
-        tokens = rejection_sample(probs, draft, None, self.sampler.generator_for(rows[0], logits.device))
-        num_top = rows[0].params.logprobs
-        lps = compute_logprobs(logits[:len(tokens)], tokens, [num_top] * len(tokens))
-        return tokens, lps
-
-    def _suppressed(self, params: SamplingParams, num_outputs: int) -> tuple[int, ...]:
-        if num_outputs >= params.min_tokens:
-            return ()
-        eos = () if params.ignore_eos else self.hf_config.eos_token_ids
-        return tuple(eos) + tuple(params.stop_token_ids)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.workers.kernels import cpu_kernels
 from tandem.workers.core.request import Logprob, PositionLogprobs, SamplingParams
+from tandem.workers.kernels import cpu_kernels
 
 _SEED_MASK = (1 << 63) - 1  # torch generators take a non-negative 64-bit seed
 _TINY = torch.finfo(torch.float32).tiny
@@ -108,7 +108,7 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not sampled and not any(r.suppress_token_ids or r.params.needs_penalties for r in rows):
             # Plain greedy, the common case: nothing modifies the logits, so no copy of them.
-            return _argmax(logits.float())
+            return argmax_rows(logits.float())
         # Work on a float32 copy: the caller's logits stay raw for the logprobs (and for anyone
         # else holding them), and bf16/fp16 lose too much precision for the filters.
         x = logits.to(torch.float32, copy=True)
@@ -119,7 +119,7 @@ class Sampler:
         chosen = torch.empty(len(rows), dtype=torch.long, device=device)
         if greedy:
             gi = torch.tensor(greedy, device=device)
-            chosen[gi] = _argmax(x.index_select(0, gi))  # ties -> lowest id
+            chosen[gi] = argmax_rows(x.index_select(0, gi))  # ties -> lowest id
         if sampled:
             si = torch.tensor(sampled, device=device)
             chosen[si] = self._sample(x.index_select(0, si), [rows[i] for i in sampled])
@@ -224,7 +224,7 @@ class Sampler:
         return (probs / noise).argmax(-1)
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) of [rows, vocab] float32 logits: ties to the lowest id, NaN wins."""
     kernels = cpu_kernels.active_for(x)
     if kernels is not None and x.is_contiguous():

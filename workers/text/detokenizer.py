@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import Tokenizer
+
 # How many prompt tokens seed the window, so the first output token decodes with the
 # same spacing it has in context.
 _PROMPT_WINDOW = 5
@@ -49,6 +51,11 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        # A fast tokenizer's Rust backend decodes exactly what its decode() does without the
+        # cleanup; calling it directly skips transformers' per-id type checks, which cost more
+        # than the decode itself for the few ids of one step.
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = backend if isinstance(backend, Tokenizer) else None
         self._skip_special = skip_special_tokens
         self._stop = [s for s in (stop or []) if s]
         self._include_stop = include_stop_str_in_output
@@ -72,6 +79,8 @@ class IncrementalDetokenizer:
         # special-token skipping the same way a full decode does. Cleanup of
         # tokenization spaces is off because it rewrites text across window
         # boundaries (" ." -> "."), which would make the window diff inconsistent.
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self._skip_special)
         return self._tokenizer.decode(
             ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
         )
@@ -107,6 +116,14 @@ class IncrementalDetokenizer:
         self._num_output_tokens += len(new_token_ids)
         self._text += "".join(parts)
         return self._check_stop(old_len)
+
+    def add_tokens_unread(self, new_token_ids: list[int]) -> None:
+        """Append tokens without decoding them; `finish` decodes them all in one pass, to the
+        same text. Only for a request that watches no stop string (that needs the text as it
+        grows) and streams nothing."""
+        assert not self._stop, "stop strings need the text as it grows"
+        self._ids.extend(new_token_ids)
+        self._num_output_tokens += len(new_token_ids)
 
     def finish(self) -> str | None:
         """Emit any bytes still held as an incomplete character (as U+FFFD, like a full

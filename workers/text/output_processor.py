@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.workers.text.detokenizer import IncrementalDetokenizer
 from tandem.workers.core.request import (
     CompletionOutput,
     PositionLogprobs,
@@ -18,6 +17,7 @@ from tandem.workers.core.request import (
     RequestStatus,
     SamplingParams,
 )
+from tandem.workers.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -89,6 +89,11 @@ class OutputProcessor:
                     entry.decoded_token = seq.detok.decode_token(token_id)
                 seq.logprobs.append(lp)
                 seq.cumulative_logprob += lp[token].logprob
+        if state.params.output_kind == "final" and not state.params.stop:
+            seq.detok.add_tokens_unread(new_token_ids)  # decoded once, at the end
+            if req.status.is_finished:
+                self.finish(state, req.index, req.status, req)
+            return False
         stop = seq.detok.add_tokens(new_token_ids)
         if stop is None and req.status.is_finished:
             stop = seq.detok.finish()

@@ -1,0 +1,94 @@
+"""The GPU fast path, checked where it runs: the Triton kernels (interpreted on CPU, compiled on
+CUDA), decode batches padded to graph buckets, and steps overlapped with the host's work.
+Greedy output must equal transformers through every one of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tandem.workers.core.request import SamplingParams  # noqa: E402
+from tandem.workers.llm import LLM  # noqa: E402
+from tandem.workers.runner.model_runner import ModelRunner  # noqa: E402
+from tests.conftest import ARCHITECTURES, hf_greedy, mixed_prompts, tiny_model  # noqa: E402
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _llm(model: str, **options) -> LLM:
+    return LLM(model, device=DEVICE, dtype="float32", attention_backend="triton", **options)
+
+
+@pytest.fixture
+def padded_graphs(monkeypatch):
+    """Decode steps go through the graph runner's buckets and buffer, eagerly (no capture on CPU)."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(ModelRunner, "_graph_mode", lambda self: "eager")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_triton_kernels_equal_transformers(arch: str) -> None:
+    model = tiny_model(arch)
+    prompts = mixed_prompts(lengths=(3, 17, 40))
+    # A 16-token budget mixes prefill chunks (reading their cached prefix) with decodes.
+    llm = _llm(model, max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
+    assert _generate(llm, prompts) == hf_greedy(model, prompts, MAX_TOKENS)
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
+def test_triton_sliding_window_equals_transformers() -> None:
+    model = tiny_model("mistral", sliding_window=12)
+    prompts = mixed_prompts(seed=11, lengths=(30, 7))
+    llm = _llm(model, max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
+    assert _generate(llm, prompts) == hf_greedy(model, prompts, MAX_TOKENS)
+    llm.shutdown()
+
+
+def test_padded_decode_batches_equal_transformers(llama_dir: str, padded_graphs) -> None:
+    prompts = mixed_prompts(seed=2, lengths=(5, 9, 21))  # 3 decodes pad to the bucket of 4
+    llm = _llm(llama_dir, max_num_seqs=8, block_size=4)
+    runner = llm.engine.executor.runner
+    assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 8]
+    seen: list[tuple[int | None, int]] = []
+    build = runner.builder.build
+
+    def record(out, states, graph=None):
+        inputs = build(out, states, graph)
+        seen.append((inputs.graph_batch, len(inputs.req_ids)))
+        return inputs
+
+    runner.builder.build = record
+    assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert (4, 3) in seen  # three decodes ran padded to the bucket of four
+    assert (None, 3) in seen  # the prefill step ran eagerly, unpadded
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
+def test_overlapped_steps_equal_transformers(llama_dir: str, padded_graphs) -> None:
+    prompts = mixed_prompts(seed=4, lengths=(6, 30))
+    llm = _llm(llama_dir, overlap_steps=True, block_size=4)
+    assert llm.engine.overlap_steps
+    assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
+def test_ngram_speculation_through_the_varlen_kernel(llama_dir: str) -> None:
+    # Verification steps score 1 + k tokens per request: the variable-length kernel's rows.
+    base = mixed_prompts(seed=6, lengths=(10,))[0]
+    prompts = [base * 3]
+    llm = _llm(llama_dir, speculative_model="ngram", num_speculative_tokens=3, block_size=4)
+    assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert llm.engine.num_draft_tokens > 0
+    llm.shutdown()

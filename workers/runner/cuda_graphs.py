@@ -1,0 +1,150 @@
+"""Decode steps as CUDA graphs: one captured forward (+ logits) per batch-size bucket.
+
+A decode step's ~11 kernels per layer cost more to launch from Python than to run at small
+batches. Each bucket (1, 2, 4, 8, then every 8 up to max_num_seqs) is captured once at
+start-up; a decode batch is padded to the smallest bucket that holds it and replays it.
+
+The graphs read one persistent int32 buffer, laid out as StepInputs packs a padded
+decode step (workers/runner/step_inputs.py):
+
+    | input_ids B | positions B | slot_mapping B | seq_lens B | block_tables B x width |
+
+so a step's inputs arrive with one host-to-device copy straight into it. All buckets
+share the buffer (their views start at offset 0 with their own B) and one memory pool,
+captured largest first so the smaller ones reuse its blocks.
+
+Without capture (a capture that failed, or the runner's "eager" graph mode that CPU tests
+use) the same buffer, bucketing and padding run eagerly. `enforce_eager` makes no graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from tandem.workers.model.attention import AttentionMetadata, KernelTables
+from tandem.workers.runner.step_inputs import GraphTarget, StepInputs
+
+logger = logging.getLogger(__name__)
+
+# (input_ids, positions, meta) -> logits [rows, vocab]
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, then multiples of 8, the last one covering max_batch."""
+    small = [b for b in (1, 2, 4) if b < max_batch]
+    if max_batch <= 8:
+        return small + [max_batch] if max_batch not in small else small
+    return small + list(range(8, max_batch + 8, 8))
+
+
+@dataclass(frozen=True)
+class GraphLayout:
+    max_batch: int  # max_num_seqs: the largest bucket holds it
+    width: int  # block-table columns: blocks of the longest sequence
+    block_size: int
+    scratch_block: int  # the block padding rows read and write
+    max_context: int  # sizes the flash-decoding splits baked into each graph
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Forward, layout: GraphLayout, device: torch.device,
+                 num_splits: Callable[[int, int], int]) -> None:
+        self.forward = forward
+        self.buckets = decode_buckets(layout.max_batch)
+        self.width = layout.width
+        self.block_size = layout.block_size
+        self.scratch_block = layout.scratch_block
+        self.max_context = layout.max_context
+        self.device = device
+        self.num_splits = num_splits
+        top = self.buckets[-1]
+        self.buffer = torch.zeros(4 * top + top * self.width, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.memory_bytes = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def target(self, num_decodes: int) -> GraphTarget | None:
+        """The bucket a decode step of `num_decodes` rows pads to, or None if none holds it."""
+        for b in self.buckets:
+            if b >= num_decodes:
+                return GraphTarget(b, self.width, self.buffer)
+        return None
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [bucket, vocab] of a padded decode step whose inputs are in the buffer."""
+        batch = inputs.graph_batch
+        graph = self.graphs.get(batch)
+        if graph is None:
+            return self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        graph.replay()
+        return self.logits[batch]
+
+    # ---- capture -------------------------------------------------------------------------------
+    def capture(self, show_progress: bool = True) -> None:
+        """Capture every bucket, largest first; a failure leaves the rest eager, with a warning."""
+        assert self.device.type == "cuda", "CUDA graphs need CUDA"
+        pool = torch.cuda.graph_pool_handle()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        started = time.perf_counter()
+        buckets = sorted(self.buckets, reverse=True)
+        try:
+            for batch in tqdm(buckets, desc="capturing CUDA graphs", unit="graph", disable=not show_progress,
+                              leave=False):
+                self._capture_one(batch, pool)
+        except Exception as exc:  # e.g. a collective that cannot be captured: run eagerly instead
+            logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
+            self.graphs.clear()
+            self.logits.clear()
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        logger.info("captured %d decode graphs (batch %d..%d) in %.1f s, %.0f MiB", len(self.graphs),
+                    self.buckets[0], self.max_batch, time.perf_counter() - started, self.memory_bytes / 2**20)
+
+    def _capture_one(self, batch: int, pool: tuple[int, int]) -> None:
+        self._reset_buffer(batch)  # valid inputs at this bucket's offsets for the warm-up runs
+        ids, positions, meta = self._static_inputs(batch)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the kernels and settles cuBLAS's workspace outside the graph
+                self.forward(ids, positions, meta)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.logits[batch] = self.forward(ids, positions, meta)
+        self.graphs[batch] = graph
+
+    def _static_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Views of the buffer as a step of `batch` rows sees them (the offsets StepInputs packs)."""
+        b, w = batch, self.width
+        ids, positions, slots, lens = (self.buffer[i * b:(i + 1) * b] for i in range(4))
+        tables = self.buffer[4 * b:4 * b + b * w].view(b, w)
+        gpu = KernelTables(decode_block_tables=tables, decode_seq_lens=lens,
+                           num_splits=self.num_splits(b, self.max_context), prefill_block_tables=None,
+                           prefill_seq_lens=None, prefill_query_start=None, prefill_max_query_len=0)
+        meta = AttentionMetadata(slot_mapping=slots, num_decodes=b, decode_block_tables=None, decode_seq_lens=None,
+                                 prefills=[], block_size=self.block_size, gpu=gpu)
+        return ids, positions, meta
+
+    def _reset_buffer(self, batch: int) -> None:
+        """Every row a padding row (scratch block, one key) while the graphs are captured."""
+        b = batch
+        self.buffer.zero_()
+        self.buffer[2 * b:3 * b] = self.scratch_block * self.block_size
+        self.buffer[3 * b:4 * b] = 1
+        self.buffer[4 * b:4 * b + b * self.width].view(b, self.width)[:, 0] = self.scratch_block
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.logits.clear()

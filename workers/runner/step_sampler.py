@@ -1,0 +1,114 @@
+"""From a step's logits to its RunnerOutput: sampling, draft verification, logprobs.
+
+Draft tokens (speculative decoding) are scored in the same pass. A greedy request keeps
+drafts while they equal the target's argmax, then adds the target's next token: exactly
+its own greedy run, so greedy output is unchanged by speculation. A sampled request's
+drafts go through rejection sampling (seeded per request and position), which keeps the
+target's distribution.
+
+A step whose rows are all plain greedy (no penalties, no suppressed tokens, no logprobs:
+the common case) takes the argmax on the device and copies the token ids into pinned
+host memory without waiting: `PendingOutput.result()` waits for them, so the caller can
+prepare the next step's host work while the device still runs this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.workers.core.request import PositionLogprobs, SamplingParams
+from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput
+from tandem.workers.runner.step_inputs import RequestView, StepInputs
+from tandem.workers.sample.rejection_sampler import rejection_sample
+from tandem.workers.sample.sampler import Sampler, SamplingRow, argmax_rows, compute_logprobs
+
+
+@dataclass
+class StepSampler:
+    sampler: Sampler
+    eos_token_ids: tuple[int, ...]
+
+    def sample(self, inputs: StepInputs, logits: torch.Tensor | None, states: dict[str, RequestView],
+               prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]]) -> PendingOutput:
+        """logits: [scored rows, vocab], the rows of `inputs.logits_rows` flattened in order."""
+        if logits is None:
+            return PendingOutput.done(RunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids],
+                                                   [None] * len(inputs.req_ids), prompt_logprobs=prompt_logprobs))
+        if not prompt_logprobs and self._all_plain_greedy(inputs, states):
+            return self._greedy_async(inputs, logits)
+        rows: list[SamplingRow] = []
+        for req_id, idx, draft in zip(inputs.req_ids, inputs.logits_rows, inputs.drafts):
+            state = states[req_id]
+            for j in range(len(idx)):
+                outputs = state.output_token_ids + draft[:j]
+                rows.append(SamplingRow(state.sampling_params, state.prompt_token_ids, outputs,
+                                        self._suppressed(state.sampling_params, len(outputs))))
+        result = self.sampler(logits, rows)
+        return PendingOutput.done(self._assemble(inputs, result.token_ids, result.logprobs, logits, rows,
+                                                 prompt_logprobs))
+
+    def _all_plain_greedy(self, inputs: StepInputs, states: dict[str, RequestView]) -> bool:
+        for req_id, idx in zip(inputs.req_ids, inputs.logits_rows):
+            if not idx:
+                continue
+            state = states[req_id]
+            p = state.sampling_params
+            if not p.is_greedy or p.needs_penalties or p.logprobs is not None or \
+                    len(state.output_token_ids) < p.min_tokens:
+                return False
+        return True
+
+    def _greedy_async(self, inputs: StepInputs, logits: torch.Tensor) -> PendingOutput:
+        tokens = argmax_rows(logits)  # ties -> lowest id, as the sampler's greedy rows
+        num = tokens.shape[0]
+        if tokens.device.type != "cuda":
+            ids = tokens.tolist()
+            return PendingOutput.done(self._assemble(inputs, ids, [None] * num, None, None, {}))
+        host = torch.empty(num, dtype=torch.long, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingOutput(lambda: self._assemble(inputs, host.tolist(), [None] * num, None, None, {}), event)
+
+    def _assemble(self, inputs: StepInputs, token_ids: list[int], logprobs: list, logits: torch.Tensor | None,
+                  rows: list[SamplingRow] | None,
+                  prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]]) -> RunnerOutput:
+        sampled: list[list[int]] = []
+        out_logprobs: list[list | None] = []
+        num_drafts = num_accepted = 0
+        k = 0
+        for idx, draft in zip(inputs.logits_rows, inputs.drafts):
+            tokens = token_ids[k:k + len(idx)]
+            lps = logprobs[k:k + len(idx)]
+            if draft and rows is not None and not rows[k].params.is_greedy:
+                tokens, lps = self._verify_sampled(logits[k:k + len(idx)], rows[k:k + len(idx)], draft)
+            else:
+                # Greedy: keep drafts while they equal the target's argmax, then its next token.
+                accepted = 0
+                while accepted < len(draft) and tokens[accepted] == draft[accepted]:
+                    accepted += 1
+                tokens, lps = tokens[:accepted + 1], lps[:accepted + 1]
+            k += len(idx)
+            sampled.append(tokens if idx else [])
+            out_logprobs.append(lps if idx and lps[0] is not None else None)
+            num_drafts += len(draft)
+            num_accepted += len(tokens) - 1 if idx and draft else 0
+        return RunnerOutput(inputs.req_ids, sampled, out_logprobs, num_drafts, num_accepted, prompt_logprobs)
+
+    def _verify_sampled(self, logits: torch.Tensor, rows: list[SamplingRow],
+                        draft: list[int]) -> tuple[list[int], list]:
+        """Rejection-sample a sampled request's drafts against its processed target distribution."""
+        probs = self.sampler.probs(logits, rows)
+        # Seeded from (seed, first draft position): reproducible whatever the batch.
+        tokens = rejection_sample(probs, draft, None, self.sampler.generator_for(rows[0], logits.device))
+        num_top = rows[0].params.logprobs
+        lps = compute_logprobs(logits[:len(tokens)], tokens, [num_top] * len(tokens))
+        return tokens, lps
+
+    def _suppressed(self, params: SamplingParams, num_outputs: int) -> tuple[int, ...]:
+        if num_outputs >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(eos) + tuple(params.stop_token_ids)
