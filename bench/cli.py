@@ -1,20 +1,41 @@
-"""`tandem bench {offline,latency,overlap}`: registered into the `tandem` command by router/cli.py."""
+"""`tandem bench ...`: the benchmarks' command line, registered into `tandem` by router/cli.py.
+
+router/cli.py hands in what the bench needs from the router (`RouterHooks`): the bench never
+imports the router. Each benchmark's module is imported when its command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
-_BENCHMARKS = {
+from tandem.bench.bench_models import BENCH_SHAPES
+from tandem.bench.server import AppBuilder
+
+Figures = dict[str, Any]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+HELP = {
     "offline": "throughput of one request set: tandem vs transformers (static batches, one at a time)",
     "latency": "batch-1 time per output token, bandwidth use, engine overhead, batch-size sweep",
+    "overlap": "tensor-parallel compute/communication overlap (two ranks on this machine)",
+    "serve": "load test an OpenAI-compatible server (TTFT, TPOT, goodput)",
+    "spec": "speculative decoding: per-token speedup, cost at saturation",
+    "prefix": "prefix-aware vs load-only routing: TTFT, cache hits, overhead",
 }
-_OPTIONAL = ("overlap", "serve", "spec", "prefix")
+
+
+@dataclass(frozen=True)
+class RouterHooks:
+    """What the bench takes from the router's command line and Serve application."""
+
+    add_engine_args: Callable[[argparse.ArgumentParser], None]
+    engine_options: Callable[[argparse.Namespace], dict[str, Any]]
+    local_app: AppBuilder  # engine and serving options -> the application, its groups on this machine
 
 
 def override_help(parser: argparse.ArgumentParser, **helps: str) -> None:
@@ -24,118 +45,251 @@ def override_help(parser: argparse.ArgumentParser, **helps: str) -> None:
             action.help = helps[action.dest]
 
 
-def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks (offline throughput, latency, overlap)")
+def register(subparsers: Any, hooks: RouterHooks) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks: " + ", ".join(HELP))
     sub = bench.add_subparsers(dest="bench_command", required=True)
-    for name, help_text in _BENCHMARKS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        add_engine_args(p)
-        # The engine args document the generate defaults; ours differ.
-        override_help(p, model="local Hugging Face model directory (default: built-in benchmark model)",
-                      dtype="auto = float32 on CPU, bfloat16 on CUDA")
+    for name in ("offline", "latency"):
+        p = _parser(sub, name, hooks, model="local Hugging Face model directory (default: built-in benchmark model)",
+                    dtype="auto = float32 on CPU, bfloat16 on CUDA")
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-        p.add_argument("--repeats", type=int, default=None,
-                       help="repeats to take the median of (default 3; offline --quick: 2)")
-        p.add_argument("--idle-wait", type=float, default=60.0, metavar="SECONDS",
-                       help="CPU only: before each run wait up to this long for other processes to go quiet, "
-                       "and redo a run they disturbed (up to twice); 0 = measure at once, never redo")
-        _add_output_args(p)
-        p.set_defaults(func=_run_benchmark, benchmark=name)
-    registered = _register_optional(sub, add_engine_args)
-    if "overlap" not in registered:
-        overlap = sub.add_parser("overlap", help="tensor-parallel compute/communication overlap")
-        _add_output_args(overlap)
-        overlap.set_defaults(func=_run_overlap)
+        _add_repeats(p, "default 3; offline --quick: 2")
+        _add_idle_wait(p, "CPU only: before each run wait up to this long for other processes to go quiet, and "
+                       "redo a run they disturbed (up to twice); 0 = measure at once, never redo")
+    offline, latency = sub.choices["offline"], sub.choices["latency"]
+    offline.add_argument("--num-requests", type=int, default=None, help="requests in the set (default 64; --quick 32)")
+    offline.add_argument("--no-hf-sequential", dest="hf_sequential", action="store_false",
+                         help="leave out transformers one request at a time (minutes on a GPU); its figures are null")
+    latency.add_argument("--hf-compiled", action="store_true", help="CPU: also time transformers with a static "
+                         "cache and torch.compile (a minute or more of compiling; always on CUDA)")
+    latency.add_argument("--sweep-batches", default=None, metavar="B,B,...",
+                         help="batch sizes of the sweep (default 1,2,...,64; to 128 on CUDA)")
+    offline.set_defaults(func=partial(_run_offline, hooks))
+    latency.set_defaults(func=partial(_run_latency, hooks))
+
+    p = _parser(sub, "overlap", None)
+    p.add_argument("--model", default=None, help="local model directory (default: built-in benchmark model)")
+    p.add_argument("--num-tokens", type=int, default=None, help="tokens of the prefill step (default 512; --quick 256)")
+    _add_repeats(p, "default 21; --quick 7")
+    p.set_defaults(func=_run_overlap)
+
+    p = _parser(sub, "serve", hooks, model="without --url: the local model directory to serve "
+                "(default: built-in benchmark model)")
+    _add_serve_args(p)
+    p.set_defaults(func=partial(_run_serve, hooks))
+
+    from tandem.bench import spec
+
+    p = _parser(sub, "spec", None)
+    p.add_argument("--model", default=None, help="target model directory (default: the built-in agreeing "
+                   "target/draft pair)")
+    p.add_argument("--draft-model", default=None, help="draft model directory for --model (default with --model "
+                   "or --bench-model: n-gram only)")
+    p.add_argument("--num-speculative-tokens", type=int, default=spec.DEFAULT_K, help="drafts per step")
+    p.add_argument("--draft-dtype", default="auto", choices=DTYPES, help="the draft model's dtype (auto: the "
+                   "target's)")
+    _add_repeats(p, "batch-1 prompts to take the median over; default 9, --quick 5")
+    _add_idle_wait(p)
+    p.set_defaults(func=_run_spec)
+
+    p = _parser(sub, "prefix", hooks, model="local model directory to serve (default: built-in benchmark model)",
+                kv_cache_memory="bytes of KV cache per group (default: --cache-requests whole requests)")
+    _add_prefix_args(p)
+    p.set_defaults(func=partial(_run_prefix, hooks))
 
 
-def _register_optional(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> list[str]:
-    """Benchmarks of later issues live in `tandem.bench.<name>` and add themselves through
-    `register_<name>(bench_subparsers, add_engine_args)`; a module not written yet is skipped."""
-    registered = []
-    for name in _OPTIONAL:
-        module_name = f"tandem.bench.{name}"
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_name.startswith(exc.name):
-                continue
-            raise
-        hook = getattr(module, f"register_{name}", None)
-        if hook is not None:
-            hook(sub, add_engine_args)
-            registered.append(name)
-    return registered
-
-
-def _add_output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="a smaller run of the same shape (< 2 min on 2 CPU cores)")
+def _parser(sub: Any, name: str, hooks: RouterHooks | None, **helps: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: engine flags (with `hooks`; `helps` retell their defaults), --bench-model, outputs."""
+    p = sub.add_parser(name, help=HELP[name], description=HELP[name])
+    if hooks is not None:
+        hooks.add_engine_args(p)
+        override_help(p, **helps)
+    p.add_argument("--bench-model", default=None, choices=sorted(BENCH_SHAPES),
+                   help="a random-weight Llama of a real model's shape in bfloat16, built once into the model "
+                   "cache: llama-1b = Llama-3.2-1B's, llama-8b = Llama-3-8B's (for GPUs; not with --model)")
+    p.add_argument("--quick", action="store_true", help="a smaller run of the same shape")
     p.add_argument("--output-json", default=None, metavar="PATH", help="write every figure as one flat JSON object")
     p.add_argument("--plot", default=None, metavar="PATH", help="write the plots to this PNG file")
+    return p
 
 
-def _run_benchmark(args: argparse.Namespace) -> int:
-    from tandem.bench import latency, offline, report
+def _add_repeats(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--repeats", type=int, default=None, help=f"repeats to take the median of ({default})")
+
+
+def _add_idle_wait(p: argparse.ArgumentParser, help_text: str | None = None) -> None:
+    p.add_argument("--idle-wait", type=float, default=60.0, metavar="SECONDS", help=help_text or (
+        "before starting, wait up to this long for other processes to go quiet; 0 = do not wait"))
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from tandem.bench import serve
+
+    p.add_argument("--url", default=None, help="server base URL (default: serve tandem locally and compare offline)")
+    p.add_argument("--served-model", default=None, help="with --url: the model name to send "
+                   "(default: the first of the server's /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
+    p.add_argument("--request-rates", default=None, help="comma-separated req/s, 'inf' = all at once "
+                   "(default 1,2,4,inf; 2,inf with --quick)")
+    p.add_argument("--concurrency", default=None, help="comma-separated fixed in-flight counts (instead of rates)")
+    p.add_argument("--compare-concurrency", type=int, default=None, help="in flight for the server/offline "
+                   "comparison (default 16; 8 with --quick)")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per level (default 64; --quick 24)")
+    p.add_argument("--vocab-size", type=int, default=None, help="prompt token ids are drawn below this "
+                   f"(default: the model's; {serve.URL_MODE_VOCAB_SIZE} with --url)")
+    p.add_argument("--slo-ttft-ms", type=float, default=serve.DEFAULT_SLO_TTFT_MS)
+    p.add_argument("--slo-tpot-ms", type=float, default=serve.DEFAULT_SLO_TPOT_MS)
+
+
+def _add_prefix_args(p: argparse.ArgumentParser) -> None:
+    _add_repeats(p, "default 3; --quick 2")
+    p.add_argument("--num-requests", type=int, default=None, help="shared-workload requests per run")
+    p.add_argument("--num-prefixes", type=int, default=None)
+    p.add_argument("--prefix-len", type=int, default=None, help="tokens of a shared prefix (default 900)")
+    p.add_argument("--suffix-len", type=int, default=None, help="tokens of a request's own after it (default 100)")
+    p.add_argument("--num-no-share", type=int, default=None, help="no-share workload requests per run")
+    p.add_argument("--num-hit-pairs", type=int, default=None, help="cold/hit request pairs")
+    p.add_argument("--request-rate", type=float, default=None, help="shared workload, req/s (Poisson)")
+    p.add_argument("--cache-requests", type=float, default=None,
+                   help="each group's KV cache, in whole requests (default: num_prefixes / 2 + 0.5)")
+    _add_idle_wait(p)
+
+
+# ---- running them ------------------------------------------------------------------------------
+def _measured(run: Callable[[], Figures], device: str = "auto", in_process: bool = False) -> Figures:
+    """run()'s figures, with the machine's, the load average at the end and the wall time.
+
+    `in_process` (the work runs in this process): also `process_cpu_share`, the CPU seconds
+    this process got per wall second per torch thread; well below 1 means other processes
+    took the cores (or the run waited on something else)."""
     from tandem.bench.hardware import machine_figures
-    from tandem.bench.systems import BenchOptions, resolve_device
-    from tandem.router.cli import engine_options
+    from tandem.bench.systems import resolve_device
 
-    extra = {k: v for k, v in engine_options(args).items() if k not in ("model", "dtype")}
-    opts = BenchOptions(model=args.model, dtype=args.dtype, device=args.device, quick=args.quick,
-                        repeats=args.repeats, engine_options=extra, idle_wait_s=args.idle_wait)
-    module = offline if args.benchmark == "offline" else latency
-    before = machine_figures(resolve_device(args.device))
+    before = machine_figures(resolve_device(device))
     wall, cpu = time.perf_counter(), time.process_time()
-    figures = offline.run_offline(opts) if args.benchmark == "offline" else latency.run_latency(opts)
-    figures.update(before)
+    figures = {**before, **run()}
     figures["load_average_1m_end"] = os.getloadavg()[0]
     figures["wall_s"] = time.perf_counter() - wall
-    # CPU seconds this process got per wall second per torch thread: well below 1 means
-    # other processes took the cores (or the run waited on something else).
-    figures["process_cpu_share"] = (time.process_time() - cpu) / figures["wall_s"] / before["torch_num_threads"]
-    report.print_table(module.title(figures), module.table_rows(figures))
-    _warn_if_busy(figures)
-    _write_outputs(args, figures, report.plot_offline if args.benchmark == "offline" else report.plot_latency)
+    if in_process:
+        figures["process_cpu_share"] = (time.process_time() - cpu) / figures["wall_s"] / before["torch_num_threads"]
+    return figures
+
+
+def _finish(args: argparse.Namespace, figures: Figures, plot: Callable[[str, Figures], None] | None,
+            warn: bool = True) -> int:
+    from tandem.bench import report
+
+    if warn:
+        report.warn_if_busy(figures)
+    report.write_outputs(figures, args.output_json, args.plot, plot)
     return 0
+
+
+def _bench_options(hooks: RouterHooks, args: argparse.Namespace) -> Any:
+    from tandem.bench.systems import BenchOptions
+
+    options = hooks.engine_options(args)
+    return BenchOptions(model=options.pop("model", None), bench_model=args.bench_model, dtype=options.pop("dtype"),
+                        device=args.device, quick=args.quick, repeats=args.repeats, engine_options=options,
+                        idle_wait_s=args.idle_wait)
+
+
+def _run_offline(hooks: RouterHooks, args: argparse.Namespace) -> int:
+    from tandem.bench import offline, report
+    from tandem.bench.workload import OFFLINE_FULL, OFFLINE_QUICK
+
+    opts = _bench_options(hooks, args)
+    spec = OFFLINE_QUICK if args.quick else OFFLINE_FULL
+    if args.num_requests is not None:
+        spec = replace(spec, num_requests=args.num_requests)
+    figures = _measured(lambda: offline.run_offline(opts, spec, hf_sequential=args.hf_sequential), args.device,
+                        in_process=True)
+    report.print_table(offline.title(figures), offline.table_rows(figures))
+    return _finish(args, figures, report.plot_offline)
+
+
+def _run_latency(hooks: RouterHooks, args: argparse.Namespace) -> int:
+    from tandem.bench import latency, report
+    from tandem.bench.systems import resolve_device
+
+    opts = _bench_options(hooks, args)
+    shape = None
+    if args.sweep_batches:
+        batches = tuple(int(b) for b in args.sweep_batches.split(","))
+        shape = replace(latency.default_shape(args.quick, resolve_device(args.device)), sweep_batches=batches)
+    figures = _measured(lambda: latency.run_latency(opts, shape, hf_compiled=args.hf_compiled), args.device,
+                        in_process=True)
+    report.print_table(latency.title(figures), latency.table_rows(figures))
+    return _finish(args, figures, report.plot_latency)
 
 
 def _run_overlap(args: argparse.Namespace) -> int:
-    try:
-        from tandem.bench.overlap import run_overlap_bench
-    except ModuleNotFoundError as exc:
-        if exc.name and "tandem.bench.overlap".startswith(exc.name):
-            print("tandem bench overlap: not available yet (tandem.bench.overlap is not built)", file=sys.stderr)
-            return 1
-        raise
     from tandem.bench import report
+    from tandem.bench.overlap import run_overlap_bench
+    from tandem.bench.systems import pick_model_dir
 
-    figures = run_overlap_bench(args.quick)
-    if isinstance(figures, dict):
-        report.print_table("tandem bench overlap", [(k, v, "") for k, v in figures.items()])
-        _write_outputs(args, figures, None)
-    return 0
-
-
-def _warn_if_busy(figures: dict[str, Any]) -> None:
-    if figures.get("device") != "cpu":
-        return
-    cores = figures.get("cpu_count") or 1
-    load = max(figures.get("load_average_1m", 0.0), figures.get("load_average_1m_end", 0.0))
-    share = figures["process_cpu_share"]
-    if load > cores + 1 or share < 0.7:  # + 1: this run itself
-        print(f"warning: load average {load:.1f} on {cores} cores, this process got {share:.0%} of its "
-              "threads' CPU time: other processes shared the CPU, so these figures are unreliable",
-              file=sys.stderr)
+    model_dir = pick_model_dir(args.model, args.bench_model)
+    figures = _measured(lambda: run_overlap_bench(args.quick, num_tokens=args.num_tokens, repeats=args.repeats,
+                                                  model_dir=model_dir), "cpu")
+    report.print_table("tandem bench overlap", [(k, v, "") for k, v in figures.items()])
+    return _finish(args, figures, None)
 
 
-def _write_outputs(args: argparse.Namespace, figures: dict[str, Any], plot: Callable | None) -> None:
+def _run_serve(hooks: RouterHooks, args: argparse.Namespace) -> int:
+    from tandem.bench.serve import SERVE_FULL, SERVE_QUICK, run_serve_bench
+    from tandem.bench.serve_report import plot_serve, print_serve_table
+    from tandem.bench.systems import pick_model_dir
+
+    options = hooks.engine_options(args)
+    model = options.pop("model", None)
+    if args.url is not None and args.bench_model is not None:
+        raise ValueError("--bench-model is a model to serve here: not with --url")
+    model_dir = pick_model_dir(model, args.bench_model) if args.url is None else model
+    spec = SERVE_QUICK if args.quick else SERVE_FULL
+    if args.num_requests:
+        spec = replace(spec, num_requests=args.num_requests)
+    figures = _measured(lambda: run_serve_bench(
+        args.url, args.quick, model=model_dir, served_model=args.served_model, engine_options=options,
+        local_app=hooks.local_app, spec=spec,
+        request_rates=[float(r) for r in args.request_rates.split(",")] if args.request_rates else None,
+        concurrencies=[int(c) for c in args.concurrency.split(",")] if args.concurrency else None,
+        compare_concurrency=args.compare_concurrency, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+        api_key=args.api_key, vocab_size=args.vocab_size))
+    print_serve_table(figures)
+    return _finish(args, figures, plot_serve, warn=args.url is None)  # with --url the server is elsewhere
+
+
+def _run_spec(args: argparse.Namespace) -> int:
+    from tandem.bench import report, spec
+    from tandem.bench.systems import check_model_choice, pick_model_dir
+
+    check_model_choice(args.model, args.bench_model)
+    if args.draft_model is not None and args.model is None and args.bench_model is None:
+        raise ValueError("--draft-model needs --model or --bench-model (the built-in target comes with its own draft)")
+    model = pick_model_dir(args.model, args.bench_model) if args.model or args.bench_model else None
+    figures = _measured(lambda: spec.run_spec_bench(
+        model, args.quick, args.num_speculative_tokens, args.repeats, draft=args.draft_model,
+        idle_wait_s=args.idle_wait, draft_dtype=args.draft_dtype), in_process=True)
+    report.print_table("tandem bench spec", spec.table_rows(figures))
+    return _finish(args, figures, None)
+
+
+def _run_prefix(hooks: RouterHooks, args: argparse.Namespace) -> int:
     from tandem.bench import report
+    from tandem.bench.prefix import run_prefix_bench
+    from tandem.bench.prefix_report import plot_prefix, table_rows, title
+    from tandem.bench.prefix_workload import PREFIX_FULL, PREFIX_QUICK
+    from tandem.bench.systems import pick_model_dir
 
-    if args.output_json:
-        report.write_json(args.output_json, figures)
-        print(f"wrote {args.output_json}", file=sys.stderr)
-    if args.plot:
-        if plot is None:
-            print("no plot for this benchmark", file=sys.stderr)
-        else:
-            plot(args.plot, figures)
-            print(f"wrote {args.plot}", file=sys.stderr)
+    options = hooks.engine_options(args)
+    if options.pop("address", None):
+        raise ValueError("bench prefix starts its own local Ray (it runs two apps side by side): drop --address")
+    model_dir = pick_model_dir(options.pop("model", None), args.bench_model)
+    overrides = {name: getattr(args, name) for name in (
+        "repeats", "num_requests", "num_prefixes", "prefix_len", "suffix_len", "num_no_share", "num_hit_pairs",
+        "request_rate", "cache_requests")}
+    cfg = replace(PREFIX_QUICK if args.quick else PREFIX_FULL, **{k: v for k, v in overrides.items() if v is not None})
+    figures = _measured(lambda: run_prefix_bench(cfg, hooks.local_app, model=model_dir, engine_options=options,
+                                                 idle_wait_s=args.idle_wait), "cpu")
+    figures["quick"] = args.quick
+    report.print_table(title(figures), table_rows(figures))
+    return _finish(args, figures, plot_prefix)

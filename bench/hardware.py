@@ -110,7 +110,7 @@ def _cpu_busy_seconds() -> float | None:
 class CpuMonitor:
     """`foreign_fraction`: CPU time other processes used during the block / (wall x cores)."""
 
-    def __enter__(self) -> "CpuMonitor":
+    def __enter__(self) -> CpuMonitor:
         self.foreign_fraction: float | None = None
         self._busy, self._own, self._wall = _cpu_busy_seconds(), time.process_time(), time.perf_counter()
         return self

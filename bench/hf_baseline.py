@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,9 +46,10 @@ class HFRun:
 
 
 @torch.inference_mode()
-def _generate(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_new: int) -> torch.Tensor:
+def _generate(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_new: int,
+              **kwargs: Any) -> torch.Tensor:
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=num_new,
-                         min_new_tokens=num_new, do_sample=False, pad_token_id=_pad_id(model))
+                         min_new_tokens=num_new, do_sample=False, pad_token_id=_pad_id(model), **kwargs)
     return out[:, input_ids.shape[1]:]
 
 
@@ -64,6 +66,18 @@ def _timed(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _timed_generate(model: Any, prompts: list[list[int]], num_new: int, device: torch.device,
+                    **kwargs: Any) -> float:
+    """Seconds of one generate() of `num_new` tokens for each of `prompts` (left-padded to the longest)."""
+    ids, mask = left_pad(prompts, _pad_id(model), device)
+
+    def call() -> None:
+        out = _generate(model, ids, mask, num_new, **kwargs)
+        assert out.shape == (len(prompts), num_new), f"generated {tuple(out.shape)}, asked for {num_new}"
+
+    return _timed(call, device)
+
+
 def run_sequential(model: Any, requests: list[BenchRequest], device: torch.device, *, desc: str = "hf sequential",
                    show_progress: bool = True, guard: Guard = _once) -> HFRun:
     """One `generate` call per request, batch 1, no padding; elapsed = the sum of the calls' times.
@@ -75,13 +89,7 @@ def run_sequential(model: Any, requests: list[BenchRequest], device: torch.devic
                disable=not show_progress)
     elapsed = 0.0
     for req in requests:
-        ids = torch.tensor([req.prompt_token_ids], device=device)
-
-        def call() -> None:
-            out = _generate(model, ids, torch.ones_like(ids), req.output_len)
-            assert out.shape[1] == req.output_len, f"generated {out.shape[1]}, asked for {req.output_len}"
-
-        elapsed += guard(lambda: _timed(call, device))
+        elapsed += guard(partial(_timed_generate, model, [req.prompt_token_ids], req.output_len, device))
         bar.update(req.output_len)
     bar.close()
     num = sum(r.output_len for r in requests)
@@ -109,14 +117,8 @@ def run_static(model: Any, requests: list[BenchRequest], device: torch.device, *
     elapsed = 0.0
     for i in range(0, len(requests), batch_size):
         batch = requests[i:i + batch_size]
-        ids, mask = left_pad([r.prompt_token_ids for r in batch], _pad_id(model), device)
         num_new = max(r.output_len for r in batch)
-
-        def call() -> None:
-            out = _generate(model, ids, mask, num_new)
-            assert out.shape == (len(batch), num_new), f"generated {tuple(out.shape)}"
-
-        elapsed += guard(lambda: _timed(call, device))
+        elapsed += guard(partial(_timed_generate, model, [r.prompt_token_ids for r in batch], num_new, device))
         generated += len(batch) * num_new
         bar.update(sum(r.output_len for r in batch))
     bar.close()
@@ -153,3 +155,41 @@ def time_per_output_token(model: Any, req: BenchRequest, device: torch.device) -
                        logits_processor=LogitsProcessorList([clock]))
     assert len(clock.times) == req.output_len, f"{len(clock.times)} steps for {req.output_len} tokens"
     return (clock.times[-1] - clock.times[0]) / (req.output_len - 1)
+
+
+# ---- transformers' fast path: a static KV cache and torch.compile -------------------------------
+def compiled_generate_kwargs(req: BenchRequest, device: torch.device) -> dict[str, Any]:
+    """generate() arguments for transformers' own fast path: a static KV cache, its decode steps
+    compiled by torch.compile (mode "reduce-overhead": CUDA graphs on a GPU), as transformers
+    recommends. `max_cache_len` fixes the cache at the longest call's size, so calls of any
+    length up to `req`'s reuse one cache and one compiled graph."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    if device.type != "cuda":
+        # transformers compiles on accelerators only, unless told to anywhere.
+        config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config,
+            "max_cache_len": len(req.prompt_token_ids) + req.output_len}
+
+
+def warm_up_compiled(model: Any, req: BenchRequest, device: torch.device, calls: int = 3) -> None:
+    """Compile, and capture the CUDA graphs (recorded on a later call than the first), before anything is timed."""
+    kwargs = compiled_generate_kwargs(req, device)
+    for _ in range(calls):
+        _timed_generate(model, [req.prompt_token_ids], req.output_len, device, **kwargs)
+        _timed_generate(model, [req.prompt_token_ids], 1, device, **kwargs)
+
+
+def compiled_time_per_output_token(model: Any, req: BenchRequest, device: torch.device) -> float:
+    """Batch-1 decode seconds per token on transformers' fast path: (T(n) - T(1)) / (n - 1), where
+    T(k) is one generate() of k tokens for `req`'s prompt.
+
+    The prefill (uncompiled) and the first token are in both calls and cancel. No per-token
+    clock: a host sync per token would stop generate() from queueing a step's CUDA graph while
+    the previous one runs, which is half of what this path buys."""
+    assert req.output_len >= 2, "need at least two output tokens"
+    kwargs = compiled_generate_kwargs(req, device)
+    full = _timed_generate(model, [req.prompt_token_ids], req.output_len, device, **kwargs)
+    first = _timed_generate(model, [req.prompt_token_ids], 1, device, **kwargs)
+    return (full - first) / (req.output_len - 1)

@@ -9,7 +9,12 @@ Per repeat (tandem and transformers in an order rotated per repeat, probes first
   write). MBU against the GEMV read bandwidth is reported too (`mbu_vs_gemv_read`).
 - engine overhead = median engine step / median bare forward + logits on the same step
   inputs (see `tandem_runs`).
-Then a sweep over batch sizes: B identical requests decoding together. Per batch: TPOT (the
+- hf_compiled TPOT: transformers' fast path (static KV cache, torch.compile with CUDA graphs)
+  on the same request, timed as (T(n tokens) - T(1 token)) / (n - 1) after an untimed
+  warm-up that compiles; measured on CUDA always, on CPU with `hf_compiled` (`--hf-compiled`),
+  else its figures are null. `tpot_ratio_vs_hf_compiled` = tandem TPOT / hf_compiled TPOT.
+Then a sweep over batch sizes (to 64; to 128 on CUDA, `decode_tok_s_at_128`): B identical
+requests decoding together. Per batch: TPOT (the
 median pure-decode step), tokens/s = B / TPOT, MFU and MBU of a decode step, and engine
 overhead. Decoding counts as compute-bound from the first batch whose MFU >= its MBU (the
 resource closer to its peak is the one that binds); the roofline ridge (matmul FLOP/s over
@@ -20,14 +25,17 @@ Every figure is the median over repeats.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
+from functools import partial
 
+import torch
 from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
 from tandem.bench.hardware import copy_bandwidth, gemv_read_bandwidth, matmul_flops
 from tandem.bench.report import Figures, sweep_batches
-from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
+from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_device, resolve_model_dir, vocab_size_of
 from tandem.bench.tandem_runs import median_or_nan, run_tandem, time_bare_forward
 from tandem.bench.workload import BenchRequest, fixed_length_requests
 
@@ -43,6 +51,12 @@ class LatencyShape:
 
 LATENCY_FULL = LatencyShape(prompt_len=256, output_len=128, sweep_prompt_len=128, sweep_output_len=32)
 LATENCY_QUICK = LatencyShape(prompt_len=128, output_len=32, sweep_prompt_len=32, sweep_output_len=12)
+CUDA_SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def default_shape(quick: bool, device: torch.device) -> LatencyShape:
+    shape = LATENCY_QUICK if quick else LATENCY_FULL
+    return replace(shape, sweep_batches=CUDA_SWEEP_BATCHES) if device.type == "cuda" else shape
 
 
 @dataclass
@@ -52,72 +66,106 @@ class _Repeat:
     peak_flops: float
     tpot_tandem: float = 0.0
     tpot_hf: float = 0.0
+    tpot_hf_compiled: float | None = None
     engine_step: float = 0.0
     bare_forward: float = 0.0
     sweep_step: dict[int, float] | None = None
     sweep_bare: dict[int, float] | None = None
 
 
-def run_latency(opts: BenchOptions, shape: LatencyShape | None = None) -> Figures:
-    shape = shape or (LATENCY_QUICK if opts.quick else LATENCY_FULL)
+def run_latency(opts: BenchOptions, shape: LatencyShape | None = None, *, hf_compiled: bool = False) -> Figures:
+    """Every figure (see the module docstring); `hf_compiled`: measure transformers' fast path on CPU too."""
+    shape = shape or default_shape(opts.quick, resolve_device(opts.device))
     repeats = opts.num_repeats(default_full=3, default_quick=3)
     vocab = vocab_size_of(resolve_model_dir(opts))
     single = fixed_length_requests(1, shape.prompt_len, shape.output_len, vocab, seed=1)
     sweep = {b: fixed_length_requests(b, shape.sweep_prompt_len, shape.sweep_output_len, vocab, seed=100 + b)
              for b in shape.sweep_batches}
     systems = load_systems(opts, [single, sweep[max(shape.sweep_batches)]])
-    _warm_up(systems, vocab)
+    device = systems.device
+    _warm_up(systems, vocab, single[0])
+    measure_compiled = hf_compiled or device.type == "cuda"
+    compiled_error = _warm_up_compiled(systems, single[0]) if measure_compiled else None
+    names = ("tandem", "hf") + (("hf_compiled",) if measure_compiled and compiled_error is None else ())
 
-    tasks = tqdm(total=repeats * (3 + len(shape.sweep_batches)), desc="latency", unit="run",
+    tasks = tqdm(total=repeats * (1 + len(names) + len(shape.sweep_batches)), desc="latency", unit="run",
                  disable=not opts.show_progress)
     runs = []
     log = opts.contention_log()
-    device = systems.device
     for rep in range(repeats):
         tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: probes")
         run = log.run(lambda: _Repeat(copy_bandwidth(device), gemv_read_bandwidth(device, systems.dtype),
                                       matmul_flops(device, systems.dtype)), device)
         tasks.update(1)
-        for name in ("tandem", "hf") if rep % 2 == 0 else ("hf", "tandem"):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotate the order per repeat
             tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: {name} batch 1")
             if name == "tandem":
                 run.tpot_tandem, run.engine_step, run.bare_forward = log.run(
                     lambda: _batch1_tandem(systems, single, opts.show_progress), device)
-            else:
+            elif name == "hf":
                 run.tpot_hf = log.run(lambda: hf_baseline.time_per_output_token(systems.hf_model, single[0], device),
                                       device)
+            else:
+                run.tpot_hf_compiled = log.run(
+                    lambda: hf_baseline.compiled_time_per_output_token(systems.hf_model, single[0], device), device)
             tasks.update(1)
         run.sweep_step, run.sweep_bare = {}, {}
         for batch, requests in sweep.items():
             tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: sweep batch {batch}")
             run.sweep_step[batch], run.sweep_bare[batch] = log.run(
-                lambda: _sweep_point(systems, requests, f"batch {batch}", opts.show_progress), device)
+                partial(_sweep_point, systems, requests, f"batch {batch}", opts.show_progress), device)
             tasks.update(1)
         runs.append(run)
     tasks.close()
     fig = _figures(shape, systems, runs, opts)
+    fig.update(hf_compiled_figures([r.tpot_tandem for r in runs], [r.tpot_hf_compiled for r in runs],
+                                   compiled_error))
     fig.update(log.figures())
     return fig
 
 
-def _warm_up(systems: Systems, vocab: int) -> None:
+def _warm_up_compiled(systems: Systems, req: BenchRequest) -> str | None:
+    """Compile transformers' fast path for `req`'s shape; the error, if it cannot be compiled here."""
+    try:
+        hf_baseline.warm_up_compiled(systems.hf_model, req, systems.device)
+    except Exception as exc:  # noqa: BLE001 - a missing or failing compiler costs this one figure, not the run
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        print(f"warning: transformers with a static cache and torch.compile failed, not measured: {error}",
+              file=sys.stderr)
+        return error
+    return None
+
+
+def hf_compiled_figures(tpot_tandem: list[float], tpot_compiled: list[float | None], error: str | None) -> Figures:
+    """The hf_compiled figures over repeats; null where it was not measured (`error` says why, if it failed)."""
+    measured = [(t, c) for t, c in zip(tpot_tandem, tpot_compiled, strict=True) if c is not None]
+    if not measured:
+        return {"tpot_hf_compiled_ms": None, "tpot_ratio_vs_hf_compiled": None, "hf_compiled_error": error}
+    return {"tpot_hf_compiled_ms": statistics.median(c for _, c in measured) * 1e3,
+            "tpot_ratio_vs_hf_compiled": statistics.median(t / c for t, c in measured),
+            "hf_compiled_error": error}
+
+
+def _warm_up(systems: Systems, vocab: int, single: BenchRequest) -> None:
     warm = fixed_length_requests(2, 16, 4, vocab, seed=99)
     result = run_tandem(systems.llm, warm, record_inputs=True, show_progress=False)
-    time_bare_forward(systems.runner.model, result.decode_inputs, systems.device)
-    hf_baseline.time_per_output_token(systems.hf_model, warm[0], systems.device)
+    time_bare_forward(systems.runner, result.decode_inputs, systems.device)
+    # At the timed request's shapes too: on a GPU transformers' first call at new attention
+    # shapes builds kernel plans step by step (~4x its steady TPOT).
+    hf_baseline.time_per_output_token(systems.hf_model, single, systems.device)
 
 
 def _batch1_tandem(systems: Systems, single: list[BenchRequest], show_progress: bool) -> tuple[float, float, float]:
     """(TPOT = mean decode step, median decode step, median bare forward), in seconds."""
     result = run_tandem(systems.llm, single, desc="tandem batch 1", record_inputs=True, show_progress=show_progress)
-    bare = time_bare_forward(systems.runner.model, result.decode_inputs, systems.device)
+    bare = time_bare_forward(systems.runner, result.decode_inputs, systems.device)
     return statistics.fmean(result.decode_step_s), statistics.median(result.decode_step_s), statistics.median(bare)
 
 
 def _sweep_point(systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool) -> tuple[float, float]:
     """(median decode step, median bare forward on the same steps), in seconds."""
     result = run_tandem(systems.llm, requests, desc=desc, record_inputs=True, show_progress=show_progress)
-    bare = time_bare_forward(systems.runner.model, result.decode_inputs, systems.device)
+    bare = time_bare_forward(systems.runner, result.decode_inputs, systems.device)
     return median_or_nan(result.decode_step_s), median_or_nan(bare)
 
 
@@ -162,6 +210,7 @@ def _figures(shape: LatencyShape, systems: Systems, runs: list[_Repeat], opts: B
         if compute_bound_from is None and fig[f"sweep_b{b}_mfu"] >= fig[f"sweep_b{b}_mbu"]:
             compute_bound_from = b
     fig["compute_bound_from_batch"] = compute_bound_from
+    fig["decode_tok_s_at_128"] = fig.get("sweep_b128_tok_s")
     fig["roofline_crossover_batch"] = cost.roofline_crossover_batch(
         sweep_ctx, fig["peak_matmul_flops"], fig["copy_bandwidth_bytes_s"])
     return fig
@@ -172,6 +221,8 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
         ("tpot_tandem_ms", fig["tpot_tandem_ms"], "ms"),
         ("tpot_hf_ms", fig["tpot_hf_ms"], "ms"),
         ("tpot_ratio_vs_hf", fig["tpot_ratio_vs_hf"], "x"),
+        ("tpot_hf_compiled_ms", fig["tpot_hf_compiled_ms"], "ms (static cache + torch.compile)"),
+        ("tpot_ratio_vs_hf_compiled", fig["tpot_ratio_vs_hf_compiled"], "x"),
         ("copy_bandwidth_bytes_s", fig["copy_bandwidth_bytes_s"] / 1e9, "GB/s (read+write)"),
         ("gemv_read_bandwidth_bytes_s", fig["gemv_read_bandwidth_bytes_s"] / 1e9, "GB/s"),
         ("mbu", fig["mbu"], "vs copy"),
@@ -186,6 +237,7 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
         rows.append((f"sweep_b{b}", f"{fig[f'sweep_b{b}_tpot_ms']:.2f} ms  {fig[f'sweep_b{b}_tok_s']:.0f} tok/s",
                      f"MFU {fig[f'sweep_b{b}_mfu']:.2f} MBU {fig[f'sweep_b{b}_mbu']:.2f} "
                      f"overhead {fig[f'sweep_b{b}_engine_overhead']:.2f}"))
+    rows.append(("decode_tok_s_at_128", fig["decode_tok_s_at_128"], "tok/s"))
     rows.append(("compute_bound_from_batch", fig["compute_bound_from_batch"], "measured (MFU >= MBU)"))
     rows.append(("roofline_crossover_batch", fig["roofline_crossover_batch"], "predicted by the probes"))
     return rows

@@ -41,7 +41,7 @@ class ModelCost:
     itemsize: int  # bytes per weight / KV element
 
     @staticmethod
-    def from_tandem_model(model: nn.Module, itemsize: int) -> "ModelCost":
+    def from_tandem_model(model: nn.Module, itemsize: int) -> ModelCost:
         """From a tandem `LlamaForCausalLM` (TP = PP = 1)."""
         embed = {id(p) for m in (model.embed_tokens, model.lm_head) for p in m.parameters()}
         non_embedding = sum(p.numel() for p in model.parameters() if id(p) not in embed)

@@ -10,6 +10,10 @@ contention on its own); tandem's is one continuous run.
 MFU = model FLOPs of the request set (see `model_cost`) / elapsed seconds / the probe's
 matmul FLOP/s. tandem's MFU is the headline `mfu`; all requests are in flight together, so
 apart from the last requests' tail the engine runs saturated.
+
+On CUDA, `gpu_busy` = the fraction of a tandem run's wall time the GPU spent executing
+kernels, from one more tandem pass of the same request set under the profiler
+(`gpu_busy.py`), after the timed ones; null on CPU.
 """
 
 from __future__ import annotations
@@ -21,43 +25,61 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
+from tandem.bench.gpu_busy import profiled_busy_fraction
 from tandem.bench.hardware import matmul_flops
 from tandem.bench.report import Figures
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
 from tandem.bench.tandem_runs import run_tandem
-from tandem.bench.workload import (OFFLINE_FULL, OFFLINE_QUICK, BenchRequest, WorkloadSpec, make_workload,
-                                   num_output_tokens, num_prompt_tokens)
+from tandem.bench.workload import (
+    OFFLINE_FULL,
+    OFFLINE_QUICK,
+    BenchRequest,
+    WorkloadSpec,
+    make_workload,
+    num_output_tokens,
+    num_prompt_tokens,
+)
 
 SYSTEMS = ("tandem", "hf_static", "hf_sequential")
 _WARMUP = WorkloadSpec(num_requests=2, prompt_len=(16, 24), output_len=(4, 4), seed=99)
 
 
-def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None) -> Figures:
+def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
+                hf_sequential: bool = True) -> Figures:
+    """`hf_sequential=False` leaves the one-request-at-a-time baseline out (its figures are
+    null): on a GPU it takes minutes of the run for a figure nobody compares against."""
     spec = spec or (OFFLINE_QUICK if opts.quick else OFFLINE_FULL)
+    names = SYSTEMS if hf_sequential else SYSTEMS[:2]
     repeats = opts.num_repeats(default_full=3, default_quick=2)
     model_dir = resolve_model_dir(opts)
     vocab = vocab_size_of(model_dir)
     requests = make_workload(spec, vocab)
     systems = load_systems(opts, [requests])
     warmup = make_workload(_WARMUP, vocab)
-    for name in SYSTEMS:
+    for name in names:
         _run_system(name, systems, warmup, "warm-up", show_progress=False)
 
     results: dict[str, list] = {name: [] for name in SYSTEMS}
     peaks: list[float] = []
     log = opts.contention_log()
-    tasks = tqdm(total=repeats * (len(SYSTEMS) + 1), desc="offline", unit="run", disable=not opts.show_progress)
+    tasks = tqdm(total=repeats * (len(names) + 1), desc="offline", unit="run", disable=not opts.show_progress)
     for rep in range(repeats):
         tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: matmul probe")
         peaks.append(log.run(lambda: matmul_flops(systems.device, systems.dtype), systems.device))
         tasks.update(1)
-        for name in SYSTEMS[rep % 3:] + SYSTEMS[:rep % 3]:  # rotate the order per repeat
+        for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotate the order per repeat
             tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: {name}")
             results[name].append(_run_system(name, systems, requests, name, opts.show_progress,
                                              guard=lambda fn: log.run(fn, systems.device)))
             tasks.update(1)
+    gpu_busy = None
+    if systems.device.type == "cuda":
+        tasks.set_postfix_str("tandem, profiled")
+        gpu_busy = profiled_busy_fraction(
+            lambda: run_tandem(systems.llm, requests, desc="profiled", show_progress=False), systems.device)
     tasks.close()
     fig = _figures(spec, requests, systems, results, peaks, opts, repeats)
+    fig["gpu_busy"] = gpu_busy
     fig.update(log.figures())
     return fig
 
@@ -96,16 +118,23 @@ def _figures(spec: WorkloadSpec, requests: list[BenchRequest], systems: Systems,
     }
     for name in SYSTEMS:
         runs = results[name]
+        if not runs:  # left out
+            for key in ("output_tok_s", "output_tok_s_repeats", "elapsed_s", "mfu"):
+                fig[f"{name}_{key}"] = None
+            fig[f"throughput_ratio_vs_{name}"] = None
+            continue
         fig[f"{name}_output_tok_s"] = median(r.tokens_per_s for r in runs)
         fig[f"{name}_output_tok_s_repeats"] = [r.tokens_per_s for r in runs]
         fig[f"{name}_elapsed_s"] = median(r.elapsed_s for r in runs)
-        fig[f"{name}_mfu"] = median(flops / r.elapsed_s / p for r, p in zip(runs, peaks))
+        fig[f"{name}_mfu"] = median(flops / r.elapsed_s / p for r, p in zip(runs, peaks, strict=True))
     fig["mfu"] = fig["tandem_mfu"]
     fig["mfu_lm_head_every_token"] = median(flops_all_logits / r.elapsed_s / p
-                                            for r, p in zip(results["tandem"], peaks))
+                                            for r, p in zip(results["tandem"], peaks, strict=True))
     for name in ("hf_static", "hf_sequential"):
+        if not results[name]:
+            continue
         fig[f"throughput_ratio_vs_{name}"] = median(
-            t.tokens_per_s / b.tokens_per_s for t, b in zip(results["tandem"], results[name]))
+            t.tokens_per_s / b.tokens_per_s for t, b in zip(results["tandem"], results[name], strict=True))
     generated = results["hf_static"][0].num_generated_tokens
     fig["hf_static_generated_tokens"] = generated
     fig["hf_static_useful_fraction"] = num_output_tokens(requests) / generated
@@ -121,6 +150,7 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
         ("throughput_ratio_vs_hf_sequential", fig["throughput_ratio_vs_hf_sequential"], "x"),
         ("peak_matmul_flops", fig["peak_matmul_flops"] / 1e9, "GFLOP/s"),
         ("mfu", fig["mfu"], "tandem"),
+        ("gpu_busy", fig["gpu_busy"], "of tandem's wall time in kernels"),
         ("hf_static_mfu", fig["hf_static_mfu"], ""),
         ("hf_sequential_mfu", fig["hf_sequential_mfu"], ""),
         ("hf_static_useful_fraction", fig["hf_static_useful_fraction"], "of generated tokens"),

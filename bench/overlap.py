@@ -37,8 +37,8 @@ MODES = ("serial", "overlap", "compute")
 def run_overlap_bench(quick: bool = False, *, num_tokens: int | None = None, num_chunks: int | None = None,
                       repeats: int | None = None, model_dir: str | None = None,
                       timeout_s: float = 900.0) -> dict[str, Any]:
-    from tandem.workers.config import ParallelConfig
     from tandem.cluster.net import free_port
+    from tandem.workers.config import ParallelConfig
     from tandem.workers.model.demo_model import bench_model_path
 
     spec = {
@@ -61,7 +61,7 @@ def run_overlap_bench(quick: bool = False, *, num_tokens: int | None = None, num
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
+    for rank, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
         if p.returncode != 0:
             raise RuntimeError(f"overlap benchmark rank {rank} failed (exit {p.returncode}): {err.strip()[-2000:]}")
     return json.loads(outs[0][0].strip().splitlines()[-1])
@@ -72,12 +72,12 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from tandem.workers.config import EngineConfig
-    from tandem.workers.runner.model_runner import ModelRunner
-    from tandem.workers.model.hf_config import HFModelConfig
-    from tandem.workers.distributed.parallel import init_groups
     from tandem.workers.core.request import SamplingParams
     from tandem.workers.core.scheduler_output import NewRequestData, SchedulerOutput
+    from tandem.workers.distributed.parallel import init_groups
     from tandem.workers.distributed.worker import shm_slot_bytes
+    from tandem.workers.model.hf_config import HFModelConfig
+    from tandem.workers.runner.model_runner import ModelRunner
 
     torch.set_num_threads(1)  # two workers on a two-core machine: one core each
     n = spec["num_tokens"]
@@ -94,8 +94,8 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     runner.load_model(show_progress=False)
     runner.init_kv_cache(num_blocks)
     prompt = [(7 * i) % (hf_config.vocab_size - 10) + 5 for i in range(n)]
-    step = SchedulerOutput(0, new_requests=[NewRequestData("r", prompt, [], SamplingParams(), list(range(num_blocks)), 0)],
-                           num_scheduled_tokens={"r": n})
+    new = NewRequestData("r", prompt, [], SamplingParams(), list(range(num_blocks)), 0)
+    step = SchedulerOutput(0, new_requests=[new], num_scheduled_tokens={"r": n})
     runner.update_states(step)
     inputs = runner.prepare_inputs(step)
 

@@ -43,25 +43,28 @@ two cold prefills sharing one group's steps take about twice as long).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import os
 import statistics
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from tandem.bench.load_generator import LoadLevel, RequestRecord, run_level
-from tandem.bench.prefix_report import plot_prefix, table_rows, title
-from tandem.bench.prefix_workload import (LABELS, NO_PREFIX, POLICIES, PREFIX_FULL, PREFIX_QUICK, PrefixBenchConfig,
-                                          hit_pairs, no_share_workload, shared_workload)
+from tandem.bench.prefix_workload import (
+    LABELS,
+    NO_PREFIX,
+    POLICIES,
+    PrefixBenchConfig,
+    hit_pairs,
+    no_share_workload,
+    shared_workload,
+)
 from tandem.bench.report import log_progress
+from tandem.bench.server import SERVED_MODEL_NAME, AppBuilder, bench_server
 from tandem.bench.workload import NUM_SPECIAL_TOKENS, BenchRequest
 
 
@@ -76,10 +79,12 @@ def run_figures(records: list[RequestRecord], prefix_ids: list[int], prefix_len:
     ttft = np.asarray([r.ttft_s for r in done]) * 1e3
     e2e = np.asarray([r.e2e_s for r in done]) * 1e3
     groups: dict[int, set[str]] = {}
-    for r, p in zip(records, prefix_ids):
+    for r, p in zip(records, prefix_ids, strict=True):
         if r.ok and p != NO_PREFIX:
             groups.setdefault(p, set()).add(r.group)
-    pct = (lambda a, q: float(np.percentile(a, q)) if a.size else math.nan)
+    def pct(a: np.ndarray, q: float) -> float:
+        return float(np.percentile(a, q)) if a.size else math.nan
+
     figures = {
         "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "e2e_p50_ms": pct(e2e, 50),
         "hit_rate": sum(is_hit(r, prefix_len) for r in done) / len(done) if done else math.nan,
@@ -135,10 +140,11 @@ def verdicts(figures: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- running it -------------------------------------------------------------------------------------
-def run_prefix_bench(cfg: PrefixBenchConfig, *, model: str | None = None,
+def run_prefix_bench(cfg: PrefixBenchConfig, local_app: AppBuilder, *, model: str | None = None,
                      engine_options: dict[str, Any] | None = None, idle_wait_s: float = 60.0,
                      show_progress: bool = True) -> dict[str, Any]:
-    """Every figure of the benchmark as one flat dict (see the module docstring)."""
+    """Every figure of the benchmark as one flat dict (see the module docstring); the apps are
+    built by `local_app` (router.serve_cli.local_app)."""
     from tandem.bench.hardware import wait_for_idle
     from tandem.workers.model.demo_model import bench_model_path
     from tandem.workers.model.hf_config import HFModelConfig
@@ -159,7 +165,7 @@ def run_prefix_bench(cfg: PrefixBenchConfig, *, model: str | None = None,
         "idle_waited_s": waited, "load_average_1m": os.getloadavg()[0],
     }
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
-    with policy_servers(model_dir, options, cfg.num_groups) as urls:
+    with policy_servers(local_app, model_dir, options, cfg.num_groups) as urls:
         for r in range(cfg.repeats):
             seed = cfg.seed + 1000 * r
             shared = shared_workload(cfg, hf_config.vocab_size, seed)
@@ -208,98 +214,22 @@ def _no_share_rounds(urls: dict[str, str], requests: list[BenchRequest], num_gro
 
 
 def _send(url: str, requests: list[BenchRequest], level: LoadLevel, seed: int = 0) -> list[RequestRecord]:
-    records, _ = asyncio.run(run_level(url, requests, level, model="tandem-bench", seed=seed))
+    records, _ = asyncio.run(run_level(url, requests, level, model=SERVED_MODEL_NAME, seed=seed))
     return records
 
 
 @contextmanager
-def policy_servers(model_dir: str, options: dict[str, Any], num_groups: int) -> Iterator[dict[str, str]]:
-    """One local Ray and Serve; one app per routing policy at /<policy>, warmed up: yields {policy: url}."""
-    import ray
-    from ray import serve
-
-    from tandem.bench.load_generator import httpx
-    from tandem.bench.serve import _free_port
-    from tandem.router.app import build_app
-
-    cores = os.cpu_count() or 1
-    ray.init(address="local", num_cpus=len(POLICIES) * num_groups + 4, include_dashboard=False,
-             log_to_driver=False)
-    try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        urls = {}
-        for policy in POLICIES:
-            # One CPU per group: its torch gets one thread (Ray sets OMP_NUM_THREADS from num_cpus).
-            app = build_app({**options, "model": model_dir, "served_model_name": "tandem-bench", "routing": policy,
-                             "num_replicas": num_groups, "group_num_cpus": max(1, cores // num_groups)})
-            serve.run(app, name=f"tandem-bench-{policy}", route_prefix=f"/{policy}")
-            urls[policy] = f"http://127.0.0.1:{port}/{policy}"
+def policy_servers(local_app: AppBuilder, model_dir: str, options: dict[str, Any],
+                   num_groups: int) -> Iterator[dict[str, str]]:
+    """One app per routing policy at /<policy>, warmed up: yields {policy: url}."""
+    # The policies take turns, so each app's groups share all the cores (one each on 2 cores:
+    # Ray sets a group's torch threads from its CPUs), and Ray gets logical CPUs for both apps.
+    group_cpus = max(1, (os.cpu_count() or 1) // num_groups)
+    apps = {policy: {**options, "model": model_dir, "routing": policy, "num_replicas": num_groups,
+                     "group_num_cpus": group_cpus} for policy in POLICIES}
+    with bench_server(local_app, apps, num_cpus=len(POLICIES) * num_groups * group_cpus + 4) as urls:
         for url in urls.values():
-            deadline = time.monotonic() + 120
-            while httpx.get(url + "/health", timeout=10).status_code != 200:
-                assert time.monotonic() < deadline, f"{url} never became healthy"
-                time.sleep(0.5)
             # Prompts shorter than a block: the first calls' one-off costs, nothing cached.
             _send(url, [BenchRequest(list(range(NUM_SPECIAL_TOKENS, NUM_SPECIAL_TOKENS + 8)), 4)] * num_groups,
                   LoadLevel(concurrency=num_groups))
         yield urls
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-# ---- command line -----------------------------------------------------------------------------------
-def register_prefix(bench_subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add `prefix` to `tandem bench`'s subcommands."""
-    from tandem.bench.cli import override_help
-
-    p = bench_subparsers.add_parser("prefix", help="prefix-aware vs load-only routing: TTFT, cache hits, overhead",
-                                    description=__doc__.split("\n\n")[0])
-    add_engine_args(p)
-    override_help(p, model="local model directory to serve (default: built-in benchmark model)",
-                  kv_cache_memory="bytes of KV cache per group (default: --cache-requests whole requests)")
-    p.add_argument("--quick", action="store_true", help="fewer requests, 2 repeats (a few minutes on 2 CPU cores)")
-    p.add_argument("--repeats", type=int, default=None, help="repeats to take the median of (default 3; --quick 2)")
-    p.add_argument("--num-requests", type=int, default=None, help="shared-workload requests per run")
-    p.add_argument("--num-prefixes", type=int, default=None)
-    p.add_argument("--request-rate", type=float, default=None, help="shared workload, req/s (Poisson)")
-    p.add_argument("--cache-requests", type=float, default=None,
-                   help="each group's KV cache, in whole requests (default: num_prefixes / 2 + 0.5)")
-    p.add_argument("--idle-wait", type=float, default=60.0, metavar="SECONDS",
-                   help="before starting, wait up to this long for other processes to go quiet; 0 = do not wait")
-    p.add_argument("--output-json", default=None, metavar="PATH", help="write every figure as one flat JSON object")
-    p.add_argument("--plot", default=None, metavar="PATH", help="write the plots to this PNG file")
-    p.set_defaults(func=run_from_args)
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    from tandem.bench import report
-    from tandem.bench.hardware import machine_figures
-    from tandem.bench.systems import resolve_device
-    from tandem.router.cli import engine_options
-
-    cfg = PREFIX_QUICK if args.quick else PREFIX_FULL
-    overrides = {"repeats": args.repeats, "num_requests": args.num_requests, "num_prefixes": args.num_prefixes,
-                 "request_rate": args.request_rate, "cache_requests": args.cache_requests}
-    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    options = engine_options(args)
-    model = options.pop("model", None)
-    if options.pop("address", None):
-        raise ValueError("bench prefix starts its own local Ray (it runs two apps side by side): drop --address")
-    before = machine_figures(resolve_device("cpu"))
-    start = time.perf_counter()
-    figures = run_prefix_bench(cfg, model=model, engine_options=options, idle_wait_s=args.idle_wait)
-    figures.update({k: v for k, v in before.items() if k != "load_average_1m"}, quick=args.quick,
-                   wall_s=time.perf_counter() - start)
-    report.print_table(title(figures), table_rows(figures))
-    if max(figures["load_average_1m"], figures["load_average_1m_end"]) > (figures.get("cpu_count") or 1) + 1:
-        print(f"warning: load average {figures['load_average_1m_end']:.1f} on {figures['cpu_count']} cores: other "
-              "processes shared the CPU, so these figures are unreliable", file=sys.stderr)
-    if args.output_json:
-        report.write_json(args.output_json, figures)
-        print(f"wrote {args.output_json}", file=sys.stderr)
-    if args.plot:
-        plot_prefix(args.plot, figures)
-        print(f"wrote {args.plot}", file=sys.stderr)
-    return 0

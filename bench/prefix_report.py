@@ -8,6 +8,7 @@ import numpy as np
 
 from tandem.bench.prefix_workload import LABELS, POLICIES
 
+
 def table_rows(figures: dict[str, Any]) -> list[tuple[str, Any, str]]:
     names = ["routed_ttft_ratio", "hit_ttft_ratio", "no_share_overhead"]
     for stem in ("routed", "load_only", "no_share_routed", "no_share_load_only"):
@@ -32,8 +33,8 @@ def plot_prefix(path: str, figures: dict[str, Any]) -> None:
 
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, (workload, stem) in zip(axes[:2], (("shared", ""), ("no-share", "no_share_"))):
-        for policy, color in zip(POLICIES, ("tab:blue", "tab:orange")):
+    for ax, (workload, stem) in zip(axes[:2], (("shared", ""), ("no-share", "no_share_")), strict=True):
+        for policy, color in zip(POLICIES, ("tab:blue", "tab:orange"), strict=True):
             samples = figures[f"{stem}{LABELS[policy]}_ttft_samples_ms"]
             fraction = np.arange(1, len(samples) + 1) / max(1, len(samples))
             ax.step(samples, fraction, where="post", color=color, label=f"routing {policy!r} (p50 "

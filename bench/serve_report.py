@@ -25,7 +25,7 @@ def print_serve_table(figures: dict[str, Any], file: Any = None) -> None:
     lines = [f"tandem bench serve: {figures.get('url', '')}  ({figures['num_requests']} requests; latencies in ms; "
              f"goodput = req/s with TTFT <= {figures['slo_ttft_ms']:g} ms and TPOT <= {figures['slo_tpot_ms']:g} ms)"]
     for row in [header] + rows:
-        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
     if "server_vs_offline_throughput" in figures:
         ratio = figures["server_vs_offline_throughput"]
         verdict = "PASS" if ratio >= TARGET_SERVER_VS_OFFLINE else "FAIL"
@@ -52,8 +52,8 @@ def plot_serve(path: str, figures: dict[str, Any]) -> None:
     levels = figures["load_levels"].split(",")
     x = np.arange(len(levels))
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
-    for ax, metric in zip(axes[:3], ("ttft", "tpot", "itl")):
-        for p, style in zip(PERCENTILES, ("o-", "s--", "^:")):
+    for ax, metric in zip(axes[:3], ("ttft", "tpot", "itl"), strict=True):
+        for p, style in zip(PERCENTILES, ("o-", "s--", "^:"), strict=True):
             ax.plot(x, [figures[f"{lv}_{metric}_p{p}_ms"] for lv in levels], style, label=f"p{p}")
         slo = figures.get(f"slo_{metric}_ms")
         if slo is not None:

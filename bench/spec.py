@@ -18,27 +18,23 @@ Cost model, at full acceptance and batch 1, per verify step of k drafts:
     speedup = (k + 1) / (v + k * d)
 
 d = draft step / target step. Decoding at batch 1 reads every weight once, so by bytes a draft
-step reads its own layers plus the whole LM head (vocab x hidden floats, 65.5 MB here) against
-the target's 200 MB: d ~= 0.41 (0.36 measured: 5.2 ms against 14.6 ms). v = target step over
-k + 1 tokens / target step over 1 token: ~1 while a step is memory-bound, but on this 2-core CPU
-small-row GEMMs run below peak: v was 2.5 at k = 8 with the [out, in] weight layout, ~2.1 once
-`use_fast_gemm_layout` (workers/model/layers.py) gave MKL row-major weights. With d and v both
-measured, k = 12 is where the bound clears 2x on this machine (see bench/RESULTS.md).
+step reads its own layers plus the whole LM head (vocab x hidden) against the target's
+weights: d ~= 0.41 for the built-in pair. v = target step over k + 1 tokens / target step over
+1 token: ~1 while a step is memory-bound, more where small-row GEMMs run below peak (CPUs).
+The default k is where the bound clears 2x with d and v as measured (bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 from tqdm.auto import tqdm
 
-DEFAULT_K = 12  # at acceptance ~1: k=8 gave 1.84x (full), k=12 2.07x (see bench/RESULTS.md)
+DEFAULT_K = 12  # see the cost model above
 
 
 def _copy_heavy_prompts(num: int, passage_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -91,8 +87,8 @@ def run_spec_bench(model: str | None, quick: bool, k: int = DEFAULT_K, repeats: 
                    progress: bool = True, draft: str | None = None, idle_wait_s: float = 0.0,
                    draft_dtype: str = "auto") -> dict[str, Any]:
     from tandem.bench.hardware import wait_for_idle
-    from tandem.workers.model.demo_model import spec_model_paths
     from tandem.workers.llm import LLM
+    from tandem.workers.model.demo_model import spec_model_paths
 
     if model is None:
         model, draft = spec_model_paths()
@@ -153,35 +149,9 @@ def run_spec_bench(model: str | None, quick: bool, k: int = DEFAULT_K, repeats: 
     }
 
 
-def register_spec(bench_subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    p = bench_subparsers.add_parser("spec", help="speculative decoding: per-token speedup, cost at saturation")
-    p.add_argument("--model", default=None,
-                   help="target model directory (default: the built-in agreeing target/draft pair)")
-    p.add_argument("--draft-model", default=None,
-                   help="draft model directory for --model (default with --model: n-gram only)")
-    p.add_argument("--quick", action="store_true", help="5 repeats of 64 tokens (about 30 s on 2 CPU cores)")
-    p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_K)
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the draft model's dtype (auto: the target's)")
-    p.add_argument("--repeats", type=int, default=None, help="batch-1 prompts to take the median over")
-    p.add_argument("--idle-wait", type=float, default=60.0, metavar="SECONDS",
-                   help="before starting, wait up to this long for other processes to go quiet; 0 = do not wait")
-    p.add_argument("--output-json", default=None, metavar="PATH")
-    p.add_argument("--plot", default=None, metavar="PATH", help="(no plot for this benchmark yet)")
-    p.set_defaults(func=_run_from_args)
+_UNITS = {"tpot_plain_ms": "ms", "tpot_spec_ms": "ms", "ngram_tpot_ms": "ms", "saturation_tok_s_plain": "tok/s",
+          "saturation_tok_s_spec": "tok/s", "idle_waited_s": "s"}
 
 
-def _run_from_args(args: argparse.Namespace) -> int:
-    from tandem.bench import report
-
-    if args.draft_model is not None and args.model is None:
-        raise SystemExit("--draft-model needs --model (the built-in target comes with its own draft)")
-    figures = run_spec_bench(args.model, args.quick, args.num_speculative_tokens, args.repeats,
-                             draft=args.draft_model, idle_wait_s=args.idle_wait, draft_dtype=args.draft_dtype)
-    units = {"tpot_plain_ms": "ms", "tpot_spec_ms": "ms", "ngram_tpot_ms": "ms", "saturation_tok_s_plain": "tok/s",
-             "saturation_tok_s_spec": "tok/s", "idle_waited_s": "s"}
-    report.print_table("tandem bench spec", [(k, v, units.get(k, "")) for k, v in figures.items()])
-    if args.output_json:
-        report.write_json(args.output_json, figures)
-        print(f"wrote {args.output_json}")
-    return 0
+def table_rows(figures: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    return [(name, value, _UNITS.get(name, "")) for name, value in figures.items()]

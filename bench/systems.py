@@ -18,7 +18,8 @@ from tandem.bench.workload import BenchRequest
 
 @dataclass(frozen=True)
 class BenchOptions:
-    model: str | None = None  # None = the built-in benchmark model
+    model: str | None = None  # None = `bench_model`'s checkpoint, else the built-in benchmark model
+    bench_model: str | None = None  # a BENCH_SHAPES name (bench_models.py); not with `model`
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     quick: bool = False
@@ -32,6 +33,7 @@ class BenchOptions:
             raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
         if self.idle_wait_s < 0:
             raise ValueError(f"idle_wait: must be >= 0 seconds, got {self.idle_wait_s}")
+        check_model_choice(self.model, self.bench_model)
 
     def contention_log(self) -> ContentionLog:
         return ContentionLog(max_wait_s=self.idle_wait_s, max_attempts=3 if self.idle_wait_s > 0 else 1)
@@ -105,6 +107,11 @@ def load_systems(opts: BenchOptions, request_sets: list[list[BenchRequest]]) -> 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Any:
     from transformers import AutoModelForCausalLM
+    if device.type == "cuda":
+        # SDPA's cuDNN backend builds a plan for every new shape (~1 ms of CPU each): a static
+        # batch's every new padded length paid it. Flash / memory-efficient SDPA is what a user
+        # of transformers gets by turning it off; tandem's GPU path does not use SDPA at all.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model.to(device).eval()
 
@@ -118,8 +125,27 @@ def _kv_bytes_for(request_sets: list[list[BenchRequest]], hf_config: Any, dtype:
 
 
 def resolve_model_dir(opts: BenchOptions) -> str:
+    return pick_model_dir(opts.model, opts.bench_model)
+
+
+def check_model_choice(model: str | None, bench_model: str | None) -> None:
+    from tandem.bench.bench_models import BENCH_SHAPES
+
+    if model is not None and bench_model is not None:
+        raise ValueError("--model and --bench-model: give one or the other")
+    if bench_model is not None and bench_model not in BENCH_SHAPES:
+        raise ValueError(f"bench_model: must be one of {', '.join(BENCH_SHAPES)}, got {bench_model!r}")
+
+
+def pick_model_dir(model: str | None, bench_model: str | None) -> str:
+    """`model`, else `bench_model`'s checkpoint (written on first use), else the built-in benchmark model."""
+    from tandem.bench.bench_models import BENCH_SHAPES, bench_model_dir
     from tandem.workers.model.demo_model import bench_model_path
-    return opts.model or bench_model_path()
+
+    check_model_choice(model, bench_model)
+    if model is not None:
+        return model
+    return bench_model_dir(BENCH_SHAPES[bench_model]) if bench_model is not None else bench_model_path()
 
 
 def vocab_size_of(model_dir: str) -> int:

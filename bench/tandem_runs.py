@@ -6,9 +6,10 @@ forward, logits, sampling, detokenisation and output building).
 
 Engine overhead compares that step time with the model alone on the very same inputs: while
 the engine runs, the `StepInputs` its runner prepared for each pure-decode step are kept;
-afterwards `time_bare_forward` replays them as `model(input_ids, positions, meta)` plus
-`compute_logits` and nothing else. Timing `runner.execute` instead would leave the scheduler
-and output processing out of the numerator, which is the overhead we want to see.
+afterwards `time_bare_forward` replays them through the runner's bare forward (the model and
+the scored rows' logits, a CUDA-graph replay for graph steps) and nothing else. Timing
+`runner.execute` instead would leave the scheduler and output processing out of the
+numerator, which is the overhead we want to see.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class _StepCapture:
         self.runner = runner
         self.last: Any = None
 
-    def __enter__(self) -> "_StepCapture":
+    def __enter__(self) -> _StepCapture:
         inner = self.runner.prepare_inputs
 
         def prepare_inputs(out: Any) -> Any:
@@ -77,7 +78,8 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
     with _StepCapture(engine.executor.runner) as capture:
         start = time.perf_counter()
         for request_id, req in zip(ids, requests):
-            params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+            # As LLM.generate asks: one output per request, when it finishes.
+            params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True, output_kind="final")
             engine.add_request(request_id, {"prompt_token_ids": req.prompt_token_ids}, params)
         while engine.has_unfinished_requests():
             capture.last = None
@@ -91,9 +93,11 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
                 produced[out.request_id] = num
             bar.update(new)
             inputs = capture.last
-            if inputs is not None and not inputs.meta.prefills and inputs.meta.num_decodes == len(requests):
+            if inputs is not None and not inputs.meta.prefills and len(inputs.req_ids) == len(requests):
                 result.decode_step_s.append(step_s)
                 if record_inputs:
+                    if inputs.graph_batch is not None:  # the graphs' shared buffer: keep this step's copy
+                        inputs.staged = inputs.staged.clone()
                     result.decode_inputs.append(inputs)
         result.elapsed_s = time.perf_counter() - start
     bar.close()
@@ -105,24 +109,28 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
 
 
 @torch.inference_mode()
-def time_bare_forward(model: Any, inputs: list[Any], device: torch.device) -> list[float]:
-    """Seconds of `model(...)` + `compute_logits` on each recorded step's inputs.
+def time_bare_forward(runner: Any, inputs: list[Any], device: torch.device) -> list[float]:
+    """Seconds of the runner's bare forward (the model and the scored rows' logits; a graph
+    replay for graph steps) on each recorded step's inputs.
 
     The per-step masks and kernel tables cached on the metadata are cleared first: building
-    them is part of the forward pass the engine paid for. Replaying writes each step's K/V into the slots it
-    wrote before (freed blocks by now), which changes nothing any request will read.
+    them is part of the forward pass the engine paid for. Replaying writes each step's K/V into
+    the slots it wrote before (freed blocks by now), which changes nothing any request will read.
+    A graph step's inputs are copied into the graphs' buffer again, as the engine does.
     """
     times = []
     for step in inputs:
         meta = step.meta
-        meta.decode_masks.clear()
+        meta.decode_groups_by_window.clear()
         meta.kernel_inputs = None  # the CPU kernel's block tables, built per step like the masks
         for seq in meta.prefills:
             seq.masks.clear()
+            seq.block_index = None
+        if step.graph_batch is not None:  # later steps overwrote the shared input buffer
+            runner.graphs.buffer[:step.staged.numel()].copy_(step.staged)
         sync(device)
         start = time.perf_counter()
-        hidden = model(step.input_ids, step.positions, meta)
-        model.compute_logits(hidden)
+        runner.forward(step)
         sync(device)
         times.append(time.perf_counter() - start)
     return times

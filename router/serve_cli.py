@@ -7,17 +7,19 @@ cluster. Ctrl-C or SIGTERM shuts the application (and a Ray it started) down.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 APP_NAME = "tandem"
 GRPC_SERVICER = "tandem.router.tandem_pb2_grpc.add_TandemServicer_to_server"
 
 
-def register(subparsers, add_engine_args) -> None:
+def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None],
+             engine_options: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
     p = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI API) and gRPC on Ray Serve")
     add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
@@ -35,35 +37,40 @@ def register(subparsers, add_engine_args) -> None:
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, else none)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=lambda args: run(args, engine_options(args)))
 
 
-def app_args(args: argparse.Namespace) -> dict:
-    """build_app's arguments from the command line."""
-    from tandem.router.app import group_world_size, local_group_num_cpus
-    from tandem.router.cli import engine_options
-
-    options = engine_options(args)
+def app_args(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[str, Any]:
+    """build_app's arguments from the command line (`engine_options`: its engine options)."""
+    options = dict(engine_options)
     options.pop("address", None)
     if options.get("model"):
         options["model"] = os.path.abspath(options["model"])  # replicas do not share our cwd
     options.update(served_model_name=args.served_model_name or args.model, num_replicas=args.num_replicas,
                    api_key=args.api_key, routing=args.routing, kv_fetch=args.kv_fetch,
                    host_kv_memory_per_node=args.host_kv_memory_per_node)
-    if not args.address and group_world_size(options) == 1:  # everything on this machine
-        options["group_num_cpus"] = local_group_num_cpus(args.num_replicas, os.cpu_count() or 1)
-    return options
+    return options if args.address else local_group_options(options)
 
 
-def grpc_servicer_functions() -> list[str]:
-    module = GRPC_SERVICER.rsplit(".", 1)[0]
-    try:
-        return [GRPC_SERVICER] if importlib.util.find_spec(module) is not None else []
-    except ImportError:
-        return []
+def local_group_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` for an application whose groups all run on this machine: a TP=1 group gets
+    the cores but one (`local_group_num_cpus`) unless `group_num_cpus` is given."""
+    from tandem.router.app import group_world_size, local_group_num_cpus
+
+    if "group_num_cpus" in options or group_world_size(options) > 1:
+        return options
+    cpus = local_group_num_cpus(options.get("num_replicas") or 1, os.cpu_count() or 1)
+    return {**options, "group_num_cpus": cpus}
 
 
-def run(args: argparse.Namespace) -> int:
+def local_app(options: dict[str, Any]) -> Any:
+    """The Serve application of `options` (engine and serving options) with its groups on this machine."""
+    from tandem.router.app import build_app
+
+    return build_app(local_group_options(options))
+
+
+def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
@@ -71,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.cluster.kv_allocator import kill_allocator
     from tandem.router.app import build_app, num_cpus_needed
 
-    options = app_args(args)
+    options = app_args(args, engine_options)
     application = build_app(options)  # bad options fail before Ray starts
     if args.address:
         ray.init(address=args.address)
@@ -82,15 +89,11 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
         signal.signal(sig, _interrupt)
     try:
-        servicers = grpc_servicer_functions()
         serve.start(http_options=HTTPOptions(host=args.host, port=args.port),
-                    grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=servicers))
+                    grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
         serve.run(application, name=APP_NAME, route_prefix="/")
         print(f"tandem: HTTP (OpenAI API) listening on http://{args.host}:{args.port}/v1", flush=True)
-        if servicers:
-            print(f"tandem: gRPC listening on {args.host}:{args.grpc_port}", flush=True)
-        else:
-            print("tandem: gRPC not available (tandem.router.tandem_pb2_grpc is not installed)", flush=True)
+        print(f"tandem: gRPC listening on {args.host}:{args.grpc_port}", flush=True)
         print("tandem: press Ctrl-C to stop", flush=True)
         while True:
             time.sleep(3600)

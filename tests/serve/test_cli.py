@@ -16,8 +16,12 @@ from tests.serve.conftest import free_port
 
 
 def test_serve_flags_become_build_app_args():
-    from tandem.router.cli import build_parser
+    from tandem.router.cli import build_parser, engine_options
     from tandem.router.serve_cli import app_args
+
+    def app_args_of(argv: list[str]) -> dict:
+        args = build_parser().parse_args(argv)
+        return app_args(args, engine_options(args))
 
     args = build_parser().parse_args([
         "serve", "--model", "some/model", "--served-model-name", "m", "--tensor-parallel-size", "2",
@@ -26,7 +30,7 @@ def test_serve_flags_become_build_app_args():
         "--dtype", "float32", "--host", "127.0.0.1", "--port", "8001", "--grpc-port", "9001",
         "--api-key", "k", "--address", "ray://x:10001", "--routing", "load", "--host-kv-cache-memory", "4096",
         "--host-kv-memory-per-node", "8192", "--kv-fetch", "never", "--no-cpu-packed-weights"])
-    options = app_args(args)
+    options = app_args(args, engine_options(args))
     assert options == {
         "model": os.path.abspath("some/model"), "served_model_name": "m", "tensor_parallel_size": 2,
         "pipeline_parallel_size": 1, "num_replicas": 3, "max_model_len": 512, "max_num_seqs": 8,
@@ -34,25 +38,49 @@ def test_serve_flags_become_build_app_args():
         "api_key": "k", "routing": "load", "host_kv_cache_memory": 4096, "host_kv_memory_per_node": 8192,
         "kv_fetch": "never", "cpu_packed_weights": False}
     assert (args.host, args.port, args.grpc_port, args.address) == ("127.0.0.1", 8001, 9001, "ray://x:10001")
-    defaults = build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.5"])
-    assert app_args(defaults)["gpu_memory_utilization"] == 0.5 and "model" not in app_args(defaults)
-    assert "cpu_packed_weights" not in app_args(defaults)  # the engine's default (on)
-    assert (app_args(defaults)["routing"], app_args(defaults)["kv_fetch"]) == ("prefix", "auto")
+    defaults = app_args_of(["serve", "--gpu-memory-utilization", "0.5"])
+    assert defaults["gpu_memory_utilization"] == 0.5 and "model" not in defaults
+    assert "cpu_packed_weights" not in defaults and "enforce_eager" not in defaults  # the engine's defaults
+    assert (defaults["routing"], defaults["kv_fetch"]) == ("prefix", "auto")
+    assert app_args_of(["serve", "--enforce-eager", "--address", "auto"])["enforce_eager"] is True
+
+
+def test_engine_flags_come_from_one_table():
+    from tandem.router.cli import ENGINE_FLAGS, build_parser, engine_options
+
+    assert [flag.dest for flag in ENGINE_FLAGS] == [
+        "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
+        "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "cpu_packed_weights",
+        "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size", "speculative_model",
+        "num_speculative_tokens", "speculative_draft_dtype", "speculative_draft_tensor_parallel_size", "address",
+        "seed"]
+    args = build_parser().parse_args(["generate", "-tp", "2", "-pp", "3", "--no-enable-prefix-caching",
+                                      "--enforce-eager", "--seed", "0"])
+    assert engine_options(args) == {"dtype": "auto", "tensor_parallel_size": 2, "pipeline_parallel_size": 3,
+                                    "enable_prefix_caching": False, "enforce_eager": True, "seed": 0}
+    assert engine_options(build_parser().parse_args(["generate"])) == {"dtype": "auto"}
 
 
 def test_a_local_tp1_group_leaves_one_core_to_serve(monkeypatch):
     from tandem.router.app import local_group_num_cpus
-    from tandem.router.cli import build_parser
-    from tandem.router.serve_cli import app_args
+    from tandem.router.cli import build_parser, engine_options
+    from tandem.router.serve_cli import app_args, local_group_options
+
+    def app_args_of(argv: list[str]) -> dict:
+        args = build_parser().parse_args(argv)
+        return app_args(args, engine_options(args))
 
     assert [local_group_num_cpus(1, c) for c in (1, 2, 8)] == [1, 1, 7]
     assert [local_group_num_cpus(n, 9) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    assert app_args(build_parser().parse_args(["serve"]))["group_num_cpus"] == 7
-    assert app_args(build_parser().parse_args(["serve", "--num-replicas", "2"]))["group_num_cpus"] == 3
+    assert app_args_of(["serve"])["group_num_cpus"] == 7
+    assert app_args_of(["serve", "--num-replicas", "2"])["group_num_cpus"] == 3
     # A TP>1 group's workers size their own threads; on a cluster the deployment's options decide.
-    assert "group_num_cpus" not in app_args(build_parser().parse_args(["serve", "-tp", "2"]))
-    assert "group_num_cpus" not in app_args(build_parser().parse_args(["serve", "--address", "auto"]))
+    assert "group_num_cpus" not in app_args_of(["serve", "-tp", "2"])
+    assert "group_num_cpus" not in app_args_of(["serve", "--address", "auto"])
+    # The bench's servers: the same rule, unless they say how many CPUs a group gets.
+    assert local_group_options({"num_replicas": 4}) == {"num_replicas": 4, "group_num_cpus": 1}
+    assert local_group_options({"group_num_cpus": 3}) == {"group_num_cpus": 3}
 
 
 def test_bad_option_fails_before_anything_starts(capsys):

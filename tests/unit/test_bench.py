@@ -1,23 +1,19 @@
-"""Tests for tandem.bench: the pieces on a tiny model, and the JSON/plot outputs of both benchmarks."""
+"""Tests for tandem.bench's pieces on a tiny model (tests/bench runs the commands end to end)."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
-from tandem.bench import hf_baseline, latency, offline, report
+from tandem.bench import hf_baseline, latency, report
 from tandem.bench.cli import register
 from tandem.bench.model_cost import ModelCost
 from tandem.bench.systems import BenchOptions
 from tandem.bench.workload import BenchRequest, WorkloadSpec, fixed_length_requests, make_workload
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_OFFLINE = WorkloadSpec(num_requests=5, prompt_len=(6, 20), output_len=(3, 7), seed=3)
-TINY_LATENCY = latency.LatencyShape(prompt_len=12, output_len=5, sweep_prompt_len=8, sweep_output_len=4,
-                                    sweep_batches=(1, 2, 4))
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +21,6 @@ def tiny_dir(tmp_path_factory) -> str:
     from tandem.workers.model.demo_model import create_model_dir
     return create_model_dir(tmp_path_factory.mktemp("bench-model"), hidden_size=64, intermediate_size=128,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-
-
-def _opts(tiny_dir: str) -> BenchOptions:
-    return BenchOptions(model=tiny_dir, device="cpu", repeats=1, show_progress=False, idle_wait_s=0)
 
 
 def test_workload_is_seeded_and_in_range() -> None:
@@ -85,53 +77,23 @@ def test_hf_static_counts_only_requested_tokens(tiny_dir) -> None:
     assert seq.num_output_tokens == seq.num_generated_tokens == 10
 
 
-def test_offline_figures_json_and_plot(tiny_dir, tmp_path) -> None:
-    fig = offline.run_offline(_opts(tiny_dir), spec=TINY_OFFLINE)
-    for key in ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_sequential", "mfu",
-                "tandem_output_tok_s", "hf_static_output_tok_s", "hf_sequential_output_tok_s",
-                "peak_matmul_flops", "model_flops"):
-        assert isinstance(fig[key], (int, float)) and fig[key] > 0, key
-    assert fig["num_output_tokens"] == sum(r.output_len for r in make_workload(TINY_OFFLINE, 512))
-    assert math.isclose(fig["throughput_ratio_vs_hf_static"],
-                        fig["tandem_output_tok_s"] / fig["hf_static_output_tok_s"])
-    path = tmp_path / "offline.json"
-    report.write_json(str(path), fig)
-    loaded = json.loads(path.read_text())
-    assert loaded["mfu"] == fig["mfu"]
-    assert not any(isinstance(v, dict) for v in loaded.values())
-    report.plot_offline(str(tmp_path / "offline.png"), fig)
-    assert (tmp_path / "offline.png").read_bytes()[:8] == PNG_MAGIC
-    report.print_table(offline.title(fig), offline.table_rows(fig))
-
-
-def test_latency_figures_json_and_plot(tiny_dir, tmp_path) -> None:
-    fig = latency.run_latency(_opts(tiny_dir), shape=TINY_LATENCY)
-    for key in ("tpot_ratio_vs_hf", "mbu", "engine_overhead", "tpot_tandem_ms", "tpot_hf_ms",
-                "copy_bandwidth_bytes_s", "bare_forward_ms"):
-        assert isinstance(fig[key], float) and fig[key] > 0, key
-    assert report.sweep_batches(fig) == [1, 2, 4]
-    for b in (1, 2, 4):
-        assert fig[f"sweep_b{b}_tok_s"] == pytest.approx(b / fig[f"sweep_b{b}_tpot_ms"] * 1e3)
-    path = tmp_path / "latency.json"
-    report.write_json(str(path), fig)
-    assert set(json.loads(path.read_text())) == set(fig)
-    report.plot_latency(str(tmp_path / "latency.png"), fig)
-    assert (tmp_path / "latency.png").read_bytes()[:8] == PNG_MAGIC
-
-
-def test_cli_registers_bench_commands(capsys) -> None:
+def test_cli_registers_every_bench_command() -> None:
     from tandem.router.cli import build_parser
+
     args = build_parser().parse_args(["bench", "offline", "--quick", "--output-json", "x.json", "--repeats", "2",
-                                      "--device", "cpu", "--max-num-seqs", "8"])
-    assert (args.benchmark, args.quick, args.output_json, args.repeats, args.device) == ("offline", True, "x.json", 2,
-                                                                                         "cpu")
-    assert args.max_num_seqs == 8
-    args = build_parser().parse_args(["bench", "overlap", "--quick"])
-    try:
-        import tandem.bench.overlap  # noqa: F401
-    except ModuleNotFoundError:
-        assert args.func(args) == 1
-        assert "not available" in capsys.readouterr().err
+                                      "--device", "cpu", "--max-num-seqs", "8", "--num-requests", "5"])
+    assert (args.bench_command, args.quick, args.output_json, args.repeats, args.device) == (
+        "offline", True, "x.json", 2, "cpu")
+    assert (args.max_num_seqs, args.num_requests, args.bench_model) == (8, 5, None)
+    args = build_parser().parse_args(["bench", "latency", "--bench-model", "llama-8b", "--hf-compiled",
+                                      "--sweep-batches", "1,128"])
+    assert (args.bench_model, args.hf_compiled, args.sweep_batches) == ("llama-8b", True, "1,128")
+    for command in ("overlap", "serve", "spec", "prefix"):
+        args = build_parser().parse_args(["bench", command, "--bench-model", "llama-1b", "--quick"])
+        assert (args.bench_command, args.bench_model, args.quick) == (command, "llama-1b", True)
+    assert build_parser().parse_args(["bench", "spec"]).num_speculative_tokens == 12
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "offline", "--bench-model", "llama-70b"])
 
 
 def test_table_marks_targets(capsys) -> None:
@@ -142,18 +104,58 @@ def test_table_marks_targets(capsys) -> None:
     assert report.meets_target("unknown", 1.0) is None
 
 
-def test_register_is_standalone() -> None:
+def test_register_takes_what_it_needs_from_the_router_as_hooks() -> None:
     import argparse
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="command")
+
+    from tandem.bench.cli import RouterHooks
 
     def add_engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model")
         p.add_argument("--dtype", default="auto")
 
-    register(sub, add_engine_args)
-    args = parser.parse_args(["bench", "latency", "--plot", "l.png"])
-    assert (args.benchmark, args.plot, args.repeats) == ("latency", "l.png", None)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"), RouterHooks(add_engine_args, vars, lambda options: None))
+    args = parser.parse_args(["bench", "latency", "--plot", "l.png", "--model", "m"])
+    assert (args.bench_command, args.plot, args.repeats, args.model) == ("latency", "l.png", None, "m")
+
+
+def test_bench_options_take_one_model() -> None:
+    with pytest.raises(ValueError, match="--model and --bench-model"):
+        BenchOptions(model="m", bench_model="llama-1b")
+    with pytest.raises(ValueError, match="bench_model: must be one of llama-1b, llama-8b"):
+        BenchOptions(bench_model="llama-70b")
+    assert BenchOptions(bench_model="llama-8b").bench_model == "llama-8b"  # built when a benchmark runs, not here
+
+
+def test_hf_compiled_figures_are_null_when_not_measured() -> None:
+    assert latency.hf_compiled_figures([0.02], [None], None) == {
+        "tpot_hf_compiled_ms": None, "tpot_ratio_vs_hf_compiled": None, "hf_compiled_error": None}
+    assert latency.hf_compiled_figures([0.02], [None], "BackendCompilerFailed: no compiler")["hf_compiled_error"] == (
+        "BackendCompilerFailed: no compiler")
+    assert latency.hf_compiled_figures([0.02, 0.03], [0.01, 0.02], None) == {
+        "tpot_hf_compiled_ms": 15.0, "tpot_ratio_vs_hf_compiled": 1.75, "hf_compiled_error": None}
+
+
+def test_latency_sweeps_to_128_on_cuda_only() -> None:
+    assert latency.default_shape(True, torch.device("cpu")) == latency.LATENCY_QUICK
+    assert latency.default_shape(False, torch.device("cuda")).sweep_batches == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert latency.default_shape(False, torch.device("cuda")).prompt_len == latency.LATENCY_FULL.prompt_len
+
+
+def test_write_outputs_and_busy_warning(tmp_path, capsys) -> None:
+    figures = {"mfu": 0.5, "device": "cpu", "cpu_count": 2, "load_average_1m": 0.5, "load_average_1m_end": 3.5}
+    report.write_outputs(figures, str(tmp_path / "f.json"), str(tmp_path / "f.png"), None)
+    assert json.loads((tmp_path / "f.json").read_text()) == figures
+    assert not (tmp_path / "f.png").exists()
+    err = capsys.readouterr().err
+    assert f"wrote {tmp_path / 'f.json'}" in err and "no plot for this benchmark" in err
+    report.warn_if_busy(figures)
+    assert "load average 3.5 on 2 cores: other processes" in capsys.readouterr().err
+    report.warn_if_busy({**figures, "load_average_1m_end": 1.0, "process_cpu_share": 0.5})
+    assert "this process got 50% of its threads' CPU time" in capsys.readouterr().err
+    report.warn_if_busy({**figures, "device": "cuda"})
+    report.warn_if_busy({**figures, "load_average_1m_end": 1.0})
+    assert capsys.readouterr().err == ""
 
 
 def test_contention_log_runs_once_when_told_not_to_wait() -> None:

@@ -8,11 +8,17 @@ import pytest
 
 from tandem.bench import prefix as bench_prefix
 from tandem.bench import report
+from tandem.bench.load_generator import RequestRecord
 from tandem.bench.prefix import run_figures, same_group_rounds, summarize, verdicts
 from tandem.bench.prefix_report import plot_prefix, table_rows
-from tandem.bench.prefix_workload import (NO_PREFIX, PREFIX_QUICK, PrefixBenchConfig, hit_pairs, no_share_workload,
-                                          shared_workload)
-from tandem.bench.load_generator import RequestRecord
+from tandem.bench.prefix_workload import (
+    NO_PREFIX,
+    PREFIX_QUICK,
+    PrefixBenchConfig,
+    hit_pairs,
+    no_share_workload,
+    shared_workload,
+)
 from tandem.bench.workload import NUM_SPECIAL_TOKENS, BenchRequest
 
 CFG = PrefixBenchConfig(num_prefixes=3, prefix_len=18, suffix_len=2, output_len=4, num_requests=8, num_no_share=5,
@@ -24,7 +30,7 @@ def test_shared_workload_shares_exactly_the_prefix() -> None:
     w = shared_workload(CFG, VOCAB, seed=7)
     assert len(w.requests) == 8 and len(w.prefixes) == 3
     assert sorted(w.prefix_ids) == [0, 0, 0, 1, 1, 1, 2, 2]  # each prefix equally often, +-1
-    for req, p in zip(w.requests, w.prefix_ids):
+    for req, p in zip(w.requests, w.prefix_ids, strict=True):
         assert len(req.prompt_token_ids) == 20 and req.output_len == 4
         assert req.prompt_token_ids[:18] == w.prefixes[p]
     assert len({tuple(r.prompt_token_ids) for r in w.requests}) == 8  # suffixes are each request's own

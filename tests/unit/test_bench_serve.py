@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -11,9 +10,8 @@ import threading
 import pytest
 from aiohttp import web
 
-from tandem.bench import report
+from tandem.bench import load_generator, report, serve_report
 from tandem.bench import serve as bench_serve
-from tandem.bench import load_generator, serve_report
 from tandem.bench.load_generator import LoadLevel, RequestRecord, arrival_offsets, summarize
 from tandem.bench.serve import run_serve_bench
 from tandem.bench.workload import BenchRequest, WorkloadSpec, make_workload
@@ -119,7 +117,7 @@ def test_summarize_with_no_successes_gives_nan_latencies() -> None:
 def test_arrivals_are_seeded_poisson() -> None:
     offsets = arrival_offsets(2000, rate=4.0, seed=3)
     assert offsets == arrival_offsets(2000, rate=4.0, seed=3) != arrival_offsets(2000, rate=4.0, seed=4)
-    assert offsets[0] == 0.0 and all(b >= a for a, b in zip(offsets, offsets[1:]))
+    assert offsets[0] == 0.0 and all(b >= a for a, b in zip(offsets, offsets[1:], strict=False))
     assert offsets[-1] / 1999 == pytest.approx(0.25, rel=0.1)  # mean gap 1 / rate
     assert arrival_offsets(3, rate=math.inf, seed=0) == [0.0, 0.0, 0.0]
 
@@ -191,19 +189,21 @@ def test_fixed_concurrency_and_failures(fake_server, capsys) -> None:
     assert records[0].num_output_tokens == 3 and len(records[0].itl_s) == 2
 
 
-def test_cli_hook_parses_and_prints(fake_server, tmp_path, capsys, monkeypatch) -> None:
-    from tandem.router.cli import _add_engine_args
+def test_cli_against_a_url(fake_server, tmp_path, capsys, monkeypatch) -> None:
+    from tandem.router.cli import main
 
     _, url = fake_server
     monkeypatch.setattr(bench_serve, "SERVE_FULL", SPEC)  # short outputs: a fast test
-    parser = argparse.ArgumentParser()
-    bench_serve.register_serve(parser.add_subparsers(dest="bench_command"), _add_engine_args)
     out_json = tmp_path / "out.json"
-    args = parser.parse_args(["serve", "--url", url, "--num-requests", "3", "--concurrency", "1,3",
-                              "--vocab-size", "50", "--output-json", str(out_json)])
-    assert args.func(args) == 0
+    assert main(["bench", "serve", "--url", url, "--num-requests", "3", "--concurrency", "1,3",
+                 "--vocab-size", "50", "--output-json", str(out_json)]) == 0
     figures = json.loads(out_json.read_text())
     assert figures["load_levels"] == "conc1,conc3" and figures["num_requests"] == 3
     assert figures["conc3_num_completed"] == 3
     printed = capsys.readouterr().out
     assert "conc1" in printed and "TTFT p50" in printed
+
+
+def test_serving_here_needs_an_app_builder() -> None:
+    with pytest.raises(ValueError, match="local_app"):
+        run_serve_bench(None, True, spec=SPEC)

@@ -18,8 +18,17 @@ from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.utils import logging as hf_logging
 
 BOS, EOS, PAD, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
@@ -130,14 +139,48 @@ def create_model_dir(
     max_shard_size: str | None = None, tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> str:
     """Write a randomly initialised HF checkpoint (config, safetensors, tokenizer) to `path`."""
-    if architecture not in _ARCHS:
-        raise ValueError(f"architecture must be one of {sorted(_ARCHS)}, got {architecture!r}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if tokenizer is None:
         tokenizer = build_tokenizer(vocab_size, seed)
-    config_cls, model_cls = _ARCHS[architecture]
+    config = model_config(
+        tokenizer, architecture=architecture, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=tie_word_embeddings,
+        attention_bias=attention_bias, sliding_window=sliding_window, init_std=init_std)
 
+    torch.manual_seed(seed)
+    model = _ARCHS[architecture][1](config)
+    # Re-initialise with a wide spread: the HF default (std 0.02) makes logits nearly flat,
+    # so greedy argmax would flip on float noise; tests compare greedy outputs across
+    # implementations and need decisive winners. named_parameters() skips tied duplicates.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.1).add_(1.0)
+            else:
+                param.normal_(0.0, init_std)
+    model = model.to(_DTYPES[dtype])
+    model.generation_config = generation_config(tokenizer)
+    with _quiet_hf_progress():  # no "Writing model shards" bars on stderr
+        # No safe_serialization argument: safetensors is the only format in transformers 5.
+        model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def model_config(
+    tokenizer: PreTrainedTokenizerFast, *, architecture: str = "llama", hidden_size: int = 64,
+    intermediate_size: int = 128, num_hidden_layers: int = 2, num_attention_heads: int = 4,
+    num_key_value_heads: int = 2, head_dim: int | None = None, max_position_embeddings: int = 512,
+    rope_theta: float = 10000.0, rope_scaling: dict[str, Any] | None = None,
+    tie_word_embeddings: bool | None = None, attention_bias: bool | None = None,
+    sliding_window: int | None = None, init_std: float = 0.15, dtype: str | None = None,
+) -> PreTrainedConfig:
+    """The HF config of a model of this shape whose vocabulary is `tokenizer`'s."""
+    if architecture not in _ARCHS:
+        raise ValueError(f"architecture must be one of {sorted(_ARCHS)}, got {architecture!r}")
     # transformers 5 replaced `rope_scaling` with `rope_parameters`, which also carries rope_theta.
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling:
@@ -151,11 +194,15 @@ def create_model_dir(
         hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
-        rope_parameters=rope, initializer_range=init_std, architectures=[model_cls.__name__],
+        rope_parameters=rope, initializer_range=init_std, architectures=[_ARCHS[architecture][1].__name__],
         tie_word_embeddings=(architecture == "qwen2") if tie_word_embeddings is None else tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    if dtype is not None:
+        kwargs["dtype"] = dtype
     if architecture == "llama":
         kwargs["attention_bias"] = bool(attention_bias)
         if sliding_window is not None:
@@ -171,33 +218,13 @@ def create_model_dir(
         # max_window_layers=0 makes every layer use the window, matching mistral's behaviour.
         kwargs.update(use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
                       max_window_layers=0)
-    config = config_cls(**kwargs)
+    return _ARCHS[architecture][0](**kwargs)
 
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    # Re-initialise with a wide spread: the HF default (std 0.02) makes logits nearly flat,
-    # so greedy argmax would flip on float noise; tests compare greedy outputs across
-    # implementations and need decisive winners. named_parameters() skips tied duplicates.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(0.0, 0.1).add_(1.0)
-            else:
-                param.normal_(0.0, init_std)
-    model = model.to(_DTYPES[dtype])
-    # Chat turns end with <|im_end|>, plain completions with <|eos|>: both must stop generation.
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)])
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # else "Writing model shards" bars clutter stderr
-    try:  # No safe_serialization argument: safetensors is the only format in transformers 5.
-        model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(path)
-    return str(path)
+
+def generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
+    """Chat turns end with <|im_end|>, plain completions with <|eos|>: both must stop generation."""
+    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)])
 
 
 def cache_dir() -> Path:
@@ -210,11 +237,11 @@ def cache_dir() -> Path:
 
 
 def _cached_model(name: str, **spec: Any) -> str:
-    """Create `name` under the cache dir once (see `_cached_dir`) with `create_model_dir(**spec)`."""
-    return _cached_dir(name, lambda tmp: create_model_dir(tmp, **spec))
+    """Create `name` under the cache dir once (see `cached_dir`) with `create_model_dir(**spec)`."""
+    return cached_dir(name, lambda tmp: create_model_dir(tmp, **spec))
 
 
-def _cached_dir(name: str, build: Callable[[Path], object]) -> str:
+def cached_dir(name: str, build: Callable[[Path], object], what: str = "a few seconds") -> str:
     """Create `name` under the cache dir once; safe when several processes race to do it.
 
     Each builds in its own temp dir beside the target and renames it into place: rename is
@@ -223,7 +250,7 @@ def _cached_dir(name: str, build: Callable[[Path], object]) -> str:
     if target.is_dir():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"tandem: creating built-in model {target} (one-time, a few seconds)", file=sys.stderr)
+    print(f"tandem: creating built-in model {target} (one-time, {what})", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model itself is not secret
     try:
@@ -313,7 +340,7 @@ def spec_model_paths() -> tuple[str, str]:
     Same shapes and base weights as `bench_model_path()` (so the target costs what the bench
     model costs per token); the draft is 16.8 MB of layer plus the 65.5 MB LM head, ~41% of
     the target's 200 MB."""
-    root = Path(_cached_dir("spec-llama-v1", lambda tmp: create_spec_pair(
+    root = Path(cached_dir("spec-llama-v1", lambda tmp: create_spec_pair(
         tmp, num_draft_layers=1, architecture="llama", hidden_size=512, intermediate_size=2048,
         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,
         max_position_embeddings=4096, seed=4321, init_std=0.1)))

@@ -1,0 +1,82 @@
+"""`tandem bench offline | latency | spec | overlap` end to end through the `tandem` entry point,
+on a tiny model with the smallest settings: exit code 0 and the documented JSON figures."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tandem.bench.bench_models import BENCH_SHAPES
+from tandem.bench.report import sweep_batches
+from tandem.bench.workload import OFFLINE_QUICK, make_workload
+from tandem.router.cli import main
+from tandem.workers.model.demo_model import cache_dir
+from tests.bench.conftest import PNG_MAGIC, TINY_SHAPE, bench
+from tests.conftest import tiny_model
+
+SMALLEST = ["--quick", "--repeats", "1", "--idle-wait", "0"]
+
+
+def test_offline(tmp_path: Path) -> None:
+    plot = tmp_path / "offline.png"
+    fig = bench(tmp_path, "offline", "--model", tiny_model(), "--device", "cpu", "--num-requests", "3",
+                "--plot", str(plot), *SMALLEST)
+    requests = make_workload(replace(OFFLINE_QUICK, num_requests=3), 512)
+    assert (fig["num_requests"], fig["repeats"], fig["quick"], fig["device"]) == (3, 1, True, "cpu")
+    assert fig["num_output_tokens"] == sum(r.output_len for r in requests)
+    assert fig["gpu_busy"] is None  # measured on CUDA only
+    for key in ("tandem_output_tok_s", "hf_static_output_tok_s", "hf_sequential_output_tok_s", "mfu",
+                "peak_matmul_flops", "model_flops", "wall_s", "process_cpu_share"):
+        assert fig[key] > 0, key
+    assert fig["throughput_ratio_vs_hf_static"] == pytest.approx(
+        fig["tandem_output_tok_s"] / fig["hf_static_output_tok_s"])
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_latency_on_a_bench_model_with_hf_compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--bench-model's path (built into the model cache) and transformers' compiled fast path on CPU."""
+    monkeypatch.setitem(BENCH_SHAPES, TINY_SHAPE.name, TINY_SHAPE)
+    plot = tmp_path / "latency.png"
+    fig = bench(tmp_path, "latency", "--bench-model", TINY_SHAPE.name, "--device", "cpu", "--sweep-batches", "1,2",
+                "--hf-compiled", "--plot", str(plot), *SMALLEST)
+    assert fig["model"] == str(cache_dir() / TINY_SHAPE.cache_name)
+    assert (fig["prompt_len"], fig["output_len"], fig["repeats"]) == (128, 32, 1)
+    assert sweep_batches(fig) == [1, 2]
+    for b in (1, 2):
+        assert fig[f"sweep_b{b}_tok_s"] == pytest.approx(b / fig[f"sweep_b{b}_tpot_ms"] * 1e3)
+    for key in ("tpot_tandem_ms", "tpot_hf_ms", "tpot_hf_compiled_ms", "mbu", "engine_overhead", "bare_forward_ms"):
+        assert fig[key] > 0, key
+    assert fig["tpot_ratio_vs_hf"] == pytest.approx(fig["tpot_tandem_ms"] / fig["tpot_hf_ms"])
+    assert fig["tpot_ratio_vs_hf_compiled"] == pytest.approx(fig["tpot_tandem_ms"] / fig["tpot_hf_compiled_ms"])
+    assert fig["hf_compiled_error"] is None
+    assert fig["decode_tok_s_at_128"] is None  # the CPU sweep stops below 128
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_model_and_bench_model_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("offline", "latency", "serve", "spec", "prefix", "overlap"):
+        assert main(["bench", command, "--model", "m", "--bench-model", "llama-1b"]) == 2, command
+        assert "--model and --bench-model" in capsys.readouterr().err
+
+
+def test_spec(tmp_path: Path) -> None:
+    fig = bench(tmp_path, "spec", "--model", tiny_model(), "--num-speculative-tokens", "2", *SMALLEST)
+    assert (fig["proposer"], fig["num_speculative_tokens"], fig["repeats"], fig["quick"]) == ("ngram", 2, 1, True)
+    for key in ("tpot_speedup", "saturation_throughput_ratio", "tpot_plain_ms", "tpot_spec_ms", "ngram_tpot_speedup"):
+        assert fig[key] > 0, key
+    assert 0.0 <= fig["acceptance_rate"] <= 1.0
+
+
+def test_overlap(tmp_path: Path) -> None:
+    fig = bench(tmp_path, "overlap", "--model", tiny_model(), "--num-tokens", "64", "--repeats", "1")
+    # Chunked GEMMs may round differently in the last bits (MKL blocks by shape); the greedy
+    # tokens are what must not change, and tests/distributed checks those.
+    assert fig["max_abs_diff_serial_vs_overlap"] < 1e-3
+    assert (fig["tp"], fig["num_tokens"], fig["num_chunks"], fig["repeats"]) == (2, 64, 2, 1)
+    for mode in ("serial", "overlap", "compute", "compute_chunked", "serial_gloo", "overlap_gloo"):
+        assert fig[f"t_{mode}_ms"] > 0 and fig[f"cpu_ms_per_rank_{mode}"] > 0
+    for key in ("hidden_fraction", "hidden_fraction_gloo", "serial_step_speedup_shm_vs_gloo",
+                "comm_time_removed_vs_gloo"):
+        assert key in fig

@@ -1,0 +1,53 @@
+"""`tandem bench serve | prefix` end to end through the `tandem` entry point: Ray Serve on this
+machine (one Ray for the module, free ports), a tiny model, the smallest workloads."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.bench.conftest import bench
+from tests.conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """One Ray for both benchmarks: each starts (and shuts down) its own Serve in it."""
+    import ray
+
+    cores = os.cpu_count() or 1
+    # Logical CPUs for prefix's two apps of two groups, each group with half the cores.
+    ray.init(address="local", num_cpus=2 * cores + 4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_serve(local_ray: None, tmp_path: Path) -> None:
+    fig = bench(tmp_path, "serve", "--model", tiny_model(), "--quick", "--num-requests", "3", "--request-rates", "inf",
+                "--compare-concurrency", "2")
+    assert (fig["num_requests"], fig["load_levels"], fig["compare_concurrency"]) == (3, "rateinf", 2)
+    assert fig["url"].startswith("http://127.0.0.1:") and fig["model"] == tiny_model()
+    for level in ("rateinf", "conc2"):
+        assert (fig[f"{level}_num_completed"], fig[f"{level}_num_failed"]) == (3, 0)
+        for key in ("ttft_p50_ms", "tpot_p50_ms", "e2e_p99_ms", "output_tok_s", "goodput_req_s"):
+            assert fig[f"{level}_{key}"] > 0, f"{level}_{key}"
+    assert fig["server_vs_offline_throughput"] == pytest.approx(
+        fig["server_output_tok_s"] / fig["offline_output_tok_s"])
+
+
+def test_prefix(local_ray: None, tmp_path: Path) -> None:
+    fig = bench(tmp_path, "prefix", "--model", tiny_model(), "--quick", "--repeats", "1", "--idle-wait", "0",
+                "--num-prefixes", "2", "--prefix-len", "32", "--suffix-len", "8", "--num-requests", "4",
+                "--num-no-share", "2", "--num-hit-pairs", "1", "--request-rate", "50")
+    assert (fig["num_prefixes"], fig["prefix_len"], fig["suffix_len"], fig["repeats"]) == (2, 32, 8, 1)
+    assert fig["routed_num_failed"] == fig["load_only_num_failed"] == fig["no_share_routed_num_failed"] == 0
+    # A hit finds the whole prefix (two 16-token blocks), or nothing where the router had not yet
+    # heard where the cold request left it (it publishes in the background).
+    assert fig["hit_pair_min_cached_tokens"] in (0, 32)
+    for name in ("routed_ttft_ratio", "hit_ttft_ratio", "no_share_overhead"):
+        assert isinstance(fig[name], float), name
+        assert fig[f"{name}_met"] in (True, False)
+    assert fig["routed_ttft_ratio"] == pytest.approx(fig["routed_ttft_p50_ms"] / fig["load_only_ttft_p50_ms"])
