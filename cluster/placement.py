@@ -208,7 +208,7 @@ class WorkerBundles:
     nodes: list[str]  # node id per rank
 
     @staticmethod
-    def of_existing(pg: Any, first: int) -> "WorkerBundles":
+    def of_existing(pg: Any, first: int) -> WorkerBundles:
         import ray
 
         spec = pg.bundle_specs[first]

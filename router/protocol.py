@@ -231,7 +231,7 @@ class OpenAIError(Exception):
             message=message, type=type or self.TYPES.get(status, "server_error"), param=param, code=code))
 
     @classmethod
-    def bad_request(cls, exc: ValueError | str) -> "OpenAIError":
+    def bad_request(cls, exc: ValueError | str) -> OpenAIError:
         """From a boundary `ValueError` whose message starts with the field name ("top_p: ...")."""
         message = str(exc)
         head, sep, _ = message.partition(":")
@@ -239,7 +239,7 @@ class OpenAIError(Exception):
         return cls(400, message, param=param, code="invalid_value" if param else None)
 
     @classmethod
-    def from_validation(cls, exc: ValidationError) -> "OpenAIError":
+    def from_validation(cls, exc: ValidationError) -> OpenAIError:
         errors = exc.errors(include_url=False)
         first = errors[0]
         loc = [str(part) for part in first["loc"]]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.workers.llm import LLM
 from tandem.workers.core.request import SamplingParams
+from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, tiny_model
 
 
@@ -21,8 +21,8 @@ def test_llm_starts_local_ray_when_none_is_running(monkeypatch) -> None:
         # Even on a 2-core machine the local instance has room for all four workers.
         assert ray.cluster_resources()["CPU"] >= 4
         prompt = [31, 32, 33, 34, 35]
-        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                           use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         assert out[0].outputs[0].token_ids == hf_greedy(model, [prompt], 6)[0]
     finally:
         llm.shutdown()

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from tandem.workers.core.request import SamplingParams
 from tandem.workers.engine import EngineDeadError
 from tandem.workers.llm import LLM
-from tandem.workers.core.request import SamplingParams
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.workers.llm import LLM
+from tandem.workers.core.request import SamplingParams
 from tandem.workers.distributed.overlap import chunk_bounds, split_metadata
 from tandem.workers.distributed.parallel import ParallelContext
-from tandem.workers.core.request import SamplingParams
+from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
 
@@ -68,7 +68,8 @@ def test_chunked_hidden_states_equal_serial(chunked_everywhere) -> None:
         num_scheduled_tokens={"d0": 9, "d1": 6, "p": 8})
     runner.execute(warm)  # fills KV: d0 and d1 fully, p's first 8 tokens
     step = SchedulerOutput(1, new_requests=[NewRequestData("f", list(range(90, 101)), [], params, [10, 11, 12], 0)],
-                           cached_requests=[CachedRequestData("d0", [7], [], 9, 3), CachedRequestData("d1", [8], [], 6, 2),
+                           cached_requests=[CachedRequestData("d0", [7], [], 9, 3),
+                                            CachedRequestData("d1", [8], [], 6, 2),
                                             CachedRequestData("p", [], [], 8, 5)],
                            num_scheduled_tokens={"d0": 1, "d1": 1, "p": 12, "f": 11})
     runner.update_states(step)

@@ -79,8 +79,8 @@ def two_node_cluster():
 
 def test_tp2_pp2_group_puts_each_stage_on_its_own_node(two_node_cluster) -> None:
     from tandem.cluster.placement import plan_on_cluster, spare_gpus
-    from tandem.workers.llm import LLM
     from tandem.workers.core.request import SamplingParams
+    from tandem.workers.llm import LLM
     from tests.conftest import hf_greedy, tiny_model
 
     _, nodes = two_node_cluster
@@ -134,8 +134,8 @@ def test_group_inside_a_replica_uses_the_replicas_placement_group(two_node_clust
     @ray.remote(num_cpus=1)
     class Replica:
         def run(self, model: str) -> dict:
-            from tandem.workers.llm import LLM
             from tandem.workers.core.request import SamplingParams
+            from tandem.workers.llm import LLM
 
             llm = LLM(model, tensor_parallel_size=2)
             try:

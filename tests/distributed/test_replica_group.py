@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.workers.llm import LLM
 from tandem.workers.core.request import SamplingParams
+from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
 MAX_TOKENS = 16

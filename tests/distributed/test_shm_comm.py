@@ -9,7 +9,8 @@ import glob
 import multiprocessing as mp
 import os
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from tandem.workers.async_engine import AsyncEngine, merge_deltas
-from tandem.workers.llm import build_engine
 from tandem.workers.core.request import CompletionOutput, RequestOutput, SamplingParams
+from tandem.workers.llm import build_engine
 from tests.conftest import hf_greedy, mixed_prompts
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tandem.workers.kernels import cpu_kernels
-from tandem.workers.model.attention import AttentionMetadata, decode_attention
 from tandem.workers.kernels.cpu_kernels import compiled_kernels
+from tandem.workers.model.attention import AttentionMetadata, decode_attention
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from tandem.workers.llm import LLM
 from tandem.workers.core.request import Request, SamplingParams
+from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, hf_logits, mixed_prompts
 
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from tandem.workers.llm import LLM
 from tandem.workers.core.request import SamplingParams
+from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy
 
 BLOCK = 4

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from tandem.workers.llm import LLM
-from tandem.workers.model.loader import checkpoint_files
 from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.model.loader import checkpoint_files
 
 
 def _copy(model_dir: str, tmp_path) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.workers.llm import LLM
 from tandem.workers.core.request import Request, SamplingParams
+from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, hf_logits, mixed_prompts, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -66,7 +66,8 @@ def test_draft_model_greedy_output_is_unchanged(llama_dir: str, draft_dir: str, 
 
 def test_self_draft_accepts_everything(llama_dir: str) -> None:
     llm = LLM(llama_dir, speculative_model=llama_dir, num_speculative_tokens=3)
-    assert _run(llm, mixed_prompts(seed=34, lengths=(9,))) == hf_greedy(llama_dir, mixed_prompts(seed=34, lengths=(9,)), 24)
+    prompts = mixed_prompts(seed=34, lengths=(9,))
+    assert _run(llm, prompts) == hf_greedy(llama_dir, prompts, 24)
     stats = llm.engine.stats()
     assert stats["spec_acceptance_rate"] == 1.0
     assert stats["spec_mean_accepted_length"] > 3.0  # 3 drafts + the bonus, short steps at the end

@@ -353,8 +353,8 @@ def test_reflection_lists_describes_and_calls_the_service(channel) -> None:
 # ---- the real app ----------------------------------------------------------------------------------
 def test_real_app_greedy_generate_matches_offline(grpc_address: str, stub) -> None:
     from tandem.router.app import build_app
-    from tandem.workers.llm import LLM
     from tandem.workers.core.request import SamplingParams
+    from tandem.workers.llm import LLM
     from tests.conftest import tiny_model
 
     model = tiny_model("llama")

@@ -180,7 +180,7 @@ def test_completion_logprobs(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert "".join(lp.tokens) == out.choices[0].text
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert logprob <= 0.0 and 1 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(logprob)  # greedy takes the most likely token
 

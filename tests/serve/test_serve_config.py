@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -42,8 +41,6 @@ def test_serve_run_answers_a_completion(tmp_path):
     http_port, grpc_port = free_port(), free_port()
     config["http_options"].update(host="127.0.0.1", port=http_port)
     config["grpc_options"]["port"] = grpc_port
-    if importlib.util.find_spec("tandem.router.tandem_pb2_grpc") is None:
-        config["grpc_options"]["grpc_servicer_functions"] = []
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     log = open(tmp_path / "serve_run.log", "w+")

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import openai
 import pytest
 
 from tests.serve.conftest import serve_app
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("tandem.workers.distributed.ray_executor") is None,
-                                reason="needs RayExecutor (workers/distributed/ray_executor.py) for tensor_parallel_size > 1")
 
 PROMPTS = ["The quick brown fox", "It was the best of times, it was the worst of times"]
 MAX_TOKENS = 24
@@ -18,8 +13,8 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def offline_texts(tiny_llama) -> list[str]:
-    from tandem.workers.llm import LLM
     from tandem.workers.core.request import SamplingParams
+    from tandem.workers.llm import LLM
 
     llm = LLM(model=tiny_llama, max_model_len=256)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.workers.spec.ngram_proposer import find_ngram_continuation
 from tandem.workers.sample.rejection_sampler import rejection_sample
+from tandem.workers.spec.ngram_proposer import find_ngram_continuation
 
 
 def test_ngram_takes_the_latest_match_of_the_longest_suffix() -> None:

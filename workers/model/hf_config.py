@@ -41,7 +41,7 @@ class HFModelConfig:
     bos_token_id: int | None
 
     @staticmethod
-    def from_dir(path: str) -> "HFModelConfig":
+    def from_dir(path: str) -> HFModelConfig:
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
             raise ValueError(f"model: no config.json in {path!r} (expected a local Hugging Face model directory)")
@@ -50,7 +50,7 @@ class HFModelConfig:
         return HFModelConfig.from_dict(cfg, _generation_eos(path))
 
     @staticmethod
-    def from_dict(cfg: dict, generation_eos: tuple[int, ...] = ()) -> "HFModelConfig":
+    def from_dict(cfg: dict, generation_eos: tuple[int, ...] = ()) -> HFModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

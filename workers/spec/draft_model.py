@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.workers.config import EngineConfig
 from tandem.cluster.placement import DevicePin
+from tandem.workers.config import EngineConfig
 from tandem.workers.core.block_pool import BlockPool, LocalCapacity
-from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tandem.workers.model.hf_config import HFModelConfig
 
 logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
@@ -50,7 +50,7 @@ class DraftSettings:
     device: str = "auto"
     max_model_len: int | None = None
 
-    def clash(self, other: "DraftSettings") -> list[str]:
+    def clash(self, other: DraftSettings) -> list[str]:
         """The fields that must match for a group to use a draft built with `other`."""
         return [name for name in ("model", "k", "block_size", "dtype", "tensor_parallel_size")
                 if getattr(self, name) != getattr(other, name)]

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from tandem.workers.config import EngineConfig, draft_dtype
 from tandem.cluster.placement import DevicePin
-from tandem.workers.spec.draft_model import DraftModelCore, DraftSettings
+from tandem.workers.config import EngineConfig, draft_dtype
 from tandem.workers.core.request import Request
+from tandem.workers.spec.draft_model import DraftModelCore, DraftSettings
 
 logger = logging.getLogger(__name__)
 DRAFT_NAMESPACE = "tandem"  # the Ray namespace of shared draft actors
