@@ -44,9 +44,13 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(("--no-cpu-packed-weights",), {
         "dest": "cpu_packed_weights", "action": "store_false",
         "help": "CPU float32: do not keep a copy of each linear weight in MKL's packed layout "
-                "(saves ~1.2x the linear weights' memory; batched decode runs ~1.2x slower)"}),
+                "(saves about the linear weights' size in memory; batched decode runs slower)"}),
     EngineFlag(("--enforce-eager",), {
         "action": "store_true", "help": "CUDA: run every step eagerly (no CUDA graphs for decode steps)"}),
+    EngineFlag(("--max-seq-len-to-capture",), {
+        "type": int, "help": "CUDA: decode steps with a longer sequence run eagerly (default 8192)"}),
+    EngineFlag(("--attention-backend",), {
+        "choices": ["auto", "triton", "torch"], "help": "auto: Triton kernels on CUDA, torch elsewhere"}),
     EngineFlag(("--tensor-parallel-size", "-tp"), {"type": int}),
     EngineFlag(("--pipeline-parallel-size", "-pp"), {"type": int}),
     EngineFlag(("--speculative-model",), {"help": 'draft model directory, or "ngram"'}),

@@ -37,6 +37,9 @@ class ModelConfig:
     cpu_packed_weights: bool = True
     # CUDA: no CUDA graphs; every decode step launches its kernels one by one (vLLM's name).
     enforce_eager: bool = False
+    # Decode steps whose longest sequence is longer run eagerly: a graph's block-table buffer
+    # is this wide, and every step copies it whole (vLLM's name and default).
+    max_seq_len_to_capture: int = 8192
     # auto: the Triton kernels on CUDA, torch elsewhere; triton on CPU needs TRITON_INTERPRET=1.
     attention_backend: str = "auto"
     # Prepare and launch step N+1 before turning step N's tokens into text, so the host's work
@@ -45,6 +48,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require_field(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        require_field(self.max_seq_len_to_capture >= 1, "max_seq_len_to_capture",
+                      f"must be >= 1, got {self.max_seq_len_to_capture}")
         require_field(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
                       f"must be auto, torch or triton, got {self.attention_backend!r}")
         require_field(self.device in ("auto", "cpu", "cuda"), "device",

@@ -62,8 +62,8 @@ def test_padded_decode_batches_equal_transformers(llama_dir: str, padded_graphs)
     seen: list[tuple[int | None, int]] = []
     build = runner.builder.build
 
-    def record(out, states, graph=None):
-        inputs = build(out, states, graph)
+    def record(out, states, table, graph=None):
+        inputs = build(out, states, table, graph)
         seen.append((inputs.graph_batch, len(inputs.req_ids)))
         return inputs
 
@@ -72,6 +72,26 @@ def test_padded_decode_batches_equal_transformers(llama_dir: str, padded_graphs)
     assert (4, 3) in seen  # three decodes ran padded to the bucket of four
     assert (None, 3) in seen  # the prefill step ran eagerly, unpadded
     llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
+def test_sequences_past_the_capture_length_decode_eagerly(llama_dir: str, padded_graphs) -> None:
+    prompts = mixed_prompts(seed=3, lengths=(4, 30))
+    llm = _llm(llama_dir, max_num_seqs=4, block_size=4, max_seq_len_to_capture=20)
+    runner = llm.engine.executor.runner
+    assert runner.graphs.width == 6  # (20 + 1) tokens in blocks of 4
+    seen: list[tuple[int | None, int]] = []
+    build = runner.builder.build
+
+    def record(out, states, table, graph=None):
+        inputs = build(out, states, table, graph)
+        seen.append((inputs.graph_batch, max(inputs.meta.decode_seq_lens or [0])))
+        return inputs
+
+    runner.builder.build = record
+    assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert all(length <= 20 for batch, length in seen if batch is not None)  # graphs: short contexts only
+    assert any(batch is None and length > 20 for batch, length in seen)  # the 30-token prompt's decodes
     llm.shutdown()
 
 

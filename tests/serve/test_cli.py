@@ -51,7 +51,8 @@ def test_engine_flags_come_from_one_table():
     assert [flag.dest for flag in ENGINE_FLAGS] == [
         "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
         "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "cpu_packed_weights",
-        "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size", "speculative_model",
+        "enforce_eager", "max_seq_len_to_capture", "attention_backend",
+        "tensor_parallel_size", "pipeline_parallel_size", "speculative_model",
         "num_speculative_tokens", "speculative_draft_dtype", "speculative_draft_tensor_parallel_size", "address",
         "seed"]
     args = build_parser().parse_args(["generate", "-tp", "2", "-pp", "3", "--no-enable-prefix-caching",

@@ -94,6 +94,16 @@ class KVCacheManager:
         blocks host_slots (host hits right after them) are copied into allocated, atomically
         with the allocation, so a failed allocation leaves no trace.
         """
+        if not computed_blocks and not host_slots:  # a running request's next tokens: the common case
+            num_needed = _cdiv(req.num_computed_tokens + num_new_tokens + num_lookahead, self.block_size)
+            num_new_blocks = num_needed - len(req.block_ids)
+            if num_new_blocks <= 0:
+                return []
+            if num_new_blocks > self.pool.num_free_blocks:
+                return None
+            new_blocks = self.pool.allocate(num_new_blocks)
+            req.block_ids.extend(new_blocks)
+            return new_blocks
         computed_blocks = computed_blocks or []
         host_slots = host_slots or []
         num_hits = len(computed_blocks) + len(host_slots)

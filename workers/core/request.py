@@ -137,6 +137,13 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_from(self, start: int) -> list[int]:
+        """all_token_ids[start:] without copying the whole sequence (a step sends a token or two)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

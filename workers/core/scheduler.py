@@ -182,7 +182,7 @@ class Scheduler:
         else:
             n_blocks = self._block_ids_sent[req_id]
             out.cached_requests.append(CachedRequestData(
-                req_id, req.all_token_ids[sent:], req.block_ids[n_blocks:], req.num_computed_tokens, n_blocks))
+                req_id, req.tokens_from(sent), req.block_ids[n_blocks:], req.num_computed_tokens, n_blocks))
             self._sent_tokens[req_id] = req.num_tokens
             self._block_ids_sent[req_id] = len(req.block_ids)
         if req.spec_token_ids:

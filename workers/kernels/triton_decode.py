@@ -48,11 +48,9 @@ def decode_tile(block_d: int, elem_size: int) -> tuple[int, int, int]:
 
     Decode only streams the cache, so the aim is bytes in flight: 128 keys x 256-byte rows
     (bf16, d <= 128) = 32 KB per K (and V) tile, 8 warps, 3 stages (192 KB of shared memory)
-    hide the block-table -> slot -> row gather latency. Measured on H100 (bf16, GQA 4, block
-    16, CUDA-graph replays): 2.5-2.95 TB/s of K+V from B=1 x 8K keys (32 splits, 13 us) to
-    B=256 x 1K (1 split); d=256 likewise. 64-key tiles were as fast once the splits fill the
-    GPU but 30% slower with one split on few rows. Wider rows shrink the tile so the stages
-    fit in Hopper's 227 KB of shared memory.
+    hide the block-table -> slot -> row gather latency; 64-key tiles lose when one split runs
+    on few rows (the H100 sweep is in bench/RESULTS.md). Wider rows shrink the tile so the
+    stages fit in Hopper's 227 KB of shared memory.
     """
     row_bytes = block_d * elem_size
     if row_bytes <= 256:

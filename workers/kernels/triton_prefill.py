@@ -26,11 +26,10 @@ from tandem.workers.kernels.triton_decode import (
 def prefill_tile(block_d: int, elem_size: int, group: int) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages).
 
-    Picked from a sweep on H100 (bf16, GQA 4, block_size 16; paged gathers, so no TMA):
-    d=64: 128x64 tiles, 8 warps, 3 stages (~275 TFLOP/s); d=128: 128x32, one warpgroup
-    (4 warps), 3 stages (280-370 TFLOP/s, vs ~240 for 128x64 with 8 warps; dense torch SDPA
-    on contiguous K/V does 470-620); d=256: 64x32, 4 warps, 2 stages (~270 TFLOP/s) so Q,
-    the fp32 accumulator and the K/V stages fit.
+    Picked from a sweep on H100 (bf16, GQA 4, block_size 16; paged gathers, so no TMA; the
+    figures are in bench/RESULTS.md): d=64: 128x64 tiles, 8 warps, 3 stages; d=128: 128x32,
+    one warpgroup (4 warps), 3 stages; d=256: 64x32, 4 warps, 2 stages, so Q, the fp32
+    accumulator and the K/V stages fit.
     fp32 inputs take exact (non-tensor-core) dots: small 64x32 tiles keep registers in check.
     BLOCK_M is at least next_pow2(G) so every program covers at least one query token.
     """
@@ -84,10 +83,9 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, q_start_ptr, out_ptr,
     qk_scale, window,
-    stride_qt, stride_qh,          # query [T, H, D], last dim contiguous
-    stride_cs, stride_ch,          # caches [slots, kv_heads, D], last dim contiguous
-    stride_bt,                     # block_tables [S, max_blocks]
-    stride_ot, stride_oh,          # out [T, H, D]
+    # Strides (every last dim is contiguous): query [T, H, D], caches [slots, kv_heads, D],
+    # block_tables [S, max_blocks], out [T, H, D].
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,

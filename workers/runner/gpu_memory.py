@@ -35,6 +35,7 @@ def kv_budget(device: torch.device, utilization: float, reserve: int) -> int:
 @torch.inference_mode()
 def profile_steps(runner: ModelRunner, sched: SchedulerConfig) -> tuple[int, int]:
     """(peak activation bytes of the largest prefill step, of the largest decode step)."""
+    from tandem.workers.runner.block_table import BlockTable
     from tandem.workers.runner.step_inputs import InputBuilder
 
     device = runner.device
@@ -44,14 +45,15 @@ def profile_steps(runner: ModelRunner, sched: SchedulerConfig) -> tuple[int, int
         attn.key_cache = torch.zeros(shape, dtype=runner.dtype, device=device)
         attn.value_cache = torch.zeros(shape, dtype=runner.dtype, device=device)
     builder = InputBuilder(runner.block_size, device, 1, runner.use_gpu_kernels, lambda b, c: 1)
+    table = BlockTable(runner._max_blocks_per_seq())  # all zeros: every block is block 0
     try:
         num_tokens = min(sched.max_num_batched_tokens, runner.max_model_len * sched.max_num_seqs)
         num_seqs = max(1, min(sched.max_num_seqs, num_tokens))
-        prefill = _peak_of(runner, builder, _dummy_step(num_tokens, num_seqs, runner.max_model_len, 0))
+        prefill = _peak_of(runner, builder, table, _dummy_step(num_tokens, num_seqs, runner.max_model_len, 0))
         # A decode step's activations hardly depend on its context: a short one stands for all.
         context = min(runner.max_model_len, 4 * runner.block_size)
-        decode = _peak_of(runner, builder, _dummy_step(sched.max_num_seqs, sched.max_num_seqs, context,
-                                                       context - 1))
+        decode = _peak_of(runner, builder, table, _dummy_step(sched.max_num_seqs, sched.max_num_seqs, context,
+                                                              context - 1))
     finally:
         for attn, (k, v) in zip(runner.model.attention_layers, saved):
             attn.key_cache, attn.value_cache = k, v
@@ -71,20 +73,20 @@ def _dummy_step(num_tokens: int, num_seqs: int, max_len: int, computed: int) -> 
         num = min(base + (i < extra), max_len - computed)
         req_id = f"profile-{i}"
         length = computed + num
-        states[req_id] = CachedRequestState([0] * length, [], params, [0] * length)
+        states[req_id] = CachedRequestState([0] * length, [], params, [0] * length, row=0)
         out.new_requests.append(NewRequestData(req_id, [0] * length, [], params, [0] * length, computed))
         out.num_scheduled_tokens[req_id] = num
     return out, states
 
 
-def _peak_of(runner: ModelRunner, builder, step: tuple[SchedulerOutput, dict]) -> int:
+def _peak_of(runner: ModelRunner, builder, table, step: tuple[SchedulerOutput, dict]) -> int:
     out, states = step
     device = runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    inputs = builder.build(out, states)
+    inputs = builder.build(out, states, table)
     model = runner.model
     hidden = None
     if not runner.ctx.is_first_stage:

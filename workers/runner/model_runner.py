@@ -27,6 +27,7 @@ from tandem.workers.model.layers import pack_cpu_weights, use_fast_gemm_layout
 from tandem.workers.model.llama import LlamaForCausalLM
 from tandem.workers.model.loader import load_weights
 from tandem.workers.runner import gpu_memory
+from tandem.workers.runner.block_table import BlockTable
 from tandem.workers.runner.cuda_graphs import DecodeGraphs, GraphLayout
 from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, StepInputs
 from tandem.workers.runner.step_sampler import StepSampler
@@ -39,6 +40,7 @@ class CachedRequestState:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]
+    row: int = -1  # its row of the runner's BlockTable
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +65,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.host_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_gpu_kernels = gpu_kernels.wanted(config.model.attention_backend, device)
+        self.block_table = BlockTable(self._max_blocks_per_seq())
         self.builder: InputBuilder | None = None  # made with the KV cache (it knows the scratch block)
         self.graphs: DecodeGraphs | None = None
         self.activation_bytes = 0  # CUDA: peak activation memory of the largest step (profiled)
@@ -116,8 +119,8 @@ class ModelRunner:
                                     self._num_splits)
         mode = self._graph_mode()
         if mode is not None:
-            layout = GraphLayout(self.config.scheduler.max_num_seqs, self._max_blocks_per_seq(), self.block_size,
-                                 num_blocks, self.max_model_len)
+            layout = GraphLayout(self.config.scheduler.max_num_seqs, self._max_blocks_per_seq(self._capture_len()),
+                                 self.block_size, num_blocks, self._capture_len())
             self.graphs = DecodeGraphs(self._decode_forward, layout, self.device, self._num_splits)
             if mode == "capture":
                 with torch.inference_mode():
@@ -133,9 +136,13 @@ class ModelRunner:
             return "capture"
         return None
 
-    def _max_blocks_per_seq(self) -> int:
-        max_len = self.max_model_len + self.config.scheduler.num_lookahead_slots + 1
+    def _max_blocks_per_seq(self, max_len: int | None = None) -> int:
+        max_len = (max_len or self.max_model_len) + self.config.scheduler.num_lookahead_slots + 1
         return -(-max_len // self.block_size)
+
+    def _capture_len(self) -> int:
+        """The longest sequence a decode graph takes (longer ones' steps run eagerly)."""
+        return min(self.max_model_len, self.config.model.max_seq_len_to_capture)
 
     def _num_splits(self, batch: int, max_context: int) -> int:
         from tandem.workers.kernels.triton_attention import default_num_splits
@@ -213,18 +220,25 @@ class ModelRunner:
         if out.host_saves or out.host_loads:
             self.apply_host_copies(out.host_saves, out.host_loads)
         for req_id in out.finished_req_ids:
-            self.states.pop(req_id, None)
+            state = self.states.pop(req_id, None)
+            if state is not None:
+                self.block_table.remove(state.row)
         for new in out.new_requests:
-            self.states[new.req_id] = CachedRequestState(
-                list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params, list(new.block_ids))
+            state = CachedRequestState(list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
+                                       list(new.block_ids))
+            if new.req_id in self.states:  # resumed after preemption without a finish in between
+                self.block_table.remove(self.states[new.req_id].row)
+            state.row = self.block_table.add(state.block_ids)
+            self.states[new.req_id] = state
         for diff in out.cached_requests:
             state = self.states[diff.req_id]
             state.output_token_ids.extend(diff.new_token_ids)
             del state.block_ids[diff.num_kept_blocks:]
             state.block_ids.extend(diff.new_block_ids)
+            self.block_table.update(state.row, diff.num_kept_blocks, diff.new_block_ids)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        return self.builder.build(out, self.states, self._graph_target(out))
+        return self.builder.build(out, self.states, self.block_table, self._graph_target(out))
 
     def _graph_target(self, out: SchedulerOutput) -> GraphTarget | None:
         """A pure decode step (one token per request, no drafts, no prompt logprobs) that a
@@ -235,6 +249,10 @@ class ModelRunner:
         for req_id in out.num_scheduled_tokens:
             if self.states[req_id].sampling_params.prompt_logprobs is not None:
                 return None
+        capture_len = self.graphs.max_context
+        for group in (out.cached_requests, out.new_requests):
+            if any(r.num_computed_tokens >= capture_len for r in group):
+                return None  # a context past the graphs' block tables: eager
         return self.graphs.target(len(out.num_scheduled_tokens))
 
     def execute(self, out: SchedulerOutput, hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor | None:

@@ -23,12 +23,14 @@ import torch
 
 from tandem.workers.core.scheduler_output import SchedulerOutput
 from tandem.workers.model.attention import AttentionMetadata, KernelTables, PrefillSeq
+from tandem.workers.runner.block_table import BlockTable
 
 
 class RequestView(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     block_ids: list[int]
+    row: int  # its row of the BlockTable
 
     @property
     def num_tokens(self) -> int: ...
@@ -112,7 +114,7 @@ class InputBuilder:
         self.num_splits = num_splits  # (batch, max context) -> flash-decoding splits
         self.staging = StagingBuffer(device)
 
-    def build(self, out: SchedulerOutput, states: dict[str, RequestView],
+    def build(self, out: SchedulerOutput, states: dict[str, RequestView], block_table: BlockTable,
               graph: GraphTarget | None = None) -> StepInputs:
         bs = self.block_size
         computed = {r.req_id: r.num_computed_tokens for r in out.new_requests}
@@ -122,36 +124,43 @@ class InputBuilder:
         order = sorted(sched, key=lambda r: sched[r] != 1)
         num_reqs = len(order)
         num_decodes = sum(1 for r in order if sched[r] == 1)
-        starts = np.fromiter((computed[r] for r in order), dtype=np.int64, count=num_reqs)
-        nums = np.fromiter((sched[r] for r in order), dtype=np.int64, count=num_reqs)
+        start_list = [computed[r] for r in order]
+        num_list = [sched[r] for r in order]
+        starts = np.array(start_list, dtype=np.int64)
+        nums = np.array(num_list, dtype=np.int64)
         ends = starts + nums
-        num_blocks = (ends + bs - 1) // bs
+        num_blocks = ((ends + bs - 1) // bs).tolist()
         rows = graph.batch if graph is not None else num_reqs
-        width = graph.width if graph is not None else int(num_blocks.max())
-        tables = np.zeros((rows, width), dtype=np.int32)
+        width = graph.width if graph is not None else max(num_blocks)
+        table_rows = np.array([states[r].row for r in order], dtype=np.int64)
+        if graph is None:
+            tables = block_table.rows(table_rows, width)
+        else:
+            tables = np.zeros((rows, width), dtype=np.int32)
+            tables[:num_reqs] = block_table.rows(table_rows, width)
         input_ids: list[int] = []
         logits_rows: list[list[int]] = []
         drafts: list[list[int]] = []
         prompt_rows: list[tuple[str, int, list[int], list[int]]] = []
         block_lists: list[list[int]] = []
-        for i, req_id in enumerate(order):
+        spec = out.spec_token_ids
+        for req_id, start, num, blocks in zip(order, start_list, num_list, num_blocks):
             state = states[req_id]
-            start, num, end = int(starts[i]), int(nums[i]), int(ends[i])
-            draft = out.spec_token_ids.get(req_id, [])
-            num_known = state.num_tokens
+            end = start + num
+            draft = spec.get(req_id, ()) if spec else ()
             q_start = len(input_ids)
-            if num == 1 and not draft:  # the hot path: one known token
+            if num == 1:  # the hot path: one known token (a draft always comes with its token)
                 input_ids.append(_token_at(state, start))
+                # Reaches the last known token: sample.
+                logits_rows.append([q_start] if end >= state.num_tokens else [])
             else:
                 input_ids.extend(_tokens(state, start, start + num - len(draft)))
                 input_ids.extend(draft)
-            # Reaches the last known token: sample (at each draft position too).
-            logits_rows.append(list(range(q_start + num - 1 - len(draft), q_start + num))
-                               if end - len(draft) >= num_known else [])
-            drafts.append(draft)
-            blocks = state.block_ids[:int(num_blocks[i])]
-            block_lists.append(blocks)
-            tables[i, :len(blocks)] = blocks
+                # Reaches the last known token: sample (at each draft position too).
+                logits_rows.append(list(range(q_start + num - 1 - len(draft), q_start + num))
+                                   if end - len(draft) >= state.num_tokens else [])
+            drafts.append(list(draft))
+            block_lists.append(state.block_ids[:blocks])
             num_prompt = len(state.prompt_token_ids)
             if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
                 # Position p's logits score prompt token p + 1.
