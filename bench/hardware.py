@@ -139,8 +139,10 @@ def wait_for_idle(max_wait_s: float, threshold: float = CONTENTION_THRESHOLD, wi
 class ContentionLog:
     """How contended a benchmark's CPU runs were: reported, so readers can judge the figures."""
 
+    # How long to wait for quiet, and how often to redo a disturbed run.
     max_wait_s: float = 60.0
     max_attempts: int = 3
+    # What happened, for the report.
     num_runs: int = 0
     num_redone: int = 0
     worst_foreign_fraction: float = 0.0  # over the runs that were kept

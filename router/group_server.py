@@ -55,9 +55,9 @@ class GroupServer:
 
         # Two threads share this process's GIL: the engine's (model steps: hundreds of short
         # Python stretches between torch ops) and Serve's event loop (every streamed delta).
-        # Under load, CPython's default 5 ms switch interval leaves the engine thread waiting
-        # that long for the GIL again and again; a tenth of it keeps the model stepping
-        # (figures in bench/RESULTS.md).
+        # Under load, CPython's default switch interval leaves the engine thread waiting that
+        # long for the GIL again and again; a tenth of it keeps the model stepping (figures in
+        # bench/RESULTS.md).
         sys.setswitchinterval(0.0005)
         group_options = group_options or {}
         context = serve.get_replica_context()

@@ -80,3 +80,24 @@ def test_overlap(tmp_path: Path) -> None:
     for key in ("hidden_fraction", "hidden_fraction_gloo", "serial_step_speedup_shm_vs_gloo",
                 "comm_time_removed_vs_gloo"):
         assert key in fig
+
+
+def test_single_process_benchmarks_never_import_ray(tmp_path: Path) -> None:
+    """TP = PP = 1: `offline` and `spec` run without Ray (GPU machines without it exist)."""
+    import subprocess
+    import sys
+
+    model = tiny_model()
+    script = (
+        "import sys\n"
+        "from tandem.router.cli import main\n"
+        f"assert main(['bench', 'offline', '--model', {model!r}, '--num-requests', '2', '--no-hf-sequential',"
+        " '--quick', '--repeats', '1', '--idle-wait', '0']) == 0\n"
+        f"assert main(['bench', 'spec', '--model', {model!r}, '--num-speculative-tokens', '2',"
+        " '--quick', '--repeats', '1', '--idle-wait', '0']) == 0\n"
+        "print('ray imported:', sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))[:3])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ray imported: []" in done.stdout

@@ -7,13 +7,13 @@ Set-up: validate and reserve a placement group (cluster/placement.py), start one
 per bundle, rendezvous torch.distributed at rank 0's node on a port chosen there at run
 time, load shards, then size the KV cache to what fits on every worker.
 
-Each step reaches all workers as one message through a Ray compiled graph: an empty step
-costs ~0.6 ms with two workers and ~1.6 ms with four on a 2-core machine, against ~1.7 and
-~4.8 ms for plain actor calls (`measure_control_overhead`; `use_compiled_graph=False` falls
-back to those). A worker that raises or dies fails the step: the executor kills the
-whole group at once (peers blocked in a collective would otherwise wait for it) and
-raises, so the engine ends its requests with finish reason "error". A failed executor is
-spent; `shutdown()` and a new executor rebuild the group in the same process.
+Each step reaches all workers as one message through a Ray compiled graph (shared-memory
+channels): an empty step costs a third of what plain actor calls cost (figures in
+bench/RESULTS.md; `measure_control_overhead`; `use_compiled_graph=False` falls back to
+them). A worker that raises or dies fails the step: the executor kills the whole group at
+once (peers blocked in a collective would otherwise wait for it) and raises, so the engine
+ends its requests with finish reason "error". A failed executor is spent; `shutdown()` and a
+new executor rebuild the group in the same process.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Shared-memory collectives for the TP ranks of a stage on one CPU node.
 
 Placement packs a stage's TP ranks on one node, so on CPU their all-reduces never need
-a network. gloo still sends them through loopback TCP: an all-reduce of a 256-token step
-of the bench model (512 KB) costs ~1.2 ms of CPU per rank (2 ms of wall time) in kernel
-copies and thread hand-offs, on the same cores that compute. Here each rank instead writes its partial sum
+a network. gloo still sends them through loopback TCP, paying kernel copies and thread
+hand-offs on the same cores that compute (figures in bench/RESULTS.md). Here each rank
+instead writes its partial sum
 into its own slot of a shared-memory ring and tells each peer through a FIFO (one byte
 per op); a peer that needs the result reads that byte (blocking, no spinning) and sums
 the slots itself, in rank order, so every rank ends with bit-identical values.

@@ -2,16 +2,14 @@
 
 `torch.mm` gives MKL a plain weight, which MKL re-packs into its panel layout on every call.
 `pack_linear_weights` packs each linear layer's weight once, at load; the layers then run
-products of two or more rows on the packed copy. Measured on the 2-core bench machine, the
-issue's offline set (three interleaved pairs of runs): 439-482 against 358-437 output tok/s,
-decode steps 12.5-13.8 s against 14.6-18.4 s; a batch-8 decode step 18.4 vs 23.8 ms.
+products of two or more rows on the packed copy (figures in bench/RESULTS.md).
 
 A single row (batch-1 decode) stays on the plain weight: there the product only streams the
-weight, and the packed copy, padded by a few MB, streams ~1.3x slower (TPOT 12.7 vs 11.4 ms).
-So the plain weights stay, and the packed copies cost memory on top: the bench model's 200 MB
-of linear weights gain 520 MB (MKL pads each by a few MB), a 7B-class model ~1.2x its
-linear weights. `ModelConfig.cpu_packed_weights=False` turns packing off. Where MKL's packing
-entry points are missing (non-x86 builds of torch) nothing is packed.
+weight, and the packed copy, padded by a few MB, streams slower. So the plain weights stay,
+and the packed copies cost memory on top (MKL pads each by a few MB; a large model's packed
+copies take about as much again as its linear weights).
+`ModelConfig.cpu_packed_weights=False` turns packing off. Where MKL's packing entry points
+are missing (non-x86 builds of torch) nothing is packed.
 """
 
 from __future__ import annotations

@@ -4,14 +4,13 @@ One extension module (csrc/module.cpp) holds:
 
 - `paged_decode` (csrc/paged_decode.cpp) attends decode rows straight from the paged KV
   cache with an online softmax. The torch path gathers every row's blocks into a padded
-  copy and then runs SDPA on it, so the KV is read, written and read again; at 64
-  sequences of 300-500 tokens that was ~60% of a decode step. The kernel reads it once, on
-  every thread: 3.9x faster per layer call on the bench model's shapes (6.1 vs 23.8 ms),
-  close to what the machine's memory streams.
+  copy and then runs SDPA on it, so the KV is read, written and read again. The kernel
+  reads it once, on every thread, close to what the machine's memory streams (figures in
+  bench/RESULTS.md).
 - `argmax_rows`, `rope_`, `rms_norm` (csrc/rows.cpp): one pass per row where torch runs
   a handful of ops, each a dispatch and a trip through memory.
 
-Compiled once per machine into torch's extension cache (~40 s on 2 cores, then a load in
+Compiled once per machine into torch's extension cache (under a minute, then a load in
 well under a second). Without a compiler, or with TANDEM_CPU_KERNELS=0, everything runs
 the torch path; the outputs agree to float32 rounding (tests/model/test_cpu_kernels.py).
 """

@@ -2,8 +2,8 @@
 
 The CPU decode kernel reads each sequence's KV blocks from wherever they sit in a cache of
 hundreds of MB. With 4 KiB pages every 32 KiB block touches eight pages and the page walks
-stall the loads; with 2 MiB pages (THP set to "madvise", the common default) the kernel's
-per-layer call runs ~10% faster (6.1 vs 6.8 ms, 64 rows of 300-500 tokens).
+stall the loads; 2 MiB pages (THP set to "madvise", the common default) spare most of them
+(figures in bench/RESULTS.md).
 
 `empty_huge` maps fresh pages with MADV_HUGEPAGE before anything touches them; elsewhere, or
 when the kernel refuses, it is a plain `torch.empty`. Nothing depends on getting huge pages.

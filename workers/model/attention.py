@@ -241,7 +241,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             k = gather_blocks(key_cache, blocks, bs)[:seq.ctx_len]
             v = gather_blocks(value_cache, blocks, bs)[:seq.ctx_len]
         # 4-D (a batch of one): torch's CPU flash kernel only takes batched inputs; 3-D ones
-        # fall to the math path, which materialises the scores (4x slower at 300 tokens).
+        # fall to the math path, which materialises the scores.
         with _sdpa_backends(query.device):
             o = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                                attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -273,8 +273,8 @@ def kernel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def _sdpa_backends(device: torch.device):
-    """On CUDA, SDPA without cuDNN: it builds a new plan for every new shape (~750 us of CPU
-    each), and a step's shapes change all the time. Elsewhere no restriction."""
+    """On CUDA, SDPA without cuDNN: it builds a new plan, on the CPU, for every new shape, and a
+    step's shapes change all the time. Elsewhere no restriction."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -338,8 +338,7 @@ def spec_model_paths() -> tuple[str, str]:
     """(target, draft) for `tandem bench spec`: the bench model with layers 2-8 muted, and its layer 1.
 
     Same shapes and base weights as `bench_model_path()` (so the target costs what the bench
-    model costs per token); the draft is 16.8 MB of layer plus the 65.5 MB LM head, ~41% of
-    the target's 200 MB."""
+    model costs per token); the draft is one layer plus the LM head, which dominates its bytes."""
     root = Path(cached_dir("spec-llama-v1", lambda tmp: create_spec_pair(
         tmp, num_draft_layers=1, architecture="llama", hidden_size=512, intermediate_size=2048,
         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,

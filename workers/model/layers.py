@@ -67,11 +67,10 @@ def use_fast_gemm_layout(model: nn.Module) -> int:
     """On CPU, store each linear layer's weight [out, in] as the transpose of a contiguous
     [in, out] buffer; returns how many were re-laid.
 
-    `F.linear` then reaches MKL's GEMM with a row-major B, which runs 1.4-2.5x faster for
-    the 2-64-row products of decode, draft and verify steps (measured on the 2-core bench
-    machine; equal at 1 row and >= 128; the LM head's 32k x 512 gains 1.1x at 1 row and
-    1.9x at 8). Shapes, names and the math stay the same; an embedding tied to the LM head
-    reads its rows strided, which costs nothing that shows. GPUs (cuBLAS) need nothing.
+    `F.linear` then reaches MKL's GEMM with a row-major B, which is faster for the 2-64-row
+    products of decode, draft and verify steps (equal at 1 row and from 128; figures in
+    bench/RESULTS.md). Shapes, names and the math stay the same; an embedding tied to the LM
+    head reads its rows strided, which costs nothing that shows. GPUs (cuBLAS) need nothing.
     """
     num = 0
     for module in model.modules():

@@ -1,4 +1,4 @@
-// The CPU kernels workers/cpu_kernels.py compiles into one extension module (module.cpp).
+// The CPU kernels workers/kernels/cpu_kernels.py compiles into one extension module (module.cpp).
 #pragma once
 #include <torch/extension.h>
 
