@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -62,7 +63,9 @@ class GroupEngine:
         self.spec_policy = SpeculationPolicy(disable_batch_size=config.speculative.disable_batch_size)
         overlap = config.model.overlap_steps
         self.overlap_steps = overlap if overlap is not None else getattr(executor, "device_type", "cpu") == "cuda"
-        self._in_flight: tuple[Any, PendingOutput, float] | None = None  # (step, its output, launched at)
+        # Steps launched and not yet collected, oldest first: (step, its output, launched at).
+        # At most two, and two only inside step() while one is scheduled ahead.
+        self._in_flight: deque[tuple[Any, PendingOutput, float]] = deque()
         self._failed_outputs: list[RequestOutput] = []
 
     # ---- requests -----------------------------------------------------------------------------
@@ -131,21 +134,30 @@ class GroupEngine:
         return self.outputs.make_output(state)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.states) or self._in_flight is not None
+        return bool(self.states) or bool(self._in_flight)
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Finish the step in flight, launch the next one, then turn the finished step's tokens
-        into outputs (text, stop strings) while the device runs the new one.
+        """Launch the next step, finish the one in flight, then turn its tokens into outputs
+        (text, stop strings) while the device runs the new one.
 
-        With `overlap_steps` off (the default on CPU, where host and model share the cores) the
-        step launched here also finishes within this call, so its outputs come back at once.
+        When the step in flight left its sampled tokens on the device (plain greedy, one token
+        per request), the next one is scheduled on placeholders for them and launched *before*
+        waiting for them, so the device never waits for the host's scheduling and input
+        building. Otherwise the step in flight is collected first. With `overlap_steps` off
+        (the default on CPU, where host and model share the cores) the step launched here
+        also finishes within this call, so its outputs come back at once.
         """
         if self.dead_error is not None:
             raise EngineDeadError(f"the replica group has failed: {self.dead_error}")
-        done = self._collect()
-        if self.dead_error is None:
-            self._launch()
+        ahead = self._tokens_on_device()
+        if ahead is not None:
+            self._launch(ahead)
+            done = self._collect()
+        else:
+            done = self._collect()
+            if self.dead_error is None:
+                self._launch()
         if self.dead_error is not None:
             return self._failed_outputs
         outputs = self._emit(done)
@@ -156,14 +168,22 @@ class GroupEngine:
             outputs += self._emit(done)
         return outputs
 
-    def _launch(self) -> None:
+    def _tokens_on_device(self) -> frozenset[str] | None:
+        """Requests of the one step in flight whose sampled token is still on the device, when
+        the next step may be scheduled on them (no drafts to propose, model in this process)."""
+        if not self.overlap_steps or self.proposer is not None or len(self._in_flight) != 1 \
+                or not self.model_in_process:
+            return None
+        return self._in_flight[0][1].on_device
+
+    def _launch(self, ahead: frozenset[str] = frozenset()) -> None:
         if self.proposer is not None:
             # Draft tokens for running decodes when it pays; the scheduler reserves their slots.
             candidates = self.spec_policy.candidates(self.scheduler.running)
             if candidates:
                 self.proposer.propose(candidates)
                 self.spec_policy.stats.num_steps_with_drafts += 1
-        sched_out = self.scheduler.schedule()
+        sched_out = self.scheduler.schedule(ahead)
         if not sched_out.has_work:
             return
         started = time.perf_counter()
@@ -172,14 +192,13 @@ class GroupEngine:
         except Exception as exc:  # a worker died or raised: fail the group loudly
             self._failed_outputs = self.fail(f"{type(exc).__name__}: {exc}")
             return
-        self._in_flight = (sched_out, pending, started)
+        self._in_flight.append((sched_out, pending, started))
 
     def _collect(self) -> list[StepUpdate]:
-        """Wait for the step in flight; the scheduler takes its tokens (token-level stops)."""
-        if self._in_flight is None:
+        """Wait for the oldest step in flight; the scheduler takes its tokens (token-level stops)."""
+        if not self._in_flight:
             return []
-        sched_out, pending, started = self._in_flight
-        self._in_flight = None
+        sched_out, pending, started = self._in_flight.popleft()
         try:
             result = pending.result()
         except Exception as exc:  # a worker died or raised: fail the group loudly
@@ -232,7 +251,7 @@ class GroupEngine:
         """End every in-flight request with finish reason 'error'; refuse new ones."""
         logger.error("replica group failed: %s", error)
         self.dead_error = error
-        self._in_flight = None
+        self._in_flight.clear()
         outputs = []
         for request_id, state in list(self.states.items()):
             state.error = error

@@ -12,9 +12,11 @@ from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, hf_logits, mixed_prompts
 
 
-@pytest.fixture(scope="module")
-def llm(llama_dir: str) -> LLM:
-    return LLM(llama_dir, block_size=4, num_kv_blocks=64)
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlapped"])
+def llm(llama_dir: str, request) -> LLM:
+    """Every feature with steps run one at a time, and overlapped (scheduled ahead on tokens
+    still in flight, as on a GPU)."""
+    return LLM(llama_dir, block_size=4, num_kv_blocks=64, overlap_steps=request.param)
 
 
 def _ids(prompts: list[list[int]]) -> list[dict]:

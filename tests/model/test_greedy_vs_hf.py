@@ -19,6 +19,10 @@ LAYOUTS = {
     # 30 blocks of 4 tokens cannot hold all four sequences: someone is preempted.
     "preemption": {"num_kv_blocks": 30, "block_size": 4},
     "no_prefix_caching": {"enable_prefix_caching": False},
+    # Steps overlapped with the host's work, each scheduled ahead on its predecessor's tokens.
+    "overlapped": {"overlap_steps": True},
+    "overlapped_chunked": {"overlap_steps": True, "max_num_batched_tokens": 16, "max_num_seqs": 4},
+    "overlapped_preemption": {"overlap_steps": True, "num_kv_blocks": 30, "block_size": 4},
 }
 
 
@@ -32,11 +36,16 @@ def test_greedy_equals_transformers(arch: str, layout: str) -> None:
     model = tiny_model(arch)
     prompts = mixed_prompts()
     llm = LLM(model, **LAYOUTS[layout])
+    scheduler, ahead = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+    scheduler.schedule = lambda pending=frozenset(): ahead.append(bool(pending)) or schedule(pending)
     outs = _generate(llm, prompts)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, MAX_TOKENS)
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    if layout == "preemption":
+    if layout.endswith("preemption"):
         assert llm.engine.scheduler.num_preemptions > 0
+    # Overlapped: most steps were scheduled ahead, on tokens still in flight; never otherwise.
+    assert (sum(ahead) > len(ahead) // 2) if layout.startswith("overlapped") else not any(ahead)
     llm.engine.pool.check_all_free()
 
 

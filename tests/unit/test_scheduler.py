@@ -669,3 +669,67 @@ def test_stats() -> None:
     assert s.stats() == {"num_running": 2, "num_waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 0,
                          "kv_blocks_cached": 0, "kv_usage": 1.0, "num_preemptions": 0}
     finish_all(s)
+
+
+# ---- scheduling ahead on tokens still on the device ---------------------------------------------
+def _run_prefill(s: Scheduler, req: Request) -> SchedulerOutput:
+    s.add_request(req)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {req.request_id: len(req.prompt_token_ids)}
+    return out
+
+
+def test_scheduling_ahead_puts_a_placeholder_that_update_replaces() -> None:
+    from tandem.workers.core.request import PENDING_TOKEN
+
+    s = make_scheduler()
+    req = make_req("a", [5, 6, 7], 0)
+    first = _run_prefill(s, req)  # in flight: it samples the first output token
+    ahead = s.schedule(frozenset({"a"}))  # launched before that token is known
+    assert ahead.num_scheduled_tokens == {"a": 1}
+    assert req.output_token_ids == [PENDING_TOKEN] and req.num_pending == 1
+    [diff] = ahead.cached_requests
+    assert (diff.new_token_ids, diff.num_computed_tokens) == ([PENDING_TOKEN], 3)
+    [update] = s.update(first, RunnerOutput(["a"], [[42]], [None]))
+    assert update.new_token_ids == [42]
+    assert req.output_token_ids == [42] and req.num_pending == 0 and req.num_computed_tokens == 4
+    s.update(ahead, RunnerOutput(["a"], [[43]], [None]))
+    assert req.output_token_ids == [42, 43]
+    nxt = s.schedule()
+    assert nxt.cached_requests[0].new_token_ids == [43]  # the workers get only what they lack
+
+
+def test_a_token_that_must_be_the_last_is_not_scheduled_ahead() -> None:
+    s = make_scheduler()
+    req = make_req("a", [5, 6, 7], 0, max_tokens=1)
+    first = _run_prefill(s, req)
+    ahead = s.schedule(frozenset({"a"}))
+    assert ahead.num_scheduled_tokens == {} and req.output_token_ids == [] and req.num_pending == 0
+    [update] = s.update(first, RunnerOutput(["a"], [[42]], [None]))
+    assert req.status == RequestStatus.FINISHED_LENGTH and update.new_token_ids == [42]
+
+
+def test_scheduling_ahead_never_preempts() -> None:
+    s = make_scheduler(num_blocks=2)
+    a, b = make_req("a", [5, 6, 7, 8], 0), make_req("b", [9, 10, 11], 1)
+    s.add_request(a)
+    s.add_request(b)
+    first = s.schedule()  # both prefills: all 2 blocks in use, a's next token needs a third
+    assert first.num_scheduled_tokens == {"a": 4, "b": 3}
+    ahead = s.schedule(frozenset({"a", "b"}))
+    assert ahead.num_scheduled_tokens == {"b": 1}  # a waits instead of preempting b
+    assert a.output_token_ids == [] and a.num_pending == 0 and a.status == RequestStatus.RUNNING
+    s.update(first, RunnerOutput(["a", "b"], [[42], [43]], [None, None]))
+    assert a.output_token_ids == [42] and b.output_token_ids == [43]
+    assert s.num_preemptions == 0
+
+
+def test_blocks_holding_a_pending_token_are_not_hashed() -> None:
+    s = make_scheduler(prefix=True)
+    req = make_req("a", [5, 6, 7], 0)  # the pending token completes the first block
+    first = _run_prefill(s, req)
+    s.schedule(frozenset({"a"}))
+    s.kv.cache_blocks(req)
+    assert s.kv.pool.num_cached_blocks == 0
+    s.update(first, RunnerOutput(["a"], [[42]], [None]))
+    assert s.kv.pool.num_cached_blocks == 1  # hashed once its token is known

@@ -136,7 +136,8 @@ class KVCacheManager:
         """Publish the request's newly full and computed blocks to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        # A pending token (scheduled ahead, value unknown) cannot be hashed yet.
+        num_full = min(req.num_computed_tokens, req.num_tokens - req.num_pending) // self.block_size
         done = self._num_cached_blocks.get(req.request_id, 0)
         if num_full <= done:
             return

@@ -131,6 +131,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # hash chain of full blocks so far
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    # 1 while the last output token is PENDING_TOKEN: sampled by a step still on the device,
+    # and already scheduled into the next one (Scheduler.schedule(ahead=...)).
+    num_pending: int = 0
     error: str | None = None
 
     @property
@@ -172,6 +175,11 @@ class Request:
         if position < len(self.prompt_token_ids):
             return self.prompt_token_ids[position]
         return self.output_token_ids[position - len(self.prompt_token_ids)]
+
+
+# Stands for a token that a step in flight has sampled and the host has not seen yet; the
+# model runner feeds the step's device-side token in its place (workers/runner/step_inputs.py).
+PENDING_TOKEN = -1
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from tandem.workers.config import CacheConfig, SchedulerConfig
 from tandem.workers.core.block_pool import BlockPool
 from tandem.workers.core.kv_cache_manager import KVCacheManager
-from tandem.workers.core.request import Request, RequestStatus
+from tandem.workers.core.request import PENDING_TOKEN, Request, RequestStatus
 from tandem.workers.core.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -82,11 +82,19 @@ class Scheduler:
         return len(self.requests)
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ahead: frozenset[str] = frozenset()) -> SchedulerOutput:
+        """The next step. `ahead`: requests whose next token a step still on the device has
+        sampled; each gets a PENDING_TOKEN in its place (unless that token must be its last)
+        and is scheduled on it, so this step can be launched before that one's tokens are
+        back. Scheduling ahead never preempts: a request that finds no room waits a step."""
         out = SchedulerOutput(step_id=self._step_id)
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
         preempted = False
+        placeholders = [r for r in self.running if r.request_id in ahead and r.num_tokens + 1 < r.max_total_tokens]
+        for req in placeholders:
+            req.output_token_ids.append(PENDING_TOKEN)
+            req.num_pending = 1
         decoding = [r for r in self.running if not r.is_prefill]
         prefilling = [r for r in self.running if r.is_prefill]
         scheduled: list[Request] = []
@@ -96,6 +104,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue  # ahead: its next token is still on the device and must be its last
             if req.spec_token_ids:
                 # Drafts ride along only with a whole decode, and never past the length limit.
                 room = req.max_total_tokens - req.num_tokens - 1
@@ -103,7 +113,8 @@ class Scheduler:
                 req.spec_token_ids = req.spec_token_ids[:max(0, room)] if fits else []
                 num_new += len(req.spec_token_ids)
             lookahead = self.config.num_lookahead_slots if not req.is_prefill else 0
-            while self.kv.allocate_slots(req, num_new, num_lookahead=lookahead) is None:
+            allocated = self.kv.allocate_slots(req, num_new, num_lookahead=lookahead) is not None
+            while not allocated and not ahead:  # ahead: no preemption on guessed tokens; it waits
                 victim = max(self.running, key=lambda r: r.arrival_seq)
                 self._preempt(victim)
                 preempted = True
@@ -114,11 +125,16 @@ class Scheduler:
                     budget += out.num_scheduled_tokens.pop(victim.request_id)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+                allocated = self.kv.allocate_slots(req, num_new, num_lookahead=lookahead) is not None
+            if req.status != RequestStatus.RUNNING or not allocated:
                 continue
             scheduled.append(req)
             budget -= num_new
             out.num_scheduled_tokens[req.request_id] = num_new
+        for req in placeholders:  # left out of this step after all: the token comes by update()
+            if req.request_id not in out.num_scheduled_tokens:
+                req.output_token_ids.pop()
+                req.num_pending = 0
         if not preempted:
             budget = self._admit_waiting(out, scheduled, budget)
         for req in scheduled:
@@ -226,7 +242,11 @@ class Scheduler:
             kept: list[int] = []
             for token in tokens:
                 kept.append(token)
-                req.output_token_ids.append(token)
+                if req.num_pending:  # scheduled ahead on it: the token takes its placeholder's place
+                    req.output_token_ids[-1] = token
+                    req.num_pending = 0
+                else:
+                    req.output_token_ids.append(token)
                 status = self._check_stop(req, token)
                 if status is not None:
                     break

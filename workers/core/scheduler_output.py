@@ -80,14 +80,28 @@ class PendingOutput:
         self._finish = finish
         self._event = event
         self._output: RunnerOutput | None = None
+        self._callbacks: list[Callable[[RunnerOutput], None]] = []
+        # Requests whose sampled token is still on the device, where the next step may read it
+        # (workers/runner/model_runner.py); None when the tokens are host-side only.
+        self.on_device: frozenset[str] | None = None
+        self.device_tokens: Any = None  # the sampled token ids as a tensor, one per scored row
 
     @staticmethod
     def done(output: RunnerOutput) -> PendingOutput:
         return PendingOutput(lambda: output)
+
+    def then(self, callback: Callable[[RunnerOutput], None]) -> None:
+        """Run `callback` on the output once it is made (at once if it is)."""
+        if self._output is not None:
+            callback(self._output)
+        else:
+            self._callbacks.append(callback)
 
     def result(self) -> RunnerOutput:
         if self._output is None:
             if self._event is not None:
                 self._event.synchronize()
             self._output = self._finish()
+            for callback in self._callbacks:
+                callback(self._output)
         return self._output

@@ -65,7 +65,8 @@ class DecodeGraphs:
         self.device = device
         self.num_splits = num_splits
         top = self.buckets[-1]
-        self.buffer = torch.zeros(4 * top + top * self.width, dtype=torch.int32, device=device)
+        # ... then up to 2 x B indices of tokens scheduled ahead (StepInputs.pending_dst/src).
+        self.buffer = torch.zeros(6 * top + top * self.width, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.memory_bytes = 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.workers.config import EngineConfig
-from tandem.workers.core.request import PositionLogprobs, SamplingParams
+from tandem.workers.core.request import PENDING_TOKEN, PositionLogprobs, SamplingParams
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
 from tandem.workers.distributed.parallel import ParallelContext
 from tandem.workers.kernels import cpu_kernels, gpu_kernels
@@ -41,6 +41,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     row: int = -1  # its row of the runner's BlockTable
+    pending_index: int = -1  # where output_token_ids holds a PENDING_TOKEN (scheduled ahead), if anywhere
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +70,9 @@ class ModelRunner:
         self.builder: InputBuilder | None = None  # made with the KV cache (it knows the scratch block)
         self.graphs: DecodeGraphs | None = None
         self.activation_bytes = 0  # CUDA: peak activation memory of the largest step (profiled)
+        # The last step's sampled tokens where they are (device), and request -> index among
+        # them: a step scheduled ahead reads its pending tokens from here.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, show_progress: bool = True) -> None:
@@ -233,12 +237,40 @@ class ModelRunner:
         for diff in out.cached_requests:
             state = self.states[diff.req_id]
             state.output_token_ids.extend(diff.new_token_ids)
+            if diff.new_token_ids and diff.new_token_ids[-1] == PENDING_TOKEN:
+                state.pending_index = len(state.output_token_ids) - 1
             del state.block_ids[diff.num_kept_blocks:]
             state.block_ids.extend(diff.new_block_ids)
             self.block_table.update(state.row, diff.num_kept_blocks, diff.new_block_ids)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        return self.builder.build(out, self.states, self.block_table, self._graph_target(out))
+        source = self._last_sampled[1] if self._last_sampled is not None else None
+        inputs = self.builder.build(out, self.states, self.block_table, self._graph_target(out), source)
+        if inputs.pending_dst is not None:  # tokens scheduled ahead: from the last step's output
+            tokens = self._last_sampled[0].index_select(0, inputs.pending_src.long())
+            inputs.input_ids.index_copy_(0, inputs.pending_dst.long(), tokens.to(inputs.input_ids.dtype))
+        return inputs
+
+    def _keep_sampled(self, inputs: StepInputs, pending: PendingOutput) -> None:
+        """Remember where this step's sampled tokens are for a step scheduled ahead on them, and
+        put each in its request's placeholder once the host has it."""
+        self._last_sampled = None
+        if pending.device_tokens is not None:
+            index, where = 0, {}
+            for req_id, rows in zip(inputs.req_ids, inputs.logits_rows, strict=True):
+                if len(rows) == 1:
+                    where[req_id] = index
+                index += len(rows)
+            self._last_sampled = (pending.device_tokens, where)
+            pending.on_device = frozenset(where)
+        pending.then(self._fill_placeholders)
+
+    def _fill_placeholders(self, output: RunnerOutput) -> None:
+        for req_id, tokens in zip(output.req_ids, output.sampled_token_ids, strict=True):
+            state = self.states.get(req_id)
+            if state is not None and state.pending_index >= 0 and tokens:
+                state.output_token_ids[state.pending_index] = tokens[0]
+                state.pending_index = -1
 
     def _graph_target(self, out: SchedulerOutput) -> GraphTarget | None:
         """A pure decode step (one token per request, no drafts, no prompt logprobs) that a
@@ -293,7 +325,9 @@ class ModelRunner:
         prompt_logprobs = self.prompt_logprobs(inputs, hidden)
         if self.ctx.tp_rank != 0:
             return None
-        return self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs)
+        pending = self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs)
+        self._keep_sampled(inputs, pending)
+        return pending
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """A decode step's logits at every (padded) row: what a CUDA graph captures."""

@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tandem.workers.core.request import PENDING_TOKEN
 from tandem.workers.core.scheduler_output import SchedulerOutput
 from tandem.workers.model.attention import AttentionMetadata, KernelTables, PrefillSeq
 from tandem.workers.runner.block_table import BlockTable
@@ -51,6 +52,10 @@ class StepInputs:
     prompt_rows: list[tuple[str, int, list[int], list[int]]] = field(default_factory=list)
     graph_batch: int | None = None  # the CUDA-graph bucket this step is padded to
     staged: torch.Tensor | None = None  # the packed int32 inputs on the device (all views above)
+    # Token indices holding PENDING_TOKEN, and where their tokens are among the previous step's
+    # sampled ones (int32, on the device): the runner copies them in before the forward.
+    pending_dst: torch.Tensor | None = None
+    pending_src: torch.Tensor | None = None
 
     @property
     def num_scored(self) -> int:
@@ -115,7 +120,9 @@ class InputBuilder:
         self.staging = StagingBuffer(device)
 
     def build(self, out: SchedulerOutput, states: dict[str, RequestView], block_table: BlockTable,
-              graph: GraphTarget | None = None) -> StepInputs:
+              graph: GraphTarget | None = None, pending_source: dict[str, int] | None = None) -> StepInputs:
+        """`pending_source`: request -> its token's index among the previous step's sampled
+        tokens, for requests scheduled ahead on a PENDING_TOKEN."""
         bs = self.block_size
         computed = {r.req_id: r.num_computed_tokens for r in out.new_requests}
         computed.update({r.req_id: r.num_computed_tokens for r in out.cached_requests})
@@ -144,13 +151,19 @@ class InputBuilder:
         prompt_rows: list[tuple[str, int, list[int], list[int]]] = []
         block_lists: list[list[int]] = []
         spec = out.spec_token_ids
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
         for req_id, start, num, blocks in zip(order, start_list, num_list, num_blocks):
             state = states[req_id]
             end = start + num
             draft = spec.get(req_id, ()) if spec else ()
             q_start = len(input_ids)
-            if num == 1:  # the hot path: one known token (a draft always comes with its token)
-                input_ids.append(_token_at(state, start))
+            if num == 1:  # the hot path: one token (a draft always comes with its token)
+                token = _token_at(state, start)
+                if token == PENDING_TOKEN:  # scheduled ahead: the token is on the device
+                    pending_dst.append(q_start)
+                    pending_src.append(pending_source[req_id])
+                input_ids.append(token)
                 # Reaches the last known token: sample.
                 logits_rows.append([q_start] if end >= state.num_tokens else [])
             else:
@@ -184,24 +197,30 @@ class InputBuilder:
             seq_lens = np.concatenate([seq_lens, np.ones(pad, np.int32)])
             block_lists += [[self.scratch_block]] * pad
             num_decodes = rows
-            dev = self.staging.upload([ids, positions, slots, seq_lens, tables.reshape(-1)], graph.buffer)
-            views = _split(dev, [rows, rows, rows, rows, rows * width])
-            d_ids, d_pos, d_slots, d_lens, d_tables = views
+            dev = self.staging.upload([ids, positions, slots, seq_lens, tables.reshape(-1),
+                                       np.array(pending_dst + pending_src, dtype=np.int32)], graph.buffer)
+            views = _split(dev, [rows, rows, rows, rows, rows * width, len(pending_dst), len(pending_src)])
+            d_ids, d_pos, d_slots, d_lens, d_tables, d_dst, d_src = views
             d_scored = d_ids[:0]  # a graph step scores its first len(order) rows, in order
             query_start = np.zeros(1, np.int32)
         else:
             prefill_lens = nums[num_decodes:]
             query_start = np.concatenate([[0], np.cumsum(prefill_lens)]).astype(np.int32)
-            dev = self.staging.upload([ids, positions, slots, scored, seq_lens, query_start, tables.reshape(-1)])
-            d_ids, d_pos, d_slots, d_scored, d_lens, d_qstart, d_tables = _split(
-                dev, [num_tokens, num_tokens, num_tokens, len(scored), rows, len(query_start), rows * width])
+            dev = self.staging.upload([ids, positions, slots, scored, seq_lens, query_start, tables.reshape(-1),
+                                       np.array(pending_dst + pending_src, dtype=np.int32)])
+            d_ids, d_pos, d_slots, d_scored, d_lens, d_qstart, d_tables, d_dst, d_src = _split(
+                dev, [num_tokens, num_tokens, num_tokens, len(scored), rows, len(query_start), rows * width,
+                      len(pending_dst), len(pending_src)])
         if self.device.type == "cpu":
             d_pos = d_pos.long()  # the CPU RoPE kernel indexes its tables with int64
         meta = self._metadata(order, num_decodes, seq_lens, block_lists, starts, nums, q_starts, d_slots,
                               d_lens, d_tables.view(rows, width),
                               None if graph is not None else d_qstart, int(nums[num_decodes:].max(initial=0)))
-        return StepInputs(d_ids, d_pos, meta, order, logits_rows, d_scored, drafts, prompt_rows,
-                          graph.batch if graph is not None else None, dev)
+        inputs = StepInputs(d_ids, d_pos, meta, order, logits_rows, d_scored, drafts, prompt_rows,
+                            graph.batch if graph is not None else None, dev)
+        if pending_dst:
+            inputs.pending_dst, inputs.pending_src = d_dst, d_src
+        return inputs
 
     def _metadata(self, order: list[str], num_decodes: int, seq_lens: np.ndarray, block_lists: list[list[int]],
                   starts: np.ndarray, nums: np.ndarray, q_starts: np.ndarray, slots: torch.Tensor,

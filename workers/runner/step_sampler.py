@@ -65,12 +65,16 @@ class StepSampler:
         num = tokens.shape[0]
         if tokens.device.type != "cuda":
             ids = tokens.tolist()
-            return PendingOutput.done(self._assemble(inputs, ids, [None] * num, None, None, {}))
-        host = torch.empty(num, dtype=torch.long, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return PendingOutput(lambda: self._assemble(inputs, host.tolist(), [None] * num, None, None, {}), event)
+            pending = PendingOutput.done(self._assemble(inputs, ids, [None] * num, None, None, {}))
+        else:
+            host = torch.empty(num, dtype=torch.long, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            pending = PendingOutput(lambda: self._assemble(inputs, host.tolist(), [None] * num, None, None, {}),
+                                    event)
+        pending.device_tokens = tokens  # the next step may read them where they are
+        return pending
 
     def _assemble(self, inputs: StepInputs, token_ids: list[int], logprobs: list, logits: torch.Tensor | None,
                   rows: list[SamplingRow] | None,
