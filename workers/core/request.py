@@ -142,10 +142,7 @@ class Request:
 
     def tokens_from(self, start: int) -> list[int]:
         """all_token_ids[start:] without copying the whole sequence (a step sends a token or two)."""
-        num_prompt = len(self.prompt_token_ids)
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:]
-        return self.prompt_token_ids[start:] + self.output_token_ids
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, self.num_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -172,9 +169,23 @@ class Request:
         return limit
 
     def token_at(self, position: int) -> int:
-        if position < len(self.prompt_token_ids):
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - len(self.prompt_token_ids)]
+        return token_at(self.prompt_token_ids, self.output_token_ids, position)
+
+
+def token_at(prompt: list[int], outputs: list[int], position: int) -> int:
+    """Token `position` of prompt + outputs, without concatenating them."""
+    num_prompt = len(prompt)
+    return prompt[position] if position < num_prompt else outputs[position - num_prompt]
+
+
+def token_slice(prompt: list[int], outputs: list[int], start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + outputs, without concatenating them."""
+    num_prompt = len(prompt)
+    if end <= num_prompt:
+        return prompt[start:end]
+    if start >= num_prompt:
+        return outputs[start - num_prompt:end - num_prompt]
+    return prompt[start:] + outputs[:end - num_prompt]
 
 
 # Stands for a token that a step in flight has sampled and the host has not seen yet; the

@@ -15,13 +15,14 @@ padding rows read and write only the scratch block, which no request ever holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from tandem.workers.core.request import PENDING_TOKEN
+from tandem.workers.core.request import PENDING_TOKEN, token_at, token_slice
 from tandem.workers.core.scheduler_output import SchedulerOutput
 from tandem.workers.model.attention import AttentionMetadata, KernelTables, PrefillSeq
 from tandem.workers.runner.block_table import BlockTable
@@ -111,7 +112,7 @@ class InputBuilder:
     """Scheduler output + per-request state -> StepInputs, with one host-to-device copy."""
 
     def __init__(self, block_size: int, device: torch.device, scratch_block: int, kernel_tables: bool,
-                 num_splits: callable) -> None:
+                 num_splits: Callable[[int, int], int]) -> None:
         self.block_size = block_size
         self.device = device
         self.scratch_block = scratch_block  # padding rows' KV goes here
@@ -159,7 +160,7 @@ class InputBuilder:
             draft = spec.get(req_id, ()) if spec else ()
             q_start = len(input_ids)
             if num == 1:  # the hot path: one token (a draft always comes with its token)
-                token = _token_at(state, start)
+                token = token_at(state.prompt_token_ids, state.output_token_ids, start)
                 if token == PENDING_TOKEN:  # scheduled ahead: the token is on the device
                     pending_dst.append(q_start)
                     pending_src.append(pending_source[req_id])
@@ -167,7 +168,8 @@ class InputBuilder:
                 # Reaches the last known token: sample.
                 logits_rows.append([q_start] if end >= state.num_tokens else [])
             else:
-                input_ids.extend(_tokens(state, start, start + num - len(draft)))
+                input_ids.extend(token_slice(state.prompt_token_ids, state.output_token_ids, start,
+                                             start + num - len(draft)))
                 input_ids.extend(draft)
                 # Reaches the last known token: sample (at each draft position too).
                 logits_rows.append(list(range(q_start + num - 1 - len(draft), q_start + num))
@@ -187,7 +189,6 @@ class InputBuilder:
         slots = (tables[token_req, positions // bs].astype(np.int64) * bs + positions % bs).astype(np.int32)
         seq_lens = ends.astype(np.int32)
         ids = np.asarray(input_ids, dtype=np.int32)
-        scored = np.asarray([r for req_rows in logits_rows for r in req_rows], dtype=np.int32)
         if graph is not None:  # pad the decode batch to its bucket: rows read the scratch block only
             pad = rows - num_reqs
             tables[num_reqs:, 0] = self.scratch_block
@@ -202,8 +203,8 @@ class InputBuilder:
             views = _split(dev, [rows, rows, rows, rows, rows * width, len(pending_dst), len(pending_src)])
             d_ids, d_pos, d_slots, d_lens, d_tables, d_dst, d_src = views
             d_scored = d_ids[:0]  # a graph step scores its first len(order) rows, in order
-            query_start = np.zeros(1, np.int32)
         else:
+            scored = np.asarray([r for req_rows in logits_rows for r in req_rows], dtype=np.int32)
             prefill_lens = nums[num_decodes:]
             query_start = np.concatenate([[0], np.cumsum(prefill_lens)]).astype(np.int32)
             dev = self.staging.upload([ids, positions, slots, scored, seq_lens, query_start, tables.reshape(-1),
@@ -259,18 +260,3 @@ def _split(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         offset += size
     return views
 
-
-def _token_at(state: RequestView, index: int) -> int:
-    num_prompt = len(state.prompt_token_ids)
-    return state.prompt_token_ids[index] if index < num_prompt else state.output_token_ids[index - num_prompt]
-
-
-def _tokens(state: RequestView, start: int, end: int) -> list[int]:
-    """Tokens [start, end) of prompt + outputs, without concatenating the whole sequence."""
-    prompt, outputs = state.prompt_token_ids, state.output_token_ids
-    num_prompt = len(prompt)
-    if end <= num_prompt:
-        return prompt[start:end]
-    if start >= num_prompt:
-        return outputs[start - num_prompt:end - num_prompt]
-    return prompt[start:] + outputs[:end - num_prompt]
