@@ -36,6 +36,10 @@ class RouterHooks:
     add_engine_args: Callable[[argparse.ArgumentParser], None]
     engine_options: Callable[[argparse.Namespace], dict[str, Any]]
     local_app: AppBuilder  # engine and serving options -> the application, its groups on this machine
+    # application name -> the KV blocks it holds now (router/kv_report.py; blocking)
+    kv_holdings: Callable[[str], dict[str, Any]] | None = None
+    grpc_servicer: str | None = None  # Serve's gRPCOptions servicer function (import path)
+    grpc_messages: Callable[[], Any] | None = None  # -> the gRPC API's message module (tandem_pb2)
 
 
 def override_help(parser: argparse.ArgumentParser, **helps: str) -> None:

@@ -44,6 +44,7 @@ class ChatServing:
         return sampling
 
     async def create(self, req: ChatCompletionRequest) -> Reply:
+        deadline = req.deadline()
         token_ids = self.prompt_token_ids(req)
         sampling = self.sampling(req)
         try:
@@ -53,7 +54,7 @@ class ChatServing:
             raise ValueError("messages:" + message[len("prompt:"):] if message.startswith("prompt:")
                              else message) from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        [stream], group_ids = await open_streams([self.client.stream(token_ids, sampling, request_id)])
+        [stream], group_ids = await open_streams([self.client.stream(token_ids, sampling, request_id, deadline)])
         if req.stream:
             return Reply(self._stream(req, request_id, stream), group_ids)
         return Reply(await self._collect(req, request_id, stream), group_ids)

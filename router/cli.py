@@ -91,6 +91,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_holdings(app_name: str) -> dict[str, Any]:
+    from tandem.router.kv_report import kv_holdings
+
+    return kv_holdings(app_name)
+
+
+def _grpc_messages() -> Any:
+    from tandem.router import tandem_pb2
+
+    return tandem_pb2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Distributed LLM serving on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=_cmd_generate)
     serve_cli.register(sub, add_engine_args, engine_options)
-    bench_cli.register(sub, bench_cli.RouterHooks(add_engine_args, engine_options, serve_cli.local_app))
+    bench_cli.register(sub, bench_cli.RouterHooks(add_engine_args, engine_options, serve_cli.local_app,
+                                                  kv_holdings=_kv_holdings, grpc_servicer=serve_cli.GRPC_SERVICER,
+                                                  grpc_messages=_grpc_messages))
     return parser
 
 

@@ -58,13 +58,14 @@ class CompletionServing:
 
     async def create(self, req: CompletionRequest) -> Reply:
         """Validate (ValueError), start every prompt's group request, then answer or stream."""
+        deadline = req.deadline()
         prompts = self.prompts(req)
         sampling = self.sampling(req)
         for p in prompts:
             self.client.sampling_params(p.token_ids, sampling)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams, group_ids = await open_streams([self.client.stream(p.token_ids, sampling, f"{request_id}-{i}")
-                                                 for i, p in enumerate(prompts)])
+        streams, group_ids = await open_streams([
+            self.client.stream(p.token_ids, sampling, f"{request_id}-{i}", deadline) for i, p in enumerate(prompts)])
         if req.stream:
             return Reply(self._stream(req, request_id, prompts, streams), group_ids)
         return Reply(await self._collect(req, request_id, prompts, streams), group_ids)

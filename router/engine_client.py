@@ -6,6 +6,13 @@ request router picks the group), and turns what can go wrong on the way into two
 exception types: `ValueError` (the caller's fault: a 400) and `ServiceUnavailable`
 (no group can take it now: a 503). Leaving the stream early cancels the request in
 its group, which aborts it and frees its KV blocks at once.
+
+A group that fails (its engine dead, its replica or a worker killed) ends the request's
+stream with `ServiceUnavailable` as soon as Ray reports it, never a hang. A request that
+has not yet yielded anything (no token can have reached the client) is sent once more,
+steered away from the group that failed (`avoid_group`, see request_router.py). A request
+with a deadline (`timeout`) that passes is cancelled the same way and ends with
+`RequestTimeout`.
 """
 
 from __future__ import annotations
@@ -14,10 +21,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from tandem.workers.core.request import SamplingParams
@@ -26,10 +34,36 @@ logger = logging.getLogger(__name__)
 
 _HEALTH_TTL_S = 1.0
 _HEALTH_MAX_AGE = 10  # in TTLs: older than this, a request waits for a fresh answer
+_ATTEMPTS = 2  # a request its group failed before answering is sent once more
 
 
 class ServiceUnavailable(Exception):
     """No replica group can serve the request now (overloaded, failed or not running)."""
+
+
+class RequestTimeout(Exception):
+    """The request's own deadline passed before it finished: it was aborted, its KV freed."""
+
+
+class _GroupFailed(Exception):
+    """The group serving an attempt failed (`group_id` when known): retried if nothing was sent."""
+
+    def __init__(self, message: str, group_id: str | None = None) -> None:
+        super().__init__(message)
+        self.group_id = group_id
+
+
+async def _next_delta(response: Any, deadline: float | None) -> dict:
+    """The next delta of a group call, or RequestTimeout once `deadline` (monotonic) passes."""
+    if deadline is None:
+        return await anext(response)
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise RequestTimeout("the request's timeout passed before it finished")
+    try:
+        return await asyncio.wait_for(anext(response), remaining)
+    except TimeoutError:
+        raise RequestTimeout("the request's timeout passed before it finished") from None
 
 
 class EngineClient:
@@ -69,29 +103,53 @@ class EngineClient:
 
     # ---- requests ------------------------------------------------------------------------------
     async def stream(self, prompt_token_ids: list[int], sampling: dict[str, Any],
-                     request_id: str) -> AsyncIterator[dict]:
-        """Yield the group's delta dicts for one request (see GroupServer.generate)."""
+                     request_id: str, deadline: float | None = None) -> AsyncIterator[dict]:
+        """Yield the group's delta dicts for one request (see GroupServer.generate).
+
+        `deadline` (time.monotonic()): past it the request is aborted with RequestTimeout."""
         self.sampling_params(prompt_token_ids, sampling)
         if not await self._can_serve_now():
             raise ServiceUnavailable("no replica group is running")
         request = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids), "sampling": sampling}
+        yielded = False
+        for attempt in range(_ATTEMPTS):
+            try:
+                # aclosing: a consumer that leaves early cancels the group call at once.
+                async with aclosing(self._attempt(request, deadline)) as deltas:
+                    async for delta in deltas:
+                        yielded = True
+                        yield delta
+                return
+            except _GroupFailed as exc:
+                if yielded or attempt + 1 == _ATTEMPTS:
+                    raise ServiceUnavailable(f"the replica group failed: {exc}") from None
+                logger.warning("request %s: its replica group failed before answering (%s); retrying once "
+                               "on another group", request_id, exc)
+                request = {**request, "avoid_group": exc.group_id}
+
+    async def _attempt(self, request: dict[str, Any], deadline: float | None) -> AsyncIterator[dict]:
+        """One group call; a failed group is `_GroupFailed`, whatever way Ray reports it."""
         response = self._handle.generate.remote(request)
         finished = False
         try:
-            async for delta in response:
+            while True:
+                try:
+                    delta = await _next_delta(response, deadline)
+                except StopAsyncIteration:  # the group's generator ended without a last delta
+                    raise _GroupFailed("its stream ended before the request finished") from None
                 error = delta.get("error")
                 if error:
                     if delta.get("error_type") == "invalid_request":
                         raise ValueError(error)
-                    raise ServiceUnavailable(error)
+                    raise _GroupFailed(error, delta.get("group_id"))
                 finished = delta["finished"]
                 yield delta
                 if finished:
                     return
         except (BackPressureError, DeploymentUnavailableError) as exc:
             raise ServiceUnavailable(f"overloaded: {exc}") from None
-        except (RayActorError, RayServeException) as exc:
-            raise ServiceUnavailable(f"the replica group failed: {type(exc).__name__}") from exc
+        except (RayError, RayServeException) as exc:  # the replica or its actor died, or it raised
+            raise _GroupFailed(type(exc).__name__) from exc
         finally:
             if not finished:
                 response.cancel()  # the group aborts it and frees its blocks

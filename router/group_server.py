@@ -170,7 +170,9 @@ class GroupServer:
     def stats(self, request: dict[str, Any] | None = None) -> dict[str, Any]:
         """This group's figures (`{"target_group": id}` routes the call to a given group)."""
         fetch = self.fetcher.stats() if self.fetcher is not None else {}
-        return {**self.record_routing_stats(), **fetch, "group_id": self.group_id}
+        # Where its workers run (fault injection in `tandem bench soak`; none in-process).
+        pids = [w["pid"] for w in getattr(self.engine.engine.executor, "worker_info", ())]
+        return {**self.record_routing_stats(), **fetch, "group_id": self.group_id, "worker_pids": pids}
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:

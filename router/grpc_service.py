@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from tandem.router import tandem_pb2 as pb
-from tandem.router.engine_client import ServiceUnavailable
+from tandem.router.engine_client import RequestTimeout, ServiceUnavailable
 from tandem.workers.core.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,9 +57,10 @@ class GrpcMethods:
         try:
             self._authenticate(grpc_context)
             request_id, token_ids, sampling = self._prepare(request)
+            deadline = _deadline(request)
             choices: dict[int, pb.Completion] = {}
             last: dict[str, Any] = {}
-            async with aclosing(self.client.stream(token_ids, sampling, request_id)) as deltas:
+            async with aclosing(self.client.stream(token_ids, sampling, request_id, deadline)) as deltas:
                 async for last in deltas:
                     _raise_on_error(last)
                     for output in last["outputs"]:
@@ -76,8 +78,9 @@ class GrpcMethods:
         try:
             self._authenticate(grpc_context)
             request_id, token_ids, sampling = self._prepare(request)
+            deadline = _deadline(request)
             num_output_tokens = 0
-            async with aclosing(self.client.stream(token_ids, sampling, request_id)) as deltas:
+            async with aclosing(self.client.stream(token_ids, sampling, request_id, deadline)) as deltas:
                 async for delta in deltas:
                     _raise_on_error(delta)
                     message = pb.GenerateStreamResponse(request_id=request_id, model=self.client.model_name,
@@ -164,6 +167,15 @@ class GrpcMethods:
         return request.request_id or f"grpc-{uuid.uuid4().hex}", token_ids, sampling
 
 
+def _deadline(request: pb.GenerateRequest) -> float | None:
+    """When (time.monotonic()) the request's `timeout` runs out; ValueError for a bad one."""
+    if not request.HasField("timeout"):
+        return None
+    if not request.timeout > 0:  # also NaN
+        raise ValueError(f"timeout: must be > 0 seconds, got {request.timeout}")
+    return time.monotonic() + request.timeout
+
+
 def sampling_dict(proto: pb.SamplingParams) -> dict[str, Any]:
     """The set fields of a proto SamplingParams as SamplingParams keyword arguments (validated)."""
     sampling: dict[str, Any] = {name: getattr(proto, name) for name in _OPTIONAL_SAMPLING if proto.HasField(name)}
@@ -225,6 +237,8 @@ def _set_status(grpc_context: RayServegRPCContext, exc: Exception) -> None:
         code, details = exc.code, exc.details
     elif isinstance(exc, ValueError):
         code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    elif isinstance(exc, RequestTimeout):
+        code, details = grpc.StatusCode.DEADLINE_EXCEEDED, f"timeout: {exc}"
     elif isinstance(exc, ServiceUnavailable):
         code, details = grpc.StatusCode.UNAVAILABLE, str(exc) or "no replica group can serve the request"
     else:

@@ -4,6 +4,7 @@
     POST /v1/completions        prompts (strings, token ids, lists of either)
     POST /v1/chat/completions   messages through the model's chat template
     GET  /health                200 only when every replica group can serve
+    GET  /admin/kv              KV blocks held now, per group and in the allocator (kv_report.py)
 
 Every error has OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 400 for a bad request (invalid JSON, wrong type, out of range, too long for the
@@ -11,6 +12,8 @@ context), 401 for a missing or wrong API key, 404 for an unknown model, 503 when
 groups are overloaded or none can serve. The request is tokenized and validated here,
 so a bad one never reaches a group. The `x-tandem-groups` response header names the
 replica group(s) serving the response.
+A request whose own `timeout` passes is aborted (its KV freed) and answered 408; one
+whose group fails mid-way ends with a 503 (an SSE error event once streaming began).
 """
 
 # NOTE: @serve.ingress freezes the FastAPI app (a cloudpickle round trip) when the decorator
@@ -19,6 +22,7 @@ replica group(s) serving the response.
 # `from __future__ import annotations`: FastAPI could not resolve the string `"Request"`
 # against those globals and would ask for a `request` query parameter (422).
 
+import asyncio
 import hmac
 import json
 import logging
@@ -32,7 +36,8 @@ from ray import serve
 
 from tandem.router.chat import ChatServing
 from tandem.router.completions import CompletionServing
-from tandem.router.engine_client import EngineClient, ServiceUnavailable
+from tandem.router.engine_client import EngineClient, RequestTimeout, ServiceUnavailable
+from tandem.router.kv_report import kv_holdings
 from tandem.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,6 +77,10 @@ def _unavailable(exc: ServiceUnavailable) -> OpenAIError:
     return OpenAIError(503, f"service unavailable: {exc}", code="service_unavailable")
 
 
+def _timed_out(exc: RequestTimeout) -> OpenAIError:
+    return OpenAIError(408, f"timeout: {exc}", param="timeout", code="request_timeout")
+
+
 async def _guard_stream(chunks):
     """Errors after the first byte cannot change the status: send them as an error event."""
     try:
@@ -82,6 +91,9 @@ async def _guard_stream(chunks):
         yield DONE
     except ServiceUnavailable as exc:
         yield sse(_unavailable(exc).body)
+        yield DONE
+    except RequestTimeout as exc:
+        yield sse(_timed_out(exc).body)
         yield DONE
 
 
@@ -115,6 +127,12 @@ class OpenAIIngress(GrpcMethods):
         self._authorize(request)
         card = ModelCard(id=self.client.model_name, created=self.created, max_model_len=self.client.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/admin/kv")
+    async def admin_kv(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        app_name = serve.get_replica_context().app_name
+        return JSONResponse(await asyncio.to_thread(kv_holdings, app_name))  # blocking Ray calls
 
     @app.post("/v1/completions")
     async def create_completion(self, request: Request) -> Response:
@@ -159,6 +177,8 @@ class OpenAIIngress(GrpcMethods):
             raise OpenAIError.bad_request(exc) from None
         except ServiceUnavailable as exc:
             raise _unavailable(exc) from None
+        except RequestTimeout as exc:
+            raise _timed_out(exc) from None
         headers = {GROUP_HEADER: ",".join(reply.group_ids)}
         if isinstance(reply.body, BaseModel):
             return JSONResponse(reply.body.model_dump(), headers=headers)

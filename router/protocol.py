@@ -7,6 +7,7 @@ are checked here; everything else is checked by `SamplingParams` behind the ingr
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -50,6 +51,9 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # tandem's extension: seconds after arrival at which the request is aborted (its KV
+    # freed) and answered 408 (an SSE error event once streaming has begun).
+    timeout: float | None = Field(None, gt=0.0)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The `SamplingParams` keyword arguments this request sets (unset ones keep defaults)."""
@@ -60,6 +64,10 @@ class _SamplingRequest(_Strict):
             if value is not None:
                 kwargs[name] = value
         return kwargs
+
+    def deadline(self) -> float | None:
+        """When (time.monotonic()) the request's `timeout` runs out, counted from now; None: never."""
+        return None if self.timeout is None else time.monotonic() + self.timeout
 
     @property
     def include_usage(self) -> bool:
@@ -221,7 +229,7 @@ class OpenAIError(Exception):
     """An error the client should see, with its HTTP status and OpenAI-style body."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             503: "server_error", 500: "server_error"}
+             408: "timeout_error", 503: "server_error", 500: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None) -> None:

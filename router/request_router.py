@@ -70,7 +70,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id: r for r in candidate_replicas}
-        target = _target_group(pending_request)
+        target = _request_field(pending_request, "target_group")
         if target is not None:  # a call meant for one group (a KV export, its stats)
             chosen = [r for rid, r in by_id.items() if rid.unique_id == target]
             return [chosen] if chosen else [list(by_id.values())]
@@ -90,6 +90,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             if min(scores, key=scores.get) != load_best:
                 self.num_prefix_routed += 1
         ranked = [rid for tier in rank_by_score(scores) for rid in random.sample(tier, len(tier))]
+        avoid = _request_field(pending_request, "avoid_group")
+        if avoid is not None:  # a retry: the group that failed it goes last (it may be the only one)
+            ranked.sort(key=lambda rid: rid.unique_id == avoid)
         self._predicted.setdefault(ranked[0], deque()).append(time.monotonic())
         if hashes:
             # Serve takes the first tier unless that group is full; if it does not, the
@@ -131,8 +134,10 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
 
 
-def _target_group(pending_request: PendingRequest | None) -> str | None:
+def _request_field(pending_request: PendingRequest | None, key: str) -> str | None:
+    """A routing hint in a group call's request dict: `target_group` (a call meant for one
+    group) or `avoid_group` (a retry after that group failed)."""
     if pending_request is None or not pending_request.args:
         return None
     arg = pending_request.args[0]
-    return arg.get("target_group") if isinstance(arg, dict) else None
+    return arg.get(key) if isinstance(arg, dict) else None

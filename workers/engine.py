@@ -276,7 +276,8 @@ class GroupEngine:
         host = self.scheduler.kv.host
         host_stats = {} if host is None else {"host_kv_blocks_total": host.num_slots, "host_kv_blocks_used": len(host),
                                               "host_kv_blocks_saved": host.num_saved,
-                                              "host_kv_blocks_loaded": host.num_loaded}
+                                              "host_kv_blocks_loaded": host.num_loaded,
+                                              "host_kv_blocks_pinned": host.num_pinned}
         return {**self.scheduler.stats(), **host_stats,
                 "spec_num_draft_tokens": spec.num_draft_tokens,
                 "spec_num_accepted_tokens": spec.num_accepted_tokens,

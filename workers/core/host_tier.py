@@ -34,6 +34,11 @@ class HostKVTier:
     def __len__(self) -> int:
         return len(self._slot_of)
 
+    @property
+    def num_pinned(self) -> int:
+        """Slots held for a pending step's loads: none once the engine is idle."""
+        return len(self._pinned)
+
     def lookup(self, block_hash: int) -> int | None:
         return self._slot_of.get(block_hash)
 
