@@ -1,7 +1,8 @@
 """The HTTP layer and EngineClient against a scripted fake group: no Ray, so fast and exact.
 
 Covers what a real group rarely does on demand: refusing a request, failing mid-stream,
-Serve's back-pressure (overload), no group running, and the cancel on early exit.
+failing before its first token (retried once elsewhere), Serve's back-pressure
+(overload), no group running, a request's own timeout, and the cancel on early exit.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from unittest import mock
 
 import pytest
 from fastapi.testclient import TestClient
+from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
 from tandem.router import ingress
@@ -42,6 +44,9 @@ class FakeResponse:
         if not self.items:
             raise StopAsyncIteration
         item = self.items.pop(0)
+        while isinstance(item, float):  # a pause (seconds) in the script
+            await asyncio.sleep(item)
+            item = self.items.pop(0)
         if isinstance(item, BaseException):
             raise item
         return item
@@ -55,6 +60,7 @@ class FakeGroup:
 
     def __init__(self) -> None:
         self.script: list = []
+        self.scripts: list[list] = []  # one script per call, first call first (else `script` every time)
         self.calls: list[dict] = []
         self.responses: list[FakeResponse] = []
         self.generate = self
@@ -64,7 +70,7 @@ class FakeGroup:
 
     def remote(self, request: dict) -> FakeResponse:
         self.calls.append(request)
-        self.responses.append(FakeResponse(self.script))
+        self.responses.append(FakeResponse(self.scripts.pop(0) if self.scripts else self.script))
         return self.responses[-1]
 
 
@@ -199,3 +205,50 @@ def test_service_unavailable_from_stream(tokenizer, group):
 
     with pytest.raises(ServiceUnavailable, match="overloaded"):
         asyncio.run(consume())
+
+
+def test_group_that_fails_before_its_first_token_is_retried_once_elsewhere(http, group):
+    died = delta("", 0, error="the replica group has failed: worker died", error_type="unavailable")
+    group.scripts = [[died], [delta("a", 10), delta("b", 11, "stop")]]
+    r = post(http, {"prompt": "hi"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
+    assert [c.get("avoid_group") for c in group.calls] == [None, "g0"]
+    # A replica that dies is the same (Ray says so with an exception: no group id to avoid).
+    group.calls.clear()
+    group.scripts = [[ActorDiedError()], [delta("c", 12, "stop")]]
+    r = post(http, {"prompt": "hi", "stream": True})
+    assert json.loads(r.text.splitlines()[0][6:])["choices"][0]["text"] == "c"
+    assert [c.get("avoid_group") for c in group.calls] == [None, None]
+
+
+def test_a_second_failure_or_one_after_a_token_is_not_retried(http, group):
+    died = delta("", 0, error="worker died", error_type="unavailable")
+    group.scripts = [[died], [died]]
+    r = post(http, {"prompt": "hi"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+    assert len(group.calls) == 2
+    group.calls.clear()
+    group.scripts = [[delta("a", 10), ActorDiedError()]]
+    r = post(http, {"prompt": "hi", "stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[1])["error"]["code"] == "service_unavailable" and events[2] == "[DONE]"
+    assert len(group.calls) == 1
+
+
+def test_timeout_aborts_the_request_with_408(http, group):
+    for script in ([5.0, delta("a", 10, "stop")], [delta("a", 10), 5.0, delta("b", 11, "stop")]):
+        group.scripts = [list(script)]
+        r = post(http, {"prompt": "hi", "timeout": 0.2})
+        assert r.status_code == 408
+        assert r.json()["error"] == {"message": "timeout: the request's timeout passed before it finished",
+                                     "type": "timeout_error", "param": "timeout", "code": "request_timeout"}
+        assert group.responses[-1].cancelled  # the group aborts it and frees its KV
+    group.scripts = [[delta("a", 10), 5.0, delta("b", 11, "stop")]]
+    r = post(http, {"prompt": "hi", "timeout": 0.2, "stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    assert json.loads(events[1])["error"]["code"] == "request_timeout" and events[2] == "[DONE]"
+    assert group.responses[-1].cancelled
+    for bad in (0, -1, "5"):
+        r = post(http, {"prompt": "hi", "timeout": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
