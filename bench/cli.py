@@ -26,6 +26,7 @@ HELP = {
     "serve": "load test an OpenAI-compatible server (TTFT, TPOT, goodput)",
     "spec": "speculative decoding: per-token speedup, cost at saturation",
     "prefix": "prefix-aware vs load-only routing: TTFT, cache hits, overhead",
+    "soak": "overload and faults while serving: nothing lost, nothing leaked, goodput and recovery",
 }
 
 
@@ -100,6 +101,11 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
     _add_prefix_args(p)
     p.set_defaults(func=partial(_run_prefix, hooks))
 
+    p = _parser(sub, "soak", hooks, model="without --url: the local model directory to serve (default: the "
+                "built-in demo model); with --url: the server's model here, to check outputs against")
+    _add_soak_args(p)
+    p.set_defaults(func=partial(_run_soak, hooks))
+
 
 def _parser(sub: Any, name: str, hooks: RouterHooks | None, **helps: str) -> argparse.ArgumentParser:
     """A benchmark's parser: engine flags (with `hooks`; `helps` retell their defaults), --bench-model, outputs."""
@@ -156,6 +162,26 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-requests", type=float, default=None,
                    help="each group's KV cache, in whole requests (default: num_prefixes / 2 + 0.5)")
     _add_idle_wait(p)
+
+
+def _add_soak_args(p: argparse.ArgumentParser) -> None:
+    from tandem.bench.soak_faults import FAULT_KINDS
+
+    p.add_argument("--url", default=None, help="server base URL (default: serve tandem here: two TP=2 groups)")
+    p.add_argument("--grpc-address", default=None, help="with --url: the server's gRPC host:port (default: HTTP only)")
+    p.add_argument("--served-model", default=None, help="with --url: the model name to send (default: none)")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests of the overload phase and of the fault phase, each (default 600; --quick 30)")
+    p.add_argument("--overload", type=float, default=None, help="the overload rate, x the measured capacity "
+                   "(default 4)")
+    p.add_argument("--faults", default=None, help=f"comma-separated, in order, of {','.join(FAULT_KINDS)}; 'none' "
+                   "(default: all; --quick: worker,allocator; with --url: none)")
+    p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="no request is sent after this (default 1200; --quick 60)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="each request's server-side timeout (default 40; --quick 20); lost = no answer 20 s after it")
+    p.add_argument("--num-groups", type=int, default=2, help="without --url: replica groups to serve")
 
 
 # ---- running them ------------------------------------------------------------------------------
@@ -297,3 +323,36 @@ def _run_prefix(hooks: RouterHooks, args: argparse.Namespace) -> int:
     figures["quick"] = args.quick
     report.print_table(title(figures), table_rows(figures))
     return _finish(args, figures, plot_prefix)
+
+
+def _run_soak(hooks: RouterHooks, args: argparse.Namespace) -> int:
+    from tandem.bench import report
+    from tandem.bench.soak import SOAK_FULL, SOAK_QUICK, run_soak
+
+    options = hooks.engine_options(args)
+    model = options.pop("model", None)
+    tp = options.pop("tensor_parallel_size", None) or 2
+    if args.bench_model is not None:
+        raise ValueError("bench soak serves the demo model or --model: not --bench-model")
+    cfg = SOAK_QUICK if args.quick else SOAK_FULL
+    changes: dict[str, Any] = {}
+    if args.num_requests:
+        changes.update(overload_requests=args.num_requests, fault_requests=args.num_requests)
+    if args.overload is not None:
+        changes["overload"] = args.overload
+    if args.duration is not None:
+        changes["max_duration_s"] = args.duration
+    faults = args.faults if args.faults is not None else ("none" if args.url else None)
+    if faults is not None:
+        changes["faults"] = () if faults == "none" else tuple(f for f in faults.split(",") if f)
+    if args.timeout is not None:
+        changes["mix"] = replace(cfg.mix, timeout_s=args.timeout)
+    cfg = replace(cfg, **changes)
+    figures = _measured(lambda: run_soak(
+        cfg, url=args.url, grpc_address=args.grpc_address, served_model=args.served_model, api_key=args.api_key,
+        model=model, engine_options=options, local_app=hooks.local_app, kv_holdings=hooks.kv_holdings,
+        grpc_servicer=hooks.grpc_servicer, grpc_messages=hooks.grpc_messages, num_groups=args.num_groups,
+        tensor_parallel_size=tp))
+    figures["quick"] = args.quick
+    report.print_table("tandem bench soak", [(k, v, "") for k, v in figures.items() if k in report.SOAK_ROWS])
+    return _finish(args, figures, None, warn=False)

@@ -29,10 +29,21 @@ TARGETS: dict[str, tuple[str, float]] = {
     "hit_ttft_ratio": ("<=", 0.3),
     "routed_ttft_ratio": ("<=", 0.6),
     "no_share_overhead": ("<=", 0.03),
+    "lost": ("<=", 0),
+    "unexpected_5xx": ("<=", 0),
+    "leaked_kv_blocks": ("<=", 0),
+    "overload_goodput_ratio": (">=", 0.8),
+    "recovery_s_max": ("<=", 30.0),
     # One GPU, bf16, --bench-model llama-1b.
     "tpot_ratio_vs_hf_compiled": ("<=", 0.7),
     "gpu_busy": (">=", 0.85),
 }
+
+# The figures `tandem bench soak` prints (its JSON has many more).
+SOAK_ROWS = ("sent", "completed", "rejected", "failed_clean", "failed_abrupt", "lost", "unexpected_5xx", "abandoned",
+             "invalid_answered", "invalid_accepted", "wrong_output", "wrong_output_checked", "leaked_kv_blocks",
+             "capacity_req_s", "goodput_capacity_req_s", "goodput_overload_req_s", "overload_goodput_ratio",
+             "recovery_s_max", "wall_s")
 
 Figures = dict[str, Any]
 Plot = Callable[[str, Figures], None]

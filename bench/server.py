@@ -19,8 +19,10 @@ HEALTH_TIMEOUT_S = 120.0
 
 @contextmanager
 def bench_server(local_app: AppBuilder, apps: dict[str, dict[str, Any]], *, num_cpus: int,
-                 address: str | None = None) -> Iterator[dict[str, str]]:
+                 address: str | None = None, grpc: tuple[int, str] | None = None) -> Iterator[dict[str, str]]:
     """Serve each of `apps` ({route: options}; route "" is the root) and yield {route: base URL}.
+
+    `grpc`: (port, servicer function's import path): Serve's gRPC proxy too, on that port.
 
     Without `address`: a local Ray of `num_cpus` logical CPUs, or the Ray this process is
     already connected to, and a Serve instance of our own, shut down at the end. With one:
@@ -41,7 +43,8 @@ def bench_server(local_app: AppBuilder, apps: dict[str, dict[str, Any]], *, num_
                  log_to_driver=False)
     port = free_port()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        grpc_options = {"port": grpc[0], "grpc_servicer_functions": [grpc[1]]} if grpc else None
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options)
         urls = {}
         for route, application in applications.items():
             serve.run(application, name=names[route], route_prefix=f"/{route}")

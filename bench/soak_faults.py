@@ -1,0 +1,119 @@
+"""The faults `tandem bench soak --faults` injects while its load runs, and how long the
+deployment takes to serve again after each. Only against a server on this machine (the
+bench's own): they need the application's Ray cluster and its processes' ids.
+
+    worker     one TP worker process of a group, SIGKILLed (the group's engine fails; Serve
+               replaces the group)
+    group      a whole replica group: its workers SIGKILLed and its Serve replica actor
+               killed, at once
+    allocator  the application's cluster KV allocator actor, killed (Ray restarts it; the
+               groups register again)
+    replica    one group's Serve replica actor, killed (its workers die with it)
+
+Recovered: a probe request is served and the application is back to strength (every
+group healthy and reporting, none of them the one hit, the allocator reachable and
+leasing to every group). `recovery_s` is the time from the kill to both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
+
+FAULT_KINDS = ("worker", "group", "allocator", "replica")
+SERVE_NAMESPACE = "serve"
+
+Holdings = Callable[[], Awaitable[dict[str, Any]]]  # the application's KV report (kv_report.py's shape)
+Probe = Callable[[], Awaitable[bool]]  # one small request: served?
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    target: str
+    injected_at: float  # seconds since the soak started
+    serving_again_s: float | None = None  # a probe request served
+    recovery_s: float | None = None  # served, and back to strength; None: not within the bound
+    error: str = ""
+
+
+def _kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _kill_actor(name: str, namespace: str, no_restart: bool) -> None:
+    import ray
+
+    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=no_restart)
+
+
+class FaultInjector:
+    def __init__(self, app_name: str, holdings: Holdings, probe: Probe, *, num_groups: int,
+                 recovery_timeout_s: float = 120.0, clock_zero: float | None = None) -> None:
+        self.app_name = app_name
+        self.holdings = holdings
+        self.probe = probe
+        self.num_groups = num_groups
+        self.recovery_timeout_s = recovery_timeout_s
+        self.zero = time.monotonic() if clock_zero is None else clock_zero
+
+    async def inject(self, kind: str) -> FaultRecord:
+        """Inject one fault and wait (bounded) until the deployment has recovered from it."""
+        before = await self.holdings()
+        groups = sorted(before["groups"].items())
+        now = time.monotonic()
+        record = FaultRecord(kind, "", now - self.zero)
+        hit_group = None
+        try:
+            if kind == "allocator":
+                record.target = allocator_name(self.app_name)
+                _kill_actor(record.target, ALLOCATOR_NAMESPACE, no_restart=False)
+            else:
+                with_workers = [(gid, g) for gid, g in groups if g["worker_pids"]]
+                if not groups or (kind == "worker" and not with_workers):
+                    raise RuntimeError(f"no group to inject a {kind} fault into")
+                hit_group, group = (with_workers or groups)[0]
+                record.target = hit_group
+                if kind == "worker":
+                    record.target += f" worker pid {group['worker_pids'][-1]}"
+                    _kill_pids(group["worker_pids"][-1:])
+                elif kind == "group":
+                    _kill_pids(group["worker_pids"])
+                    _kill_actor(group["actor_name"], SERVE_NAMESPACE, no_restart=True)
+                elif kind == "replica":
+                    _kill_actor(group["actor_name"], SERVE_NAMESPACE, no_restart=True)
+                else:
+                    raise ValueError(f"fault: unknown kind {kind!r} (one of {', '.join(FAULT_KINDS)})")
+        except Exception as exc:  # noqa: BLE001 - reported, the soak goes on
+            record.error = f"{type(exc).__name__}: {exc}"
+            return record
+        await self._wait_recovered(record, now, hit_group)
+        return record
+
+    async def _wait_recovered(self, record: FaultRecord, killed_at: float, hit_group: str | None) -> None:
+        await asyncio.sleep(0.5)  # let the death be noticed before asking who is healthy
+        while time.monotonic() - killed_at < self.recovery_timeout_s:
+            if record.serving_again_s is None and await self.probe():
+                record.serving_again_s = time.monotonic() - killed_at
+            if record.serving_again_s is not None and self.at_strength(await self.holdings(), hit_group):
+                record.recovery_s = time.monotonic() - killed_at
+                return
+            await asyncio.sleep(0.5)
+
+    def at_strength(self, report: dict[str, Any], hit_group: str | None = None) -> bool:
+        groups = report["groups"]
+        leases = report["allocator"].get("leases", {})
+        return (len(groups) == self.num_groups and not report["unreachable_groups"]
+                and all(g["healthy"] for g in groups.values()) and hit_group not in groups
+                and (not report["allocator"].get("present") or set(groups) <= set(leases)))

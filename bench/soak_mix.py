@@ -1,0 +1,134 @@
+"""The request mix of `tandem bench soak`: seeded, so a run can be repeated request for request.
+
+Every valid request is greedy with `ignore_eos` (its output is fixed, so it can be checked
+against the offline engine) and carries the server-side `timeout` (so the server aborts it
+before the client would give up). Prompts are one of a few shared prefixes plus a suffix of
+their own. Of all requests:
+
+    invalid_share   a bad request from a fixed table (wrong types, out of range, unknown
+                    model, broken JSON, too long for the context), HTTP and gRPC
+    abandon_share   a streaming request whose client leaves after its first few chunks
+    grpc_share      sent over gRPC (when the server has a gRPC port), else HTTP
+    stream_share    streamed (abandoning ones always are)
+    chat_share      of HTTP requests: chat completions instead of completions (not checked)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.bench.workload import NUM_SPECIAL_TOKENS
+
+
+@dataclass(frozen=True)
+class MixSpec:
+    num_prefixes: int = 8
+    prefix_len: int = 48
+    suffix_len: tuple[int, int] = (4, 24)
+    output_len: tuple[int, int] = (8, 48)
+    invalid_share: float = 0.10
+    abandon_share: float = 0.20
+    grpc_share: float = 0.30
+    stream_share: float = 0.50
+    chat_share: float = 0.15
+    timeout_s: float = 40.0  # the `timeout` field of every valid request
+
+
+@dataclass(frozen=True)
+class SoakRequest:
+    index: int
+    api: str  # "http" | "grpc"
+    stream: bool
+    prompt_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int = 0
+    chat: bool = False
+    abandon_after: int = 0  # > 0: leave after this many chunks
+    invalid: str = ""  # the name of the bad input ("" = a valid request)
+    body: Any = None  # HTTP: the JSON (or raw bytes) to send; gRPC: keyword arguments of the request
+
+    @property
+    def checkable(self) -> bool:
+        """A complete greedy completion whose output the offline engine can reproduce."""
+        return not self.invalid and not self.abandon_after and not self.chat
+
+
+# name -> (HTTP body, or raw bytes; built around a valid prompt)
+def _http_invalid(prompt: list[int], max_model_len: int) -> dict[str, Any]:
+    return {
+        "max_tokens_negative": {"prompt": prompt, "max_tokens": -1},
+        "temperature_string": {"prompt": prompt, "temperature": "hot"},
+        "top_p_zero": {"prompt": prompt, "top_p": 0.0},
+        "prompt_empty": {"prompt": []},
+        "prompt_missing": {"max_tokens": 4},
+        "unknown_model": {"prompt": prompt, "model": "no-such-model"},
+        "token_id_out_of_vocab": {"prompt": [10**9]},
+        "prompt_too_long": {"prompt": [NUM_SPECIAL_TOKENS] * (max_model_len + 1)},
+        "n_zero": {"prompt": prompt, "n": 0},
+        "timeout_negative": {"prompt": prompt, "timeout": -1},
+        "broken_json": b'{"prompt": [1, 2',
+        "body_not_object": b"[1, 2, 3]",
+    }
+
+
+_GRPC_INVALID = {
+    "grpc_prompt_missing": {},
+    "grpc_temperature_negative": {"sampling": {"temperature": -1.0}},
+    "grpc_unknown_model": {"model": "no-such-model"},
+    "grpc_timeout_zero": {"timeout": 0.0},
+}
+
+
+def make_mix(num: int, spec: MixSpec, vocab_size: int, max_model_len: int, *, seed: int, grpc: bool,
+             first_index: int = 0, valid_only: bool = False) -> list[SoakRequest]:
+    """`num` requests of the mix (`valid_only`: neither invalid nor abandoning ones)."""
+    rng = random.Random(seed)
+    prefixes = [[random.Random(p).randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(spec.prefix_len)]
+                for p in range(spec.num_prefixes)]  # the same prefixes in every phase
+    out = []
+    for i in range(first_index, first_index + num):
+        prompt = rng.choice(prefixes) + [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size)
+                                         for _ in range(rng.randint(*spec.suffix_len))]
+        max_tokens = rng.randint(*spec.output_len)
+        api = "grpc" if grpc and rng.random() < spec.grpc_share else "http"
+        roll = rng.random()
+        if not valid_only and roll < spec.invalid_share:
+            table = _GRPC_INVALID if api == "grpc" else _http_invalid(prompt, max_model_len)
+            name = rng.choice(sorted(table))
+            out.append(SoakRequest(i, api, rng.random() < spec.stream_share, prompt, max_tokens, invalid=name,
+                                   body=table[name]))
+            continue
+        abandon = not valid_only and roll < spec.invalid_share + spec.abandon_share
+        stream = abandon or rng.random() < spec.stream_share
+        chat = api == "http" and rng.random() < spec.chat_share
+        out.append(SoakRequest(i, api, stream, prompt, max_tokens, chat=chat,
+                               abandon_after=rng.randint(1, 3) if abandon else 0))
+    return out
+
+
+def http_request(req: SoakRequest, model: str | None, timeout_s: float) -> tuple[str, Any]:
+    """(path, JSON body or raw bytes) of an HTTP request."""
+    if req.invalid:
+        body = req.body if isinstance(req.body, bytes) else {**({"model": model} if model else {}), **req.body}
+        return "/v1/completions", body
+    body: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True,
+                            "stream": req.stream, "timeout": timeout_s}
+    if model:
+        body["model"] = model
+    if req.chat:
+        return "/v1/chat/completions", {**body, "messages": [
+            {"role": "user", "content": " ".join(str(t) for t in req.prompt_token_ids[-16:])}]}
+    return "/v1/completions", {**body, "prompt": req.prompt_token_ids}
+
+
+def grpc_request(req: SoakRequest, pb: Any, timeout_s: float) -> Any:
+    """The GenerateRequest message of a gRPC request (`pb`: the API's message module)."""
+    if req.invalid:
+        fields = dict(req.body)
+        sampling = fields.pop("sampling", {})
+        if "model" in fields or "timeout" in fields or sampling:
+            fields["token_ids"] = pb.TokenIds(ids=req.prompt_token_ids)
+        return pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), **fields)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=req.prompt_token_ids), timeout=timeout_s,
+                              sampling=pb.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True))
