@@ -49,6 +49,8 @@ class SoakConfig:
     faults: tuple[str, ...] = FAULT_KINDS
     fault_gap_s: float = 5.0  # load before each fault
     fault_load: float = 1.0  # the fault phase's rate, x capacity
+    num_groups: int = 2  # of the server the bench starts
+    recovery_timeout_s: float = 120.0  # a fault not recovered from by then: recovery_s None (inf in the max)
     max_duration_s: float = 1200.0  # no request is sent after this
     check_sample: int = 32  # completed outputs checked against the offline engine
     drain_timeout_s: float = 45.0  # for the KV held to reach 0 (a killed group's lease lapses in ~10 s)
@@ -65,8 +67,8 @@ class SoakConfig:
 
 SOAK_FULL = SoakConfig()
 SOAK_QUICK = SoakConfig(capacity_requests=12, capacity_concurrency=6, overload_requests=30, fault_requests=24,
-                        faults=("worker", "allocator"), fault_gap_s=1.0, fault_load=0.5, max_duration_s=90.0,
-                        check_sample=6, drain_timeout_s=30.0,
+                        faults=("allocator", "worker"), fault_gap_s=1.0, fault_load=0.5, num_groups=1,
+                        recovery_timeout_s=60.0, max_duration_s=90.0, check_sample=6, drain_timeout_s=30.0,
                         mix=MixSpec(num_prefixes=3, prefix_len=32, output_len=(4, 16), timeout_s=20.0))
 
 
@@ -127,8 +129,8 @@ class Soak:
         rate = max(self.capacity_req_s, 0.1)
         overload = make(cfg.overload_requests, cfg.seed + 1, len(capacity))
         await self._open_loop("overload", overload, rate * cfg.overload)
-        # Enough requests to go on through every recovery (only the ones sent count).
-        faulted = make(cfg.fault_requests * 20, cfg.seed + 2, len(capacity) + len(overload))
+        # Enough requests to go on through every recovery (only the ones sent count), within bounds.
+        faulted = make(cfg.fault_requests * 4, cfg.seed + 2, len(capacity) + len(overload))
         faults_done = asyncio.Event()
 
         async def inject() -> None:
@@ -190,7 +192,7 @@ class Soak:
         if not self.cfg.faults:
             return
         injector = FaultInjector(self.target.app_name, self._holdings, self._probe, num_groups=self.target.num_groups,
-                                 clock_zero=self.zero)
+                                 recovery_timeout_s=self.cfg.recovery_timeout_s, clock_zero=self.zero)
         for kind in self.cfg.faults:
             await asyncio.sleep(self.cfg.fault_gap_s)
             log_progress("soak", self.show_progress, f"fault: {kind}")
@@ -330,9 +332,11 @@ def run_soak(cfg: SoakConfig, *, url: str | None, grpc_address: str | None = Non
              api_key: str | None = None, model: str | None = None, engine_options: dict[str, Any] | None = None,
              local_app: Callable[[dict[str, Any]], Any] | None = None,
              kv_holdings: Callable[[str], dict[str, Any]] | None = None, grpc_servicer: str | None = None,
-             grpc_messages: Callable[[], Any] | None = None, num_groups: int = 2, tensor_parallel_size: int = 2,
+             grpc_messages: Callable[[], Any] | None = None, num_groups: int | None = None,
+             tensor_parallel_size: int = 2,
              show_progress: bool = True) -> dict[str, Any]:
-    """The soak's figures (one flat dict). With `url`: that server (faults need the bench's own)."""
+    """The soak's figures (one flat dict). With `url`: that server (faults need the bench's own,
+    of `num_groups` groups: default 2, with `--quick` 1, so that CI starts one TP=2 group)."""
     from tandem.bench.server import SERVED_MODEL_NAME, bench_server
     from tandem.workers.model.demo_model import demo_model_path
     from tandem.workers.model.hf_config import HFModelConfig
@@ -355,6 +359,7 @@ def run_soak(cfg: SoakConfig, *, url: str | None, grpc_address: str | None = Non
         raise ValueError("serving tandem here needs local_app, or give a url")
     from tandem.cluster.net import free_port
 
+    num_groups = num_groups or cfg.num_groups
     model_dir = os.path.abspath(model or demo_model_path())
     hf = HFModelConfig.from_dir(model_dir)
     options = {**(engine_options or {}), "model": model_dir, "num_replicas": num_groups,
@@ -362,7 +367,7 @@ def run_soak(cfg: SoakConfig, *, url: str | None, grpc_address: str | None = Non
     address = options.pop("address", None)
     grpc = (free_port(), grpc_servicer) if grpc_servicer and pb is not None else None
     num_cpus = max(os.cpu_count() or 1, num_groups * (1 + tensor_parallel_size)) + 4
-    log_progress("soak", show_progress, f"starting the server: {num_groups} groups of TP={tensor_parallel_size}")
+    log_progress("soak", show_progress, f"starting the server: {num_groups} group(s) of TP={tensor_parallel_size}")
     with bench_server(local_app, {"": options}, num_cpus=num_cpus, address=address, grpc=grpc) as urls:
         target = Target(urls[""], SERVED_MODEL_NAME, hf.vocab_size,
                         options.get("max_model_len") or hf.max_position_embeddings,

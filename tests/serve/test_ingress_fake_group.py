@@ -252,3 +252,20 @@ def test_timeout_aborts_the_request_with_408(http, group):
     for bad in (0, -1, "5"):
         r = post(http, {"prompt": "hi", "timeout": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
+
+
+def test_grpc_timeout_is_deadline_exceeded() -> None:
+    import grpc
+
+    from tandem.router import tandem_pb2 as pb
+    from tandem.router.engine_client import RequestTimeout
+    from tandem.router.grpc_service import _deadline, _set_status
+
+    context = mock.Mock()
+    _set_status(context, RequestTimeout("the request's timeout passed before it finished"))
+    context.set_code.assert_called_once_with(grpc.StatusCode.DEADLINE_EXCEEDED)
+    context.set_details.assert_called_once_with("timeout: the request's timeout passed before it finished")
+    assert _deadline(pb.GenerateRequest()) is None
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="^timeout: must be > 0 seconds"):
+            _deadline(pb.GenerateRequest(timeout=bad))
