@@ -18,9 +18,11 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
+from tandem.router.admission import AdmissionLimits
 from tandem.router.group_server import GroupServer
 from tandem.router.ingress import OpenAIIngress
 from tandem.router.kv_fetch import FETCH_MODES
+from tandem.router.limits import RequestLimits
 from tandem.workers.config import EngineConfig
 
 DEMO_MODEL_NAME = "tandem-demo"
@@ -53,6 +55,15 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # With a draft model: the application's groups share one draft actor (placed by the
     # first group to start); False: a draft per group.
     "share_draft": True,
+    # Admission at the ingress (router/admission.py): requests in flight per group that is
+    # up (default: max_ongoing_requests + max_num_seqs, one batch queued beyond what the
+    # group takes), and for the whole application (None: the groups' sum); beyond, 429 with
+    # Retry-After (503 when no group is up). False: no admission control (Serve's queue only).
+    "admission_control": True,
+    "max_requests_per_group": None,
+    "max_requests": None,
+    "retry_after_s": 1,
+    "max_request_body_bytes": 8 * 1024 * 1024,  # larger bodies: 413
 }
 
 ROUTING_POLICIES = ("prefix", "load")
@@ -78,13 +89,35 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     group_options = {"kv_allocator": config.cache.enable_prefix_caching,
                      "host_kv_memory_per_node": serving["host_kv_memory_per_node"], "kv_fetch": serving["kv_fetch"],
                      "stream_interval_ms": serving["stream_interval_ms"], "share_draft": serving["share_draft"]}
+    admission = admission_options(config, serving)
+    if admission is not None:
+        AdmissionLimits.from_dict(admission)  # bad bounds fail here, not in every ingress replica
+    RequestLimits(max_body_bytes=serving["max_request_body_bytes"])
     group = GroupServer.options(**_group_options(config, serving)).bind(config, group_options)
     ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
-                      "max_model_len": config.model.max_model_len, "api_key": serving["api_key"]}
+                      "max_model_len": config.model.max_model_len, "api_key": serving["api_key"],
+                      "limits": {"max_body_bytes": serving["max_request_body_bytes"]},
+                      "admission": admission}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
                                     max_ongoing_requests=serving["ingress_max_ongoing_requests"],
                                     ray_actor_options={"num_cpus": serving["ingress_num_cpus"]})
     return ingress.bind(group, ingress_config)
+
+
+def admission_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any] | None:
+    """One ingress replica's AdmissionLimits fields: the application's bounds, split evenly
+    among the ingress replicas (each counts only the requests it carries)."""
+    if not serving["admission_control"]:
+        return None
+    num_ingress = max(1, serving["ingress_num_replicas"])
+    per_group = serving["max_requests_per_group"]
+    if per_group is None:
+        max_ongoing = serving["max_ongoing_requests"] or 2 * config.scheduler.max_num_seqs
+        per_group = max_ongoing + config.scheduler.max_num_seqs
+    total = serving["max_requests"]
+    return {"max_requests_per_group": math.ceil(per_group / num_ingress),
+            "max_requests": None if total is None else math.ceil(total / num_ingress),
+            "retry_after_s": serving["retry_after_s"]}
 
 
 def local_group_num_cpus(num_replicas: int, cores: int) -> int:

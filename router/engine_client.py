@@ -79,6 +79,7 @@ class EngineClient:
         self._status: tuple[float, bool, bool] = (-_HEALTH_TTL_S, True, True)
         self._status_lock: asyncio.Lock | None = None
         self._refresh: asyncio.Task | None = None
+        self.num_running_groups = 1  # as last read from Serve (admission sizes its bound by it)
 
     # ---- validation ----------------------------------------------------------------------------
     def sampling_params(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> SamplingParams:
@@ -155,6 +156,10 @@ class EngineClient:
                 response.cancel()  # the group aborts it and frees its blocks
 
     # ---- health --------------------------------------------------------------------------------
+    async def groups_up(self) -> int:
+        """Replica groups that can take requests now, as last known (0: none; see _can_serve_now)."""
+        return max(1, self.num_running_groups) if await self._can_serve_now() else 0
+
     async def health(self) -> bool:
         """True when every replica group is running and passes its health check."""
         all_healthy, _ = await self._group_status()
@@ -198,6 +203,7 @@ class EngineClient:
             return False, True
         states = {str(getattr(k, "value", k)): n for k, n in deployment.replica_states.items()}
         num_running = states.get("RUNNING", 0)
+        self.num_running_groups = num_running
         status = str(getattr(deployment.status, "value", deployment.status))
         # Serve marks a group UNHEALTHY when its check_health raises (a dead engine) and
         # replaces it; a RECOVERING one is being restarted.

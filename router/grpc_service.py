@@ -8,11 +8,15 @@ Errors: a method sets the status code and details on `grpc_context`. A unary met
 returns an empty response: the proxy copies the context's code onto the call. A streaming
 method raises instead, because the proxy only copies the context when a message goes out;
 raising after `set_code` makes Serve keep the code (`gRPCStatusError`) rather than INTERNAL.
+Admission (admission.py) runs before the prompt is tokenized: RESOURCE_EXHAUSTED when the
+groups are full, UNAVAILABLE when none is up, both with `retry-after` trailing metadata
+(seconds). An unexpected error is INTERNAL with an id; its traceback goes to the log only.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 import time
 import uuid
@@ -23,11 +27,15 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from tandem.router import tandem_pb2 as pb
+from tandem.router.admission import Overloaded, admitted
 from tandem.router.engine_client import RequestTimeout, ServiceUnavailable
+from tandem.router.limits import check_finite, check_stop_counts
 from tandem.workers.core.request import SamplingParams
 
 if TYPE_CHECKING:
     from ray.serve.grpc_util import RayServegRPCContext
+
+logger = logging.getLogger(__name__)
 
 # Proto fields copied to the sampling dict when set (names equal SamplingParams fields).
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty",
@@ -56,16 +64,17 @@ class GrpcMethods:
                        ) -> pb.GenerateResponse:
         try:
             self._authenticate(grpc_context)
-            request_id, token_ids, sampling = self._prepare(request)
-            deadline = _deadline(request)
-            choices: dict[int, pb.Completion] = {}
-            last: dict[str, Any] = {}
-            async with aclosing(self.client.stream(token_ids, sampling, request_id, deadline)) as deltas:
-                async for last in deltas:
-                    _raise_on_error(last)
-                    for output in last["outputs"]:
-                        choice = choices.setdefault(output["index"], pb.Completion(index=output["index"]))
-                        _merge(choice, output, sampling.get("logprobs"))
+            async with admitted(getattr(self, "admission", None)):
+                request_id, token_ids, sampling = self._prepare(request)
+                deadline = _deadline(request)
+                choices: dict[int, pb.Completion] = {}
+                last: dict[str, Any] = {}
+                async with aclosing(self.client.stream(token_ids, sampling, request_id, deadline)) as deltas:
+                    async for last in deltas:
+                        _raise_on_error(last)
+                        for output in last["outputs"]:
+                            choice = choices.setdefault(output["index"], pb.Completion(index=output["index"]))
+                            _merge(choice, output, sampling.get("logprobs"))
         except Exception as exc:
             _set_status(grpc_context, exc)
             return pb.GenerateResponse()
@@ -77,20 +86,21 @@ class GrpcMethods:
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             self._authenticate(grpc_context)
-            request_id, token_ids, sampling = self._prepare(request)
-            deadline = _deadline(request)
-            num_output_tokens = 0
-            async with aclosing(self.client.stream(token_ids, sampling, request_id, deadline)) as deltas:
-                async for delta in deltas:
-                    _raise_on_error(delta)
-                    message = pb.GenerateStreamResponse(request_id=request_id, model=self.client.model_name,
-                                                        finished=bool(delta.get("finished")))
-                    for output in delta["outputs"]:
-                        _merge(message.choices.add(index=output["index"]), output, sampling.get("logprobs"))
-                        num_output_tokens += len(output.get("token_ids") or [])
-                    if message.finished:
-                        message.usage.CopyFrom(_usage(delta, num_output_tokens))
-                    yield message
+            async with admitted(getattr(self, "admission", None)):
+                request_id, token_ids, sampling = self._prepare(request)
+                deadline = _deadline(request)
+                num_output_tokens = 0
+                async with aclosing(self.client.stream(token_ids, sampling, request_id, deadline)) as deltas:
+                    async for delta in deltas:
+                        _raise_on_error(delta)
+                        message = pb.GenerateStreamResponse(request_id=request_id, model=self.client.model_name,
+                                                            finished=bool(delta.get("finished")))
+                        for output in delta["outputs"]:
+                            _merge(message.choices.add(index=output["index"]), output, sampling.get("logprobs"))
+                            num_output_tokens += len(output.get("token_ids") or [])
+                        if message.finished:
+                            message.usage.CopyFrom(_usage(delta, num_output_tokens))
+                        yield message
         except Exception as exc:
             _set_status(grpc_context, exc)
             raise
@@ -179,6 +189,7 @@ def _deadline(request: pb.GenerateRequest) -> float | None:
 def sampling_dict(proto: pb.SamplingParams) -> dict[str, Any]:
     """The set fields of a proto SamplingParams as SamplingParams keyword arguments (validated)."""
     sampling: dict[str, Any] = {name: getattr(proto, name) for name in _OPTIONAL_SAMPLING if proto.HasField(name)}
+    check_stop_counts(list(proto.stop), len(proto.stop_token_ids))
     if proto.stop:
         sampling["stop"] = list(proto.stop)
     if proto.stop_token_ids:
@@ -187,6 +198,7 @@ def sampling_dict(proto: pb.SamplingParams) -> dict[str, Any]:
         sampling["ignore_eos"] = True
     if proto.include_stop_str_in_output:
         sampling["include_stop_str_in_output"] = True
+    check_finite(sampling)
     SamplingParams(**sampling)  # fail here, before any work, with the field's name
     return sampling
 
@@ -239,9 +251,18 @@ def _set_status(grpc_context: RayServegRPCContext, exc: Exception) -> None:
         code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     elif isinstance(exc, RequestTimeout):
         code, details = grpc.StatusCode.DEADLINE_EXCEEDED, f"timeout: {exc}"
+    elif isinstance(exc, Overloaded):
+        code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded: {exc}"
     elif isinstance(exc, ServiceUnavailable):
         code, details = grpc.StatusCode.UNAVAILABLE, str(exc) or "no replica group can serve the request"
-    else:
-        raise exc
+    else:  # never the exception's text: it may carry paths; the log has the traceback under the id
+        error_id = uuid.uuid4().hex[:16]
+        logger.error("internal error %s in a gRPC call", error_id, exc_info=exc)
+        code, details = grpc.StatusCode.INTERNAL, f"internal error (id {error_id})"
     grpc_context.set_code(code)
     grpc_context.set_details(details)
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s is None and code == grpc.StatusCode.UNAVAILABLE:
+        retry_after_s = 1
+    if retry_after_s is not None:
+        grpc_context.set_trailing_metadata([("retry-after", str(retry_after_s))])

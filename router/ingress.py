@@ -8,9 +8,11 @@
 
 Every error has OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 400 for a bad request (invalid JSON, wrong type, out of range, too long for the
-context), 401 for a missing or wrong API key, 404 for an unknown model, 503 when the
-groups are overloaded or none can serve. The request is tokenized and validated here,
-so a bad one never reaches a group. The `x-tandem-groups` response header names the
+context), 401 for a missing or wrong API key, 404 for an unknown model, 413 / 415 for a
+body too large or not JSON (limits.py), 429 when the groups are full and 503 when none can
+serve (both with Retry-After; admission.py sheds before any tokenizing), and a bare 500
+with an id for anything unexpected (errors.py). The request is tokenized and validated
+here, so a bad one never reaches a group. The `x-tandem-groups` response header names the
 replica group(s) serving the response.
 A request whose own `timeout` passes is aborted (its KV freed) and answered 408; one
 whose group fails mid-way ends with a 503 (an SSE error event once streaming began).
@@ -24,7 +26,6 @@ whose group fails mid-way ends with a 503 (an SSE error event once streaming beg
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from typing import Any
@@ -34,10 +35,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
+from tandem.router.admission import Admission, AdmissionLimits, NoGroupUp, Overloaded, ReleasingStream, Ticket
 from tandem.router.chat import ChatServing
 from tandem.router.completions import CompletionServing
 from tandem.router.engine_client import EngineClient, RequestTimeout, ServiceUnavailable
+from tandem.router.errors import install_error_handlers, overloaded, unavailable
 from tandem.router.kv_report import kv_holdings
+from tandem.router.limits import RequestLimits, read_json_object
+from tandem.router.openapi import openapi_document
 from tandem.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,22 +64,14 @@ except ImportError as exc:
 GROUP_HEADER = "x-tandem-groups"  # the replica groups serving a response (one per prompt)
 
 app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
+install_error_handlers(app)
+app.openapi = openapi_document  # the routes parse their own bodies: the document states them
 
-
-@app.exception_handler(OpenAIError)
-async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body.model_dump(), status_code=exc.status)
-
-
-@app.exception_handler(Exception)
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error in %s %s", request.method, request.url.path)
-    error = OpenAIError(500, f"internal error: {type(exc).__name__}")
-    return JSONResponse(error.body.model_dump(), status_code=500)
+RETRY_AFTER_S = 1  # when a group refuses for overload (Serve's backstop queue is full)
 
 
 def _unavailable(exc: ServiceUnavailable) -> OpenAIError:
-    return OpenAIError(503, f"service unavailable: {exc}", code="service_unavailable")
+    return unavailable(str(exc), getattr(exc, "retry_after_s", RETRY_AFTER_S))
 
 
 def _timed_out(exc: RequestTimeout) -> OpenAIError:
@@ -112,6 +109,10 @@ class OpenAIIngress(GrpcMethods):
             max_model_len=config.get("max_model_len") or hf_config.max_position_embeddings,
             vocab_size=hf_config.vocab_size)
         self.api_key = config.get("api_key")
+        self.limits = RequestLimits(**config.get("limits", {}))
+        admission = config.get("admission")
+        self.admission = (Admission(AdmissionLimits.from_dict(admission), self.client.groups_up)
+                          if admission else None)
         self.created = int(time.time())
         self.completions = CompletionServing(self.client)
         self.chat = ChatServing(self.client)
@@ -137,12 +138,12 @@ class OpenAIIngress(GrpcMethods):
     @app.post("/v1/completions")
     async def create_completion(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
-        return await self._respond(self.completions.create(req))
+        return await self._respond(self.completions.create, req, req.num_prompts)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
-        return await self._respond(self.chat.create(req))
+        return await self._respond(self.chat.create, req, 1)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -155,12 +156,7 @@ class OpenAIIngress(GrpcMethods):
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
         self._authorize(request)
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise OpenAIError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+        body = await read_json_object(request, self.limits)
         try:
             req = model.model_validate(body)
         except ValidationError as exc:
@@ -170,16 +166,37 @@ class OpenAIIngress(GrpcMethods):
                               f"'{self.client.model_name}')", param="model", code="model_not_found")
         return req
 
-    async def _respond(self, pending) -> Response:
+    async def _admit(self, cost: int) -> Ticket | None:
+        """Admission before any tokenizing: 429 / 503 at once when the groups cannot take it."""
+        if self.admission is None:
+            return None
         try:
-            reply = await pending
+            return await self.admission.admit(cost)
+        except Overloaded as exc:
+            raise overloaded(exc.message, exc.retry_after_s) from None
+        except NoGroupUp as exc:
+            raise _unavailable(exc) from None
+
+    async def _respond(self, create, req, cost: int) -> Response:
+        ticket = await self._admit(cost)
+        streaming = False
+        try:
+            reply = await create(req)
+            streaming = not isinstance(reply.body, BaseModel)
         except ValueError as exc:
             raise OpenAIError.bad_request(exc) from None
         except ServiceUnavailable as exc:
             raise _unavailable(exc) from None
         except RequestTimeout as exc:
             raise _timed_out(exc) from None
+        finally:
+            if ticket is not None and not streaming:  # a whole answer is done; a refused one never ran
+                ticket.release()
         headers = {GROUP_HEADER: ",".join(reply.group_ids)}
         if isinstance(reply.body, BaseModel):
             return JSONResponse(reply.body.model_dump(), headers=headers)
-        return StreamingResponse(_guard_stream(reply.body), media_type="text/event-stream", headers=headers)
+        body = _guard_stream(reply.body)
+        if ticket is not None:
+            ticket.assign(reply.group_ids)
+            body = ReleasingStream(body, ticket)
+        return StreamingResponse(body, media_type="text/event-stream", headers=headers)

@@ -8,12 +8,21 @@ are checked here; everything else is checked by `SamplingParams` behind the ingr
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+# Counts and sizes beyond which a request is refused outright: each bounds the work or
+# memory one request can ask for before anything checks it against the model.
+MAX_PROMPTS = 128  # prompts in one completions request (one group request each)
+MAX_MESSAGES = 1024  # chat messages
+MAX_STOP = 16  # stop strings
+MAX_STOP_CHARS = 1024  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_INT32 = 2**31 - 1  # token counts and ids (the gRPC API's width too)
+MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
 
 _UNION_HINTS = {
     "prompt": "must be a string, an array of strings, an array of token ids or an array of token-id arrays",
@@ -23,7 +32,13 @@ _UNION_HINTS = {
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # NaN and infinities are refused: no sampling field means anything with them.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -38,16 +53,16 @@ class _SamplingRequest(_Strict):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -75,10 +90,26 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    # tandem returns every sample it draws: best_of may only repeat n.
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of == n is supported (tandem does not rank extra samples); "
+                             f"got best_of={self.best_of}, n={self.n}")
+        return self
+
+    @property
+    def num_prompts(self) -> int:
+        """Group requests this request becomes (one per prompt)."""
+        p = self.prompt
+        return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
 
 
 class TextPart(_Strict):
@@ -98,9 +129,9 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -229,14 +260,19 @@ class OpenAIError(Exception):
     """An error the client should see, with its HTTP status and OpenAI-style body."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             408: "timeout_error", 503: "server_error", 500: "server_error"}
+             405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+             415: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        # The message may quote the request: a lone surrogate there must not break the response.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
         self.body = ErrorResponse(error=ErrorInfo(
-            message=message, type=type or self.TYPES.get(status, "server_error"), param=param, code=code))
+            message=message, type=type or self.TYPES.get(status, "server_error"),
+            param=None if param is None else param.encode("utf-8", "backslashreplace").decode("utf-8"), code=code))
 
     @classmethod
     def bad_request(cls, exc: ValueError | str) -> OpenAIError:
@@ -250,10 +286,17 @@ class OpenAIError(Exception):
     def from_validation(cls, exc: ValidationError) -> OpenAIError:
         errors = exc.errors(include_url=False)
         first = errors[0]
+        if first["type"] == "value_error" and not first["loc"]:  # a model validator's "field: ..." message
+            return cls.bad_request(str(first["ctx"]["error"]))
         loc = [str(part) for part in first["loc"]]
         param = loc[0] if loc else None
         same_field = [e for e in errors if e["loc"] and str(e["loc"][0]) == param]
-        if param in _UNION_HINTS and len(same_field) > 1:
+        # A list beyond its bounds matches no branch of a union: say so, not "must be one of".
+        bounded = next((e for e in same_field if e["type"] in ("too_long", "too_short")), None)
+        if bounded is not None:
+            first = bounded
+            message = f"{param}: {bounded['msg']}"
+        elif param in _UNION_HINTS and len(same_field) > 1:
             message = f"{param}: {_UNION_HINTS[param]}"
         else:
             message = f"{'.'.join(loc) or 'body'}: {first['msg']}"

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 APP_NAME = "tandem"
+SERVING_BODY_BYTES = 8 * 1024 * 1024  # router/app.py's max_request_body_bytes default
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 GRPC_SERVICER = "tandem.router.tandem_pb2_grpc.add_TandemServicer_to_server"
 
 
@@ -37,6 +39,22 @@ def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, else none)")
+    p.add_argument("--max-requests-per-group", type=int, default=None,
+                   help="admission: requests in flight per replica group beyond which new ones get 429 "
+                   "(default: max_ongoing_requests + max_num_seqs)")
+    p.add_argument("--max-requests", type=int, default=None,
+                   help="admission: requests in flight for the whole application (default: no cap beyond the groups')")
+    p.add_argument("--no-admission-control", dest="admission_control", action="store_false",
+                   help="no 429s at the ingress: requests queue in Serve (503 when that queue is full)")
+    p.add_argument("--max-request-body-bytes", type=int, default=SERVING_BODY_BYTES,
+                   help="larger request bodies get 413")
+    # An embedded Ray (no --address) listens on loopback only: its GCS, raylets and dashboard
+    # take commands from anyone who reaches them.
+    p.add_argument("--ray-bind-host", default="127.0.0.1",
+                   help="address the embedded Ray instance's GCS and raylet listen on (default: loopback only; "
+                   "the node's IP lets other machines join it)")
+    p.add_argument("--dashboard-host", default="127.0.0.1", help="the embedded Ray dashboard's bind address")
+    p.add_argument("--no-dashboard", dest="dashboard", action="store_false", help="start no Ray dashboard")
     p.set_defaults(func=lambda args: run(args, engine_options(args)))
 
 
@@ -48,7 +66,9 @@ def app_args(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[s
         options["model"] = os.path.abspath(options["model"])  # replicas do not share our cwd
     options.update(served_model_name=args.served_model_name or args.model, num_replicas=args.num_replicas,
                    api_key=args.api_key, routing=args.routing, kv_fetch=args.kv_fetch,
-                   host_kv_memory_per_node=args.host_kv_memory_per_node)
+                   host_kv_memory_per_node=args.host_kv_memory_per_node,
+                   admission_control=args.admission_control, max_requests_per_group=args.max_requests_per_group,
+                   max_requests=args.max_requests, max_request_body_bytes=args.max_request_body_bytes)
     return options if args.address else local_group_options(options)
 
 
@@ -70,6 +90,25 @@ def local_app(options: dict[str, Any]) -> Any:
     return build_app(local_group_options(options))
 
 
+def local_ray_init_kwargs(args: argparse.Namespace, num_cpus: int) -> dict[str, Any]:
+    """ray.init's arguments for the embedded instance: bound to `--ray-bind-host`, the
+    dashboard to `--dashboard-host`, and Ray's token authentication on.
+
+    Ray turns a loopback node address into the machine's reachable IP unless it is told
+    the machine forms no cluster (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when its
+    constants module loads, hence the attribute as well); then the GCS and raylets listen
+    on 127.0.0.1 only.
+    """
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray 2.60's default; never silently off
+    if args.ray_bind_host in LOOPBACK:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    return {"address": "local", "num_cpus": num_cpus, "_node_ip_address": args.ray_bind_host,
+            "include_dashboard": args.dashboard, "dashboard_host": args.dashboard_host}
+
+
 def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     import ray
     from ray import serve
@@ -85,7 +124,7 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     else:
         # Logical CPUs: at least what the groups take, so a laptop can hold a TP=2 group
         # (its workers then share the cores).
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed(options)))
+        ray.init(**local_ray_init_kwargs(args, max(os.cpu_count() or 1, num_cpus_needed(options))))
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
         signal.signal(sig, _interrupt)
     try:

@@ -36,13 +36,20 @@ def test_serve_flags_become_build_app_args():
         "pipeline_parallel_size": 1, "num_replicas": 3, "max_model_len": 512, "max_num_seqs": 8,
         "max_num_batched_tokens": 1024, "block_size": 32, "kv_cache_memory": 1000000, "dtype": "float32",
         "api_key": "k", "routing": "load", "host_kv_cache_memory": 4096, "host_kv_memory_per_node": 8192,
-        "kv_fetch": "never", "cpu_packed_weights": False}
+        "kv_fetch": "never", "cpu_packed_weights": False, "admission_control": True, "max_requests_per_group": None,
+        "max_requests": None, "max_request_body_bytes": 8 * 1024 * 1024}
     assert (args.host, args.port, args.grpc_port, args.address) == ("127.0.0.1", 8001, 9001, "ray://x:10001")
     defaults = app_args_of(["serve", "--gpu-memory-utilization", "0.5"])
     assert defaults["gpu_memory_utilization"] == 0.5 and "model" not in defaults
     assert "cpu_packed_weights" not in defaults and "enforce_eager" not in defaults  # the engine's defaults
     assert (defaults["routing"], defaults["kv_fetch"]) == ("prefix", "auto")
     assert app_args_of(["serve", "--enforce-eager", "--address", "auto"])["enforce_eager"] is True
+    limits = app_args_of(["serve", "--max-requests-per-group", "5", "--max-requests", "9", "--no-admission-control",
+                          "--max-request-body-bytes", "4096"])
+    assert ({k: limits[k] for k in ("admission_control", "max_requests_per_group", "max_requests",
+                                    "max_request_body_bytes")}
+            == {"admission_control": False, "max_requests_per_group": 5, "max_requests": 9,
+                "max_request_body_bytes": 4096})
 
 
 def test_engine_flags_come_from_one_table():

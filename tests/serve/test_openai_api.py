@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from tests.serve.conftest import group_handle, serve_app, wait_for
+from tests.serve.hostile_cases import HTTP_CASES
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -315,6 +316,24 @@ def test_openai_client_raises_the_matching_errors(server, client):
         client.chat.completions.create(model="nope", messages=MSGS)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="bad", max_retries=0).models.list()
+
+
+# The hostile-input battery's cases that hold whatever the context and key (tests/serve/hostile_cases.py).
+HOSTILE = [c for c in HTTP_CASES if not c.name.startswith("key:") and c.status != 413
+           and "context" not in c.name and "too long" not in c.name]
+
+
+def test_hostile_inputs_get_their_4xx_from_the_real_server(server):
+    assert len(HOSTILE) == 93
+    for case in HOSTILE:
+        body = json.dumps(case.body).encode() if isinstance(case.body, dict) else case.body
+        headers = {"Content-Type": "application/json", **case.headers, **AUTH}
+        r = requests.request(case.method, f"{server}{case.path}", data=body, headers=headers, timeout=30)
+        assert r.status_code == case.status, (case.name, r.text[:300])
+        error = r.json()["error"]
+        assert sorted(error) == ["code", "message", "param", "type"] and error["message"], case.name
+        assert (error["param"], error["code"] if case.code else None) == (case.param, case.code), case.name
+        assert "Traceback" not in r.text and ".py" not in r.text, case.name
 
 
 def test_server_still_serves_after_bad_requests(server, client):

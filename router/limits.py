@@ -1,0 +1,156 @@
+"""RequestLimits and the request body reader that enforces them, before any model work.
+
+    Content-Length or bytes read > max_body_bytes   413, without reading the rest
+    a Content-Type that is not JSON                 415 (none at all is taken as JSON)
+    not UTF-8, not JSON, NaN / Infinity literals    400 invalid_json
+    nesting deeper than max_json_depth              400 (json's own recursion never runs out)
+    a string with an unpaired surrogate (\\ud800)    400: it is no text, and no tokenizer takes it
+    not an object                                   400
+
+Counts within the body (prompts, stop strings, n, logprobs...) are bounds on the pydantic
+models in protocol.py, so that the published schema shows them too; the context-length
+rules need the tokens and live in EngineClient.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from tandem.router.protocol import MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, OpenAIError
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_json_depth: int = 32  # the deepest legitimate body (chat content parts) is 4
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_request_body_bytes: must be >= 1024, got {self.max_body_bytes}")
+        if self.max_json_depth < 4:
+            raise ValueError(f"max_json_depth: must be >= 4, got {self.max_json_depth}")
+
+
+async def read_json_object(request: Request, limits: RequestLimits) -> dict[str, Any]:
+    """The request's JSON object body, or an OpenAIError saying what is wrong with it."""
+    _check_content_type(request.headers.get("content-type"))
+    body = await _read_bounded(request, limits.max_body_bytes)
+    return parse_json_object(body, limits.max_json_depth)
+
+
+def parse_json_object(body: bytes, max_depth: int) -> dict[str, Any]:
+    try:
+        value = json.loads(body, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise _too_deep(max_depth) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise OpenAIError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+    # Counting brackets is C-fast and bounds the depth: walk the tree only when it could be deep.
+    if body.count(b"[") + body.count(b"{") > max_depth and _depth(value, max_depth) > max_depth:
+        raise _too_deep(max_depth)
+    if _SURROGATE_ESCAPE.search(body):
+        path = _unpaired_surrogate(value, "")
+        if path is not None:
+            head = path.split(".")[0].split("[")[0]
+            raise OpenAIError(400, f"{path or 'body'}: a string holds an unpaired UTF-16 surrogate (not valid "
+                              "Unicode text)", param=head if head.isascii() and head.isidentifier() else None,
+                              code="invalid_utf8")
+    return value
+
+
+def _check_content_type(content_type: str | None) -> None:
+    if content_type is None:
+        return  # curl without -H and many scripts: the body decides
+    media = content_type.split(";")[0].strip().lower()
+    if media not in ("application/json", "") and not media.endswith("+json"):
+        raise OpenAIError(415, f"unsupported content type {media!r}: send 'Content-Type: application/json'",
+                          code="unsupported_media_type")
+
+
+async def _read_bounded(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():  # a chunked body has no length up front
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise OpenAIError(400, "the client closed the connection before the body ended",
+                          code="invalid_json") from None
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body is larger than this server's limit of {max_bytes} bytes",
+                       code="request_too_large")
+
+
+def _too_deep(max_depth: int) -> OpenAIError:
+    return OpenAIError(400, f"the request body nests more than {max_depth} levels deep", code="invalid_json")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of `value`, counted up to limit + 1 (iterative: a deep body cannot recurse us out)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def _unpaired_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) that is not encodable text, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in items:
+        child_path = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+        found = _unpaired_surrogate(key, child_path.lstrip(".")) if isinstance(key, str) else None
+        found = found if found is not None else _unpaired_surrogate(child, child_path.lstrip("."))
+        if found is not None:
+            return found
+    return None
+
+
+def check_finite(sampling: dict[str, Any]) -> None:
+    """No sampling number means anything as NaN or an infinity (JSON cannot carry them; protobuf can)."""
+    for name, value in sampling.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name}: must be a finite number, got {value}")
+
+
+def check_stop_counts(stop: list[str], num_stop_token_ids: int) -> None:
+    """The bounds protocol.py puts on the HTTP fields, for the gRPC request (ValueError names the field)."""
+    if len(stop) > MAX_STOP:
+        raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(stop)}")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}")
+    if num_stop_token_ids > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {num_stop_token_ids}")

@@ -1,0 +1,90 @@
+"""The published OpenAPI document (GET /openapi.json), written from the protocol models.
+
+The routes read their bodies themselves (limits.py, then the pydantic models in strict
+mode), so FastAPI cannot infer what they take; this module states it: every request
+body with its bounds, every response a route can give (OpenAI's error shape for each
+4xx / 5xx, `Retry-After` where a client should come back later), and the SSE form of a
+streamed answer. A schema-driven fuzzer (tests/serve/test_fuzz_http.py) holds the
+server to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from tandem.router.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
+
+_REF = "#/components/schemas/{model}"
+_ERRORS = {
+    "400": "a bad request: invalid JSON, a wrong type, a value out of range, a prompt too long for the context",
+    "401": "a missing or wrong API key",
+    "404": "the model is not served here",
+    "413": "the body is larger than the server's limit",
+    "415": "the body is not JSON",
+    "429": "the replica groups are full: retry after Retry-After seconds",
+    "500": "an internal error (its id is in the server log)",
+    "503": "no replica group can serve now: retry after Retry-After seconds",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "required": True,
+                                "schema": {"type": "integer", "minimum": 0}}}
+
+
+def openapi_document(title: str = "tandem", version: str = "0.1.0") -> dict[str, Any]:
+    models: list[tuple[type[BaseModel], str]] = [
+        (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
+        (CompletionResponse, "serialization"), (ChatCompletionResponse, "serialization"),
+        (ChatCompletionChunk, "serialization"), (ModelList, "serialization"), (ErrorResponse, "serialization")]
+    _, top = models_json_schema(models, ref_template=_REF)
+    paths = {
+        "/v1/completions": {"post": _generation("Create a completion", "CompletionRequest", "CompletionResponse",
+                                                "CompletionResponse")},
+        "/v1/chat/completions": {"post": _generation("Create a chat completion", "ChatCompletionRequest",
+                                                     "ChatCompletionResponse", "ChatCompletionChunk")},
+        "/v1/models": {"get": {"summary": "The served model", "operationId": "listModels",
+                               "responses": {"200": _json("the served model", "ModelList"),
+                                             "401": _json(_ERRORS["401"], "ErrorResponse")}}},
+        "/health": {"get": {"summary": "200 when every replica group can serve", "operationId": "health",
+                            "responses": {"200": {"description": "every replica group can serve"},
+                                          "503": {"description": "some replica group cannot serve"}}}},
+    }
+    return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
+            "components": {"schemas": top["$defs"],
+                           "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}}}
+
+
+def _generation(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
+    ok = _json("the whole answer, or with `stream: true` its server-sent events", response)
+    ok["content"]["text/event-stream"] = {"schema": _sse_event(chunk)}
+    responses: dict[str, Any] = {"200": ok}
+    for status, description in _ERRORS.items():
+        responses[status] = _json(description, "ErrorResponse")
+        if status in ("429", "503"):
+            responses[status]["headers"] = _RETRY_AFTER
+    return {"summary": summary, "operationId": request[0].lower() + request[1:].removesuffix("Request"),
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(
+                model=request)}}}},
+            "responses": responses}
+
+
+def _sse_event(chunk_model: str) -> dict[str, Any]:
+    """One server-sent event: `data` is a chunk (an error object if the stream fails) or [DONE]."""
+    chunk = {"anyOf": [{"$ref": _REF.format(model=chunk_model)}, {"$ref": _REF.format(model="ErrorResponse")}]}
+    data = {"type": "string", "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json", "contentSchema": chunk}}
+    return {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}
+
+
+def _json(description: str, model: str) -> dict[str, Any]:
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": _REF.format(model=model)}}}}

@@ -1,0 +1,135 @@
+"""An ingress over a fake replica group that answers any valid request: no Ray, so the
+hostile-input battery and the fuzzers run thousands of requests in seconds.
+
+`EchoGroup` stands in for the GroupServer DeploymentHandle: every request gets, per
+choice, `min(max_tokens, 2)` tokens (ids 10 + step), with logprobs and prompt logprobs
+in the group's plain-dict form when asked for, and finishes with "length".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
+
+from fastapi.testclient import TestClient
+
+from tandem.router import ingress
+from tandem.router.engine_client import EngineClient
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 64
+
+
+class _Response:
+    def __init__(self, deltas: list[dict]) -> None:
+        self.deltas = deltas
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        await asyncio.sleep(0)
+        if not self.deltas:
+            raise StopAsyncIteration
+        item = self.deltas.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class EchoGroup:
+    """A DeploymentHandle whose group answers every request (or raises `fail_with` once)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.fail_with: BaseException | None = None
+        self.generate = self
+
+    def options(self, **_: Any) -> EchoGroup:
+        return self
+
+    def remote(self, request: dict) -> _Response:
+        self.calls.append(request)
+        if self.fail_with is not None:
+            error, self.fail_with = self.fail_with, None
+            return _Response([error])
+        return _Response(answer(request))
+
+
+def _position(token_id: int, num_top: int) -> dict[str, list]:
+    """The chosen token (rank 1) and num_top - 1 more alternatives."""
+    entry = {str(token_id): [-0.5, 1, f"t{token_id}"]}
+    for k in range(1, num_top):
+        entry[str(token_id + 100 + k)] = [-1.0 - k, k + 1, f"a{k}"]
+    return entry
+
+
+def answer(request: dict) -> list[dict]:
+    sampling = request["sampling"]
+    prompt = request["prompt_token_ids"]
+    n = sampling.get("n", 1)
+    max_tokens = sampling.get("max_tokens") or 2
+    num_steps = min(max_tokens, 2)
+    num_top = sampling.get("logprobs")
+    deltas = []
+    for step in range(num_steps):
+        last = step == num_steps - 1
+        outputs = []
+        for i in range(n):
+            token = 10 + step
+            outputs.append({"index": i, "text": f"t{token}", "token_ids": [token],
+                            "logprobs": None if num_top is None else [_position(token, max(num_top, 1))],
+                            "finish_reason": "length" if last else None, "stop_reason": None})
+        prompt_logprobs = None
+        if step == 0 and sampling.get("prompt_logprobs") is not None:
+            prompt_logprobs = [None] + [_position(t, max(sampling["prompt_logprobs"], 1)) for t in prompt[1:]]
+        deltas.append({"request_id": request["request_id"], "group_id": "g0", "outputs": outputs,
+                       "prompt_logprobs": prompt_logprobs, "finished": last, "num_prompt_tokens": len(prompt),
+                       "num_cached_tokens": 0, "error": None, "error_type": None})
+    return deltas
+
+
+def ingress_server(model_dir: str, group: Any, **config: Any) -> Any:
+    """The ingress class as written (Serve's wrapper subclasses it), built over `group`."""
+    wrapper = ingress.OpenAIIngress.func_or_class
+    cls = next(c for c in wrapper.__mro__[1:] if c.__name__ == "OpenAIIngress")
+    return cls(group, {"model": model_dir, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN, **config})
+
+
+@contextmanager
+def serving(server: Any, *, raise_server_exceptions: bool = False) -> Iterator[TestClient]:
+    """A TestClient on the ingress's FastAPI app, routed to `server` (Serve's replica context mocked)."""
+    with mock.patch.object(EngineClient, "_read_group_status", return_value=(True, True)), \
+            mock.patch("ray.serve.get_replica_context") as context:
+        context.return_value.servable_object = server
+        context.return_value.app_name = "tandem"
+        yield TestClient(ingress.app, raise_server_exceptions=raise_server_exceptions)
+
+
+class FakeGrpcContext:
+    """What GrpcMethods uses of a RayServegRPCContext."""
+
+    def __init__(self, metadata: list[tuple[str, str]] | None = None) -> None:
+        self.metadata = metadata or []
+        self.code = None
+        self.details = ""
+        self.trailing: list[tuple[str, str]] = []
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.metadata
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def set_trailing_metadata(self, metadata: list[tuple[str, str]]) -> None:
+        self.trailing = metadata
