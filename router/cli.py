@@ -1,4 +1,4 @@
-"""`tandem` command line: generate (offline), serve, bench."""
+"""`tandem` command line: generate (offline), serve, bench, deploy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.bench import cli as bench_cli
-from tandem.router import serve_cli
+from tandem.router import deploy_cli, serve_cli
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.register(sub, bench_cli.RouterHooks(add_engine_args, engine_options, serve_cli.local_app,
                                                   kv_holdings=_kv_holdings, grpc_servicer=serve_cli.GRPC_SERVICER,
                                                   grpc_messages=_grpc_messages))
+    deploy_cli.register(sub)
     return parser
 
 

@@ -1,0 +1,154 @@
+"""Ray nodes started the way an operator starts them: `ray start --head` and `ray start
+--address=...`, each a `--block` process of its own (its own session, temp dir and ports).
+
+Stopping a node sends SIGTERM to its `ray start` process, which tears down the node's
+processes (raylet, GCS, agents); whatever of the node's process tree outlives that is killed
+by pid. Nothing here touches another Ray instance on the machine (no machine-wide `ray stop`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.cluster.net import free_port
+
+_RAY_CLI = "from ray.scripts.scripts import main; main()"
+_SERVE_CLI = "from ray.serve.scripts import cli; cli()"
+
+
+def ray_cmd(*args: str) -> list[str]:
+    """`ray ...` through this interpreter, so every node's workers import this checkout's tandem."""
+    return [sys.executable, "-c", _RAY_CLI, *args]
+
+
+def serve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-c", _SERVE_CLI, *args]
+
+
+def cluster_env(token: str | None = None) -> dict[str, str]:
+    """The environment of every process of the test cluster and of the CLI calls against it."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(
+        RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token or secrets.token_hex(32),  # a token of its own
+        RAY_USAGE_STATS_ENABLED="0",
+        # A stopped node goes at once, as `ray stop` does, instead of draining for 30 s first.
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+        # A loaded 2-core machine can take longer than the default to start a node's agent.
+        RAY_agent_register_timeout_ms="120000",
+        # The torch path: no node waits on (or races another for) the first build of the C++
+        # kernels; greedy output is the same either way.
+        TANDEM_CPU_KERNELS="0",
+    )
+    return env
+
+
+@dataclass
+class RayNode:
+    proc: subprocess.Popen
+    temp_dir: Path
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def is_running(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the node's `ray start`, then SIGKILL what is left of its process tree."""
+        tree = _descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        tree |= _descendants(self.proc.pid)
+        deadline = time.monotonic() + 10
+        while (alive := {p for p in tree if _alive(p)}) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in alive:  # workers that did not notice their raylet went away
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def start_node(base: Path, name: str, env: dict[str, str], *, head_address: str | None = None,
+               num_cpus: int, resources: dict[str, float], timeout_s: float = 120.0,
+               extra: tuple[str, ...] = ()) -> RayNode:
+    """Start one node (a head when `head_address` is None) and wait until it has joined."""
+    temp_dir = base / name  # short: Ray's socket paths live under it
+    temp_dir.mkdir(parents=True)
+    args = ["start", "--block", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+            f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
+            f"--dashboard-agent-listen-port={free_port()}", *extra]
+    args += ["--head"] if head_address is None else [f"--address={head_address}"]
+    log_path = base / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(ray_cmd(*args), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    node = RayNode(proc, temp_dir, log_path)
+    deadline = time.monotonic() + timeout_s
+    while "Ray runtime started" not in node.log():
+        if not node.is_running() or time.monotonic() > deadline:
+            node.stop()
+            raise RuntimeError(f"ray start {name} failed or timed out:\n{node.log()[-3000:]}")
+        time.sleep(0.3)
+    return node
+
+
+def start_head(base: Path, env: dict[str, str], *, num_cpus: int,
+               resources: dict[str, float]) -> tuple[RayNode, str, str]:
+    """(node, GCS address, dashboard URL) of a new head on free ports."""
+    dashboard_port = free_port()
+    node = start_node(base, "head", env, num_cpus=num_cpus, resources=resources, extra=(
+        f"--port={free_port()}", "--include-dashboard=true", f"--dashboard-port={dashboard_port}",
+        "--dashboard-host=127.0.0.1", f"--ray-client-server-port={free_port()}"))
+    match = re.search(r"ray start --address='([^']+)'", node.log())
+    if match is None:
+        node.stop()
+        raise RuntimeError(f"no address in the head's output:\n{node.log()[-3000:]}")
+    return node, match.group(1), f"http://127.0.0.1:{dashboard_port}"
+
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> set[int]:
+    children, found, todo = _children(), set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

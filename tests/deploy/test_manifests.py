@@ -1,0 +1,220 @@
+"""Every file in deploy/ is checked: the cluster launcher config against Ray's own schema,
+the KubeRay manifests against the real CRDs' openAPIV3Schema (strictly: unknown fields
+fail) and against their generator, and the versions everywhere against pyproject.toml."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tandem.router import deploy_cli
+from tandem.router.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+CRDS = ROOT.parent / "shared" / "schemas" / "kuberay"
+MANIFESTS = {"rayservice.yaml": "ray.io_rayservices.yaml", "raycluster.yaml": "ray.io_rayclusters.yaml"}
+
+
+def pinned(name: str) -> str:
+    """The version pyproject.toml pins for `name` (==), or .ci/run for torch."""
+    if name == "torch":
+        return re.search(r"torch==([\w.]+)", (ROOT / ".ci/run").read_text()).group(1)
+    match = re.search(rf'"{re.escape(name)}(?:\[[\w,]+\])?==([\w.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert match, f"pyproject.toml does not pin {name} with =="
+    return match.group(1)
+
+
+def load(name: str) -> Any:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def test_every_file_in_deploy_is_covered_here() -> None:
+    files = sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*") if p.is_file())
+    assert files == ["Dockerfile", "README.md", "kuberay/raycluster.yaml", "kuberay/rayservice.yaml",
+                     "ray-cluster.yaml", "serve_config.yaml", "try_multi_node.sh"]  # serve_config: tests/serve
+
+
+# ---- the cluster launcher ---------------------------------------------------------------------------
+def _validate_launcher_config(config: dict[str, Any]) -> None:
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(copy.deepcopy(config)))  # what `ray up` does before anything else
+
+
+def test_ray_cluster_yaml_passes_rays_own_schema() -> None:
+    config = load("ray-cluster.yaml")
+    _validate_launcher_config(config)
+    assert config["head_node_type"] in config["available_node_types"]
+    assert "RAY_AUTH_MODE=token" in " ".join(config["head_start_ray_commands"])
+    assert "serve deploy /home/ray/tandem/deploy/serve_config.yaml" in config["head_start_ray_commands"][-1]
+
+
+def test_the_launcher_schema_check_rejects_a_misspelt_field() -> None:
+    from jsonschema import ValidationError
+
+    config = load("ray-cluster.yaml")
+    config["docker"]["run_option"] = config["docker"].pop("run_options")
+    with pytest.raises(ValidationError, match="run_option"):
+        _validate_launcher_config(config)
+
+
+# ---- versions -------------------------------------------------------------------------------------
+def test_ray_and_torch_versions_agree_everywhere() -> None:
+    ray, torch = pinned("ray"), pinned("torch")
+    assert deploy_cli.pinned_ray_version() == ray  # the installed metadata: pip install -e . is current
+    import ray as ray_module
+
+    assert ray_module.__version__ == ray, "the installed Ray is not the pinned one"
+
+    launcher = load("ray-cluster.yaml")
+    assert re.fullmatch(rf"rayproject/ray:{re.escape(ray)}-py3\d+-gpu", launcher["docker"]["image"])
+    setup = " ".join(launcher["setup_commands"])
+    assert f"torch=={torch}" in setup and f'"ray[serve]=={ray}"' in setup
+
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    [base] = re.findall(r"(?m)^FROM (\S+)", dockerfile)
+    assert base == launcher["docker"]["image"]
+    assert f"pip install --no-cache-dir torch=={torch}" in dockerfile and f'"ray[serve]=={ray}"' in dockerfile
+
+    for name in MANIFESTS:
+        manifest = load(f"kuberay/{name}")
+        spec = manifest["spec"].get("rayClusterConfig", manifest["spec"])
+        assert spec["rayVersion"] == ray
+
+
+# ---- KubeRay -------------------------------------------------------------------------------------
+def _strict(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` wherever it lists properties and does not
+    keep unknown fields, so that a misspelt field fails (../shared/schemas/README.md)."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in out and not out.get("x-kubernetes-preserve-unknown-fields") \
+                and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def _crd_validator(crd_file: str):
+    from jsonschema import Draft7Validator
+
+    if not CRDS.is_dir():
+        pytest.skip(f"the KubeRay CRDs are not here ({CRDS}); see ../shared/schemas/README.md")
+    crd = yaml.safe_load((CRDS / crd_file).read_text())
+    [version] = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
+
+
+def _errors(validator, manifest: dict[str, Any]) -> list[str]:
+    return sorted(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(manifest))
+
+
+@pytest.mark.parametrize("name", sorted(MANIFESTS))
+def test_kuberay_manifest_passes_the_crd_schema(name: str) -> None:
+    validator = _crd_validator(MANIFESTS[name])
+    manifest = load(f"kuberay/{name}")
+    assert manifest["apiVersion"] == "ray.io/v1"
+    assert _errors(validator, manifest) == []
+    spec = manifest["spec"].get("rayClusterConfig", manifest["spec"])
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values())
+        [container] = group["template"]["spec"]["containers"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    [worker] = spec["workerGroupSpecs"]
+    gpus = worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus == worker["rayStartParams"]["num-gpus"]
+
+
+def test_the_strict_crd_check_rejects_misspelt_and_mistyped_fields() -> None:
+    validator = _crd_validator(MANIFESTS["rayservice.yaml"])
+    manifest = load("kuberay/rayservice.yaml")
+    bad = copy.deepcopy(manifest)
+    bad["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParam"] = {}
+    assert any("rayStartParam" in e for e in _errors(validator, bad))
+    bad = copy.deepcopy(manifest)
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["rayStartParams"]["num-gpus"] = 2
+    assert _errors(validator, bad) != []
+    bad = copy.deepcopy(manifest)
+    bad["spec"]["serveConfigV2"] = yaml.safe_load(manifest["spec"]["serveConfigV2"])  # must be a string
+    assert _errors(validator, bad) != []
+
+
+def test_rayservice_serves_the_application_of_serve_config_yaml() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from tandem.router.app import build_app
+
+    manifest = load("kuberay/rayservice.yaml")
+    served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    base = load("serve_config.yaml")
+    [app], [base_app] = served["applications"], base["applications"]
+    assert {k: v for k, v in served.items() if k != "applications"} == \
+           {k: v for k, v in base.items() if k != "applications"}
+    assert {k: v for k, v in app.items() if k != "args"} == {k: v for k, v in base_app.items() if k != "args"}
+    layout_keys = {"tensor_parallel_size", "pipeline_parallel_size", "num_replicas"}
+    assert {k: v for k, v in app["args"].items() if k not in layout_keys} == \
+           {k: v for k, v in base_app["args"].items() if k not in layout_keys}
+    ServeDeploySchema.model_validate(served)
+    build_app(app["args"])  # every argument known and valid
+
+
+@pytest.mark.parametrize("name", sorted(MANIFESTS))
+def test_kuberay_manifest_is_its_generators_output(name: str, monkeypatch) -> None:
+    """deploy/kuberay/*.yaml are `tandem deploy kuberay` output: regenerate with the command
+    their first line records and compare; a change to serve_config.yaml must be regenerated."""
+    monkeypatch.chdir(ROOT)
+    text = (DEPLOY / "kuberay" / name).read_text()
+    command = re.match(r"# Generated by `tandem (deploy kuberay [^`]*)`", text)
+    assert command, "the manifest's first line names the command that made it"
+    args = build_parser().parse_args(shlex.split(command.group(1)))
+    layout = deploy_cli.Layout(args.num_replicas, args.tensor_parallel_size, args.pipeline_parallel_size,
+                               args.gpus_per_node, args.spare_gpus, args.model)
+    regenerated = deploy_cli.render(args.kind, layout, config_path=args.config, image=args.image, name=args.name)
+    assert text == regenerated, f"regenerate with: tandem {command.group(1)} -o deploy/kuberay/{name}"
+
+
+# ---- the generator ------------------------------------------------------------------------------------
+def test_layout_sizes_the_gpu_worker_group() -> None:
+    layout = deploy_cli.Layout(num_replicas=3, tensor_parallel_size=2, pipeline_parallel_size=2, gpus_per_node=4,
+                               spare_gpus=1)
+    assert (layout.num_gpus, layout.num_worker_pods) == (13, 4)
+    spec = deploy_cli.ray_cluster_spec(layout, "img", "2.60.0")
+    [worker] = spec["workerGroupSpecs"]
+    assert (worker["replicas"], worker["rayStartParams"]) == (4, {"num-gpus": "4"})
+    assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 needs that many GPUs on one node"):
+        deploy_cli.Layout(tensor_parallel_size=8, gpus_per_node=4)
+    with pytest.raises(ValueError, match="num_replicas: must be at least 1"):
+        deploy_cli.Layout(num_replicas=0)
+
+
+def test_deploy_kuberay_command_writes_a_valid_manifest(tmp_path, monkeypatch) -> None:
+    from tandem.router.cli import main
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "svc.yaml"
+    assert main(["deploy", "kuberay", "--num-replicas", "1", "-tp", "2", "-pp", "2", "--gpus-per-node", "2",
+                 "--model", "/models/llama", "--name", "llm", "-o", str(out)]) == 0
+    manifest = yaml.safe_load(out.read_text())
+    assert manifest["metadata"]["name"] == "llm"
+    [app] = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    assert {k: app["args"][k] for k in ("model", "tensor_parallel_size", "pipeline_parallel_size", "num_replicas")} \
+        == {"model": "/models/llama", "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_replicas": 1}
+    assert manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] == 2
+    if CRDS.is_dir():
+        assert _errors(_crd_validator(MANIFESTS["rayservice.yaml"]), manifest) == []
+    assert main(["deploy", "kuberay", "-tp", "4", "--gpus-per-node", "2"]) == 2  # refused, with the reason
+
+
+def test_try_multi_node_script_parses() -> None:
+    subprocess.run(["bash", "-n", str(DEPLOY / "try_multi_node.sh")], check=True)

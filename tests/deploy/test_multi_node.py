@@ -1,0 +1,296 @@
+"""tandem across two Ray nodes started the way an operator starts them.
+
+A head (`ray start --head`) and a second node (`ray start --address=...`), each its own
+raylet with a slice of the logical CPUs, run the application of deploy/serve_config.yaml,
+deployed with `serve deploy` through the head's dashboard. Two PP=2 replica groups; custom
+resources place them so that
+
+    head:    group A (engine, stage 0, stage 1)    + stage 1 of group B
+    worker:  group B's engine and stage 0
+
+i.e. the groups' engines on different nodes and group B's stages spanning both. Then: the
+OpenAI and gRPC clients get the offline engine's greedy output from both groups; stopping
+the second node mid-stream ends its requests with a clean error while group A serves on;
+a node that joins again gets a new group B; and `tandem serve --address auto` joins the
+running cluster. deploy/try_multi_node.sh does the same steps by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import requests
+import yaml
+
+from tandem.cluster.net import free_port
+from tandem.router import deploy_cli
+from tandem.router import tandem_pb2 as pb
+from tandem.router import tandem_pb2_grpc as pb_grpc
+from tests.conftest import wait_for
+from tests.deploy.ray_nodes import RayNode, cluster_env, serve_cmd, start_head, start_node
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "tandem-demo"
+HEAD_RESOURCES = {"tandem_head": 100, "group_slot": 1, "stage0": 1, "stage1": 2}
+WORKER_RESOURCES = {"group_slot": 1, "stage0": 1}
+# Bundle 0 holds a group's engine (one per node: group_slot), then stage 0, then stage 1.
+# PACK puts the first group wholly on the head (the only node that can hold it all); the
+# second takes the worker's slot and stage 0, and the head's other stage 1.
+GROUP_BUNDLES = [{"CPU": 1, "group_slot": 1}, {"CPU": 1, "stage0": 1}, {"CPU": 1, "stage1": 1}]
+MAX_TOKENS = 24
+LONG = 256  # a first stream still running when the second is routed
+
+
+def prompt(seed: int) -> list[int]:
+    """40 token ids (two full KV blocks of 16, so prefix routing can find them again)."""
+    return [10 + (seed * 997 + i * 131) % 4000 for i in range(40)]
+
+
+@dataclass
+class Cluster:
+    base: Path
+    env: dict[str, str]
+    gcs: str
+    dashboard: str
+    head: RayNode
+    workers: list[RayNode]
+    http: str = ""
+    grpc_target: str = ""
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # the last probe
+    served_by: dict[int, str] = field(default_factory=dict)  # prompt seed -> group id
+
+    def run(self, *cmd: str, timeout_s: float = 120) -> str:
+        out = subprocess.run(list(cmd), env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        assert out.returncode == 0, f"{cmd[-3:]} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        return out.stdout
+
+    def probe(self, num_groups: int, timeout_s: float = 180) -> dict[str, dict[str, Any]]:
+        out = self.run(sys.executable, "-m", "tests.deploy.cluster_probe", self.gcs, self.dashboard,
+                       str(num_groups), str(timeout_s), timeout_s=timeout_s + 60)
+        result = json.loads(out.strip().splitlines()[-1])
+        assert not result["timed_out"], result
+        self.groups = result["groups"]
+        return self.groups
+
+    def group_on(self, head: bool) -> str:
+        [group] = [g for g, info in self.groups.items() if info["on_head"] == head]
+        return group
+
+
+@pytest.fixture(scope="module")
+def offline() -> dict[tuple[int, int], str]:
+    """(prompt seed, max_tokens) -> the offline engine's greedy text."""
+    from tandem.workers import LLM, SamplingParams
+
+    llm = LLM()
+    wanted = [(seed, MAX_TOKENS) for seed in range(8)] + [(0, LONG), (2, LONG), (5, LONG), (0, 48), (1, 48)]
+    outs = llm.generate([{"prompt_token_ids": prompt(s)} for s, _ in wanted],
+                        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in wanted])
+    llm.shutdown()
+    return {key: out.outputs[0].text for key, out in zip(wanted, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def cluster(offline) -> Cluster:
+    base = Path(tempfile.mkdtemp(prefix="tdm-", dir="/tmp"))  # short: Ray's socket paths live under it
+    env = cluster_env()
+    nodes: list[RayNode] = []
+    try:
+        head, gcs, dashboard = start_head(base, env, num_cpus=6, resources=HEAD_RESOURCES)
+        nodes.append(head)
+        nodes.append(start_node(base, "worker1", env, head_address=gcs, num_cpus=2, resources=WORKER_RESOURCES))
+        yield Cluster(base, env, gcs, dashboard, head, nodes[1:])
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def multi_node_config(http_port: int, grpc_port: int) -> dict[str, Any]:
+    """deploy/serve_config.yaml with two PP=2 groups, placed by the custom resources above."""
+    layout = deploy_cli.Layout(num_replicas=2, pipeline_parallel_size=2)
+    config = deploy_cli.serve_config(deploy_cli.load_serve_config(ROOT / deploy_cli.DEFAULT_CONFIG), layout)
+    config["proxy_location"] = "HeadOnly"  # the client's connection must not die with the worker
+    config["http_options"].update(host="127.0.0.1", port=http_port)
+    config["grpc_options"]["port"] = grpc_port
+    [app] = config["applications"]
+    app["deployments"] = [
+        {"name": "OpenAIIngress", "ray_actor_options": {"num_cpus": 0, "resources": {"tandem_head": 1}}},
+        {"name": "GroupServer", "placement_group_bundles": GROUP_BUNDLES, "placement_group_strategy": "PACK"},
+    ]
+    return config
+
+
+def openai_client(cluster: Cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{cluster.http}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def open_stream(client, seed: int, max_tokens: int):
+    """A streamed completion, its group and its first chunk's text (it is routed and running)."""
+    stream = client.completions.create(model=MODEL, prompt=prompt(seed), max_tokens=max_tokens, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    group = stream.response.headers["x-tandem-groups"]
+    first = next(iter(stream)).choices[0].text
+    return stream, group, first
+
+
+def rest(stream) -> str:
+    return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+
+def grpc_stream(stub, seed: int, max_tokens: int):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt(seed)), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    responses = stub.GenerateStream(request, timeout=120)
+    first = next(responses)
+    return responses, list(first.choices[0].token_ids), first.choices[0].text
+
+
+# ---- the run, in order ------------------------------------------------------------------------------
+def test_serve_deploy_places_two_groups_on_two_nodes(cluster: Cluster) -> None:
+    http_port, grpc_port = free_port(), free_port()
+    path = cluster.base / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(multi_node_config(http_port, grpc_port), sort_keys=False))
+    cluster.run(*serve_cmd("deploy", str(path), "--address", cluster.dashboard))
+    cluster.http, cluster.grpc_target = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+
+    groups = cluster.probe(num_groups=2)
+    # Group A wholly on the head; group B's engine and stage 0 on the worker, stage 1 on the head.
+    assert sorted((info["on_head"], info["bundles_on_head"]) for info in groups.values()) == [
+        (False, [False, False, True]), (True, [True, True, True])]
+    assert all(info["num_requests_total"] == 0 for info in groups.values())
+    assert wait_for(lambda: _health(cluster) == 200, timeout_s=60, interval_s=0.5)
+
+
+def test_openai_and_grpc_clients_get_offline_output_from_both_groups(cluster: Cluster, offline) -> None:
+    client = openai_client(cluster)
+    # A second request opened while the first runs goes to the other (idle) group.
+    s0, g0, t0 = open_stream(client, 0, LONG)
+    s1, g1, t1 = open_stream(client, 1, MAX_TOKENS)
+    assert {g0, g1} == set(cluster.groups)
+    assert t0 + rest(s0) == offline[0, LONG]
+    assert t1 + rest(s1) == offline[1, MAX_TOKENS]
+    cluster.served_by.update({0: g0, 1: g1})
+
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        r2, ids2, text2 = grpc_stream(stub, 2, LONG)
+        r3, ids3, text3 = grpc_stream(stub, 3, MAX_TOKENS)
+        for responses, ids, text, seed, n in ((r2, ids2, text2, 2, LONG), (r3, ids3, text3, 3, MAX_TOKENS)):
+            for message in responses:
+                ids += message.choices[0].token_ids
+                text += message.choices[0].text
+            assert len(ids) == n and text == offline[seed, n]
+    # Each group served one HTTP and one gRPC stream.
+    groups = cluster.probe(num_groups=2)
+    assert {g: info["num_requests_total"] for g, info in groups.items()} == {g0: 2, g1: 2}
+
+
+def test_stopping_a_node_mid_stream_fails_its_requests_cleanly(cluster: Cluster, offline) -> None:
+    from openai import APIError
+
+    on_head, on_worker = cluster.group_on(head=True), cluster.group_on(head=False)
+    seed_a = next(s for s, g in cluster.served_by.items() if g == on_head)
+    seed_b = next(s for s, g in cluster.served_by.items() if g == on_worker)
+    client = openai_client(cluster)
+    # Prefix routing sends a prompt back to the group that holds it.
+    doomed, group, _ = open_stream(client, seed_b, 1500)
+    assert group == on_worker
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        doomed_grpc, _, _ = grpc_stream(pb_grpc.TandemStub(channel), seed_b, 1500)
+        survivor, group, first = open_stream(client, seed_a, 48)
+        assert group == on_head
+
+        cluster.workers.pop().stop()
+
+        with pytest.raises(APIError, match="service unavailable"):
+            rest(doomed)
+        with pytest.raises(grpc.RpcError) as info:
+            list(doomed_grpc)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    assert first + rest(survivor) == offline[seed_a, 48]
+
+    # Group A alone now, with every KV block free again; it keeps answering.
+    groups = cluster.probe(num_groups=1)
+    assert list(groups) == [on_head]
+    reply = client.completions.with_raw_response.create(model=MODEL, prompt=prompt(4), max_tokens=MAX_TOKENS,
+                                                        temperature=0, extra_body={"ignore_eos": True})
+    assert reply.headers["x-tandem-groups"] == on_head
+    assert reply.parse().choices[0].text == offline[4, MAX_TOKENS]
+
+
+def test_a_node_that_joins_again_gets_a_new_group(cluster: Cluster, offline) -> None:
+    survivor = cluster.group_on(head=True)
+    cluster.workers.append(start_node(cluster.base, "worker2", cluster.env, head_address=cluster.gcs,
+                                      num_cpus=2, resources=WORKER_RESOURCES))
+    groups = cluster.probe(num_groups=2, timeout_s=240)
+    new = cluster.group_on(head=False)
+    assert survivor in groups and new != survivor
+
+    client = openai_client(cluster)
+    s5, g5, t5 = open_stream(client, 5, LONG)
+    s6, g6, t6 = open_stream(client, 6, MAX_TOKENS)
+    assert {g5, g6} == {survivor, new}
+    assert t5 + rest(s5) == offline[5, LONG]
+    assert t6 + rest(s6) == offline[6, MAX_TOKENS]
+    cluster.probe(num_groups=2)  # both idle, every KV block free
+
+
+def test_tandem_serve_with_address_auto_joins_the_running_cluster(cluster: Cluster, offline) -> None:
+    cluster.run(*serve_cmd("shutdown", "--yes", "--address", cluster.dashboard))
+    port, grpc_port = free_port(), free_port()
+    log_path = cluster.base / "tandem_serve.log"
+    env = {**cluster.env, "RAY_ADDRESS": cluster.gcs}  # what `auto` finds first
+    cmd = [sys.executable, "-c", "import sys; from tandem.router.cli import main; sys.exit(main())", "serve",
+           "--address", "auto", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            if proc.poll() is not None:
+                return True
+            try:
+                return requests.get(f"{base}/health", timeout=5).status_code == 200
+            except requests.RequestException:
+                return False
+
+        assert wait_for(ready, timeout_s=240, interval_s=1.0) and proc.poll() is None, log_path.read_text()[-4000:]
+        r = requests.post(f"{base}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt(7), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == offline[7, MAX_TOKENS]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    output = log_path.read_text()
+    assert proc.returncode == 0, output[-4000:]
+    assert "Connecting to existing Ray cluster" in output, output[-4000:]
+    assert "Started a local Ray instance" not in output
+    assert cluster.head.is_running()
+
+
+def _health(cluster: Cluster) -> int:
+    try:
+        return requests.get(f"{cluster.http}/health", timeout=5).status_code
+    except requests.RequestException:
+        return 0
