@@ -20,6 +20,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
+from tandem.router import tracing
 from tandem.workers.core.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,13 @@ class EngineClient:
         if not await self._can_serve_now():
             raise ServiceUnavailable("no replica group is running")
         request = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids), "sampling": sampling}
+        carrier = tracing.inject()  # None when tracing is off
+        if carrier is not None:
+            request[tracing.CARRIER_KEY] = carrier
+            tracing.note_group_request(self.model_name, sampling)
         response = self._handle.generate.remote(request)
         finished = False
+        num_output_tokens = 0
         try:
             async for delta in response:
                 error = delta.get("error")
@@ -85,6 +91,10 @@ class EngineClient:
                         raise ValueError(error)
                     raise ServiceUnavailable(error)
                 finished = delta["finished"]
+                if carrier is not None:
+                    num_output_tokens += sum(len(o.get("token_ids") or ()) for o in delta["outputs"])
+                    if finished:
+                        tracing.note_usage(delta.get("num_prompt_tokens") or 0, num_output_tokens)
                 yield delta
                 if finished:
                     return

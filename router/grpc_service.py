@@ -23,6 +23,7 @@ import grpc
 
 from tandem.router import tandem_pb2 as pb
 from tandem.router.engine_client import ServiceUnavailable
+from tandem.router.tracing import traced_rpc
 from tandem.workers.core.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class GrpcMethods:
     client: Any  # tandem.router.engine_client.EngineClient
     api_key: str | None
 
+    @traced_rpc("Generate")
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
                        ) -> pb.GenerateResponse:
         try:
@@ -71,6 +73,7 @@ class GrpcMethods:
         return pb.GenerateResponse(request_id=request_id, model=self.client.model_name,
                                    choices=[choices[i] for i in sorted(choices)], usage=usage)
 
+    @traced_rpc("GenerateStream")
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:

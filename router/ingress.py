@@ -41,6 +41,7 @@ from tandem.router.protocol import (
     OpenAIError,
 )
 from tandem.router.streams import DONE, sse
+from tandem.router.tracing import TracingMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ except ImportError as exc:
 GROUP_HEADER = "x-tandem-groups"  # the replica groups serving a response (one per prompt)
 
 app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
+app.add_middleware(TracingMiddleware)  # a span per request when tracing is on (router/tracing.py)
 
 
 @app.exception_handler(OpenAIError)

@@ -35,6 +35,8 @@ def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
+    p.add_argument("--metrics-export-port", type=int, default=None,
+                   help="port of the local Ray node's Prometheus endpoint (default: Ray's choice; not with --address)")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, else none)")
     p.set_defaults(func=lambda args: run(args, engine_options(args)))
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     else:
         # Logical CPUs: at least what the groups take, so a laptop can hold a TP=2 group
         # (its workers then share the cores).
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed(options)))
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed(options)),
+                 _metrics_export_port=getattr(args, "metrics_export_port", None))
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
         signal.signal(sig, _interrupt)
     try:
@@ -94,6 +97,8 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         serve.run(application, name=APP_NAME, route_prefix="/")
         print(f"tandem: HTTP (OpenAI API) listening on http://{args.host}:{args.port}/v1", flush=True)
         print(f"tandem: gRPC listening on {args.host}:{args.grpc_port}", flush=True)
+        for url in metrics_urls():
+            print(f"tandem: Prometheus metrics (tandem_*, ray_serve_*) at {url}", flush=True)
         print("tandem: press Ctrl-C to stop", flush=True)
         while True:
             time.sleep(3600)
@@ -107,6 +112,15 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def metrics_urls() -> list[str]:
+    """Every live Ray node's Prometheus endpoint: where tandem's metrics can be scraped
+    (deploy/prometheus.yml finds them through Ray's service-discovery file)."""
+    import ray
+
+    return [f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            for node in ray.nodes() if node.get("Alive") and node.get("MetricsExportPort")]
 
 
 def _interrupt(signum, frame) -> None:

@@ -78,5 +78,10 @@ class DevicePeaks:
     bytes_per_s: float  # copy_bandwidth (read + write), as `tandem bench latency` divides by
 
     @staticmethod
-    def probe(device: torch.device, dtype: torch.dtype) -> DevicePeaks:
-        return DevicePeaks(flops_per_s=matmul_flops(device, dtype), bytes_per_s=copy_bandwidth(device))
+    def probe(device: torch.device, dtype: torch.dtype, quick: bool = False) -> DevicePeaks:
+        """`quick`: the server's start-up probe on a CPU, a quarter of the bench's sizes (a
+        1024^3 matmul, a 64 MiB copy; ~0.5 s on one core instead of seconds). On a GPU the
+        bench's sizes take milliseconds, and are kept."""
+        small = quick and device.type == "cpu"
+        return DevicePeaks(flops_per_s=matmul_flops(device, dtype, n=1024 if small else None, repeats=3),
+                           bytes_per_s=copy_bandwidth(device, num_bytes=(64 << 20) if small else None, repeats=3))

@@ -22,6 +22,7 @@ from tandem.workers.core.request import Request, RequestOutput, RequestStatus, S
 from tandem.workers.core.scheduler import Scheduler, StepUpdate
 from tandem.workers.core.scheduler_output import PendingOutput
 from tandem.workers.core.stats import EngineStats, RequestMetrics
+from tandem.workers.device_peaks import DevicePeaks
 from tandem.workers.executor import Executor, UniProcExecutor
 from tandem.workers.model.cost import ModelCost
 from tandem.workers.model.hf_config import HFModelConfig
@@ -63,7 +64,7 @@ class GroupEngine:
         self.proposer: Proposer | None = None
         self.prefill_tokens_per_s: float | None = None  # measured; see _note_prefill_speed
         self.spec_policy = SpeculationPolicy(disable_batch_size=config.speculative.disable_batch_size)
-        self.stats = EngineStats(cost=self._model_cost())
+        self.counters = EngineStats(cost=self._model_cost())
         overlap = config.model.overlap_steps
         self.overlap_steps = overlap if overlap is not None else getattr(executor, "device_type", "cpu") == "cuda"
         # Steps launched and not yet collected, oldest first: (step, its output, launched at).
@@ -136,7 +137,7 @@ class GroupEngine:
             child = request_id if state.params.n == 1 else f"{request_id}#{seq.index}"
             self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
             self.outputs.finish(state, seq.index, RequestStatus.FINISHED_ABORTED)
-            self.stats.record_finished(seq.finish_reason)
+            self.counters.record_finished(seq.finish_reason)
         output = self.outputs.make_output(state)
         output.metrics = replace(metrics, finished_time=time.monotonic(), finish_reason="abort")
         return output
@@ -215,7 +216,7 @@ class GroupEngine:
         seconds = time.perf_counter() - started
         num_tokens = sched_out.total_num_scheduled_tokens
         self._note_prefill_speed(num_tokens, len(sched_out.num_scheduled_tokens), seconds)
-        self.stats.record_step(num_tokens, sched_out.num_context_tokens, sched_out.num_attention_pairs,
+        self.counters.record_step(num_tokens, sched_out.num_context_tokens, sched_out.num_attention_pairs,
                                len(result.req_ids), seconds)
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             drafts = sched_out.spec_token_ids.get(req_id)
@@ -255,7 +256,7 @@ class GroupEngine:
                 state.num_accepted_tokens += accepted
             touched[state.request_id] = state
         if updates:
-            self.stats.record_emit(now, had_decode)
+            self.counters.record_emit(now, had_decode)
         outputs = []
         for request_id, state in touched.items():
             if state.finished:
@@ -263,7 +264,7 @@ class GroupEngine:
                 output = self.outputs.make_output(state)
                 output.metrics = replace(self._request_metrics(state), finished_time=now)
                 for seq in state.seqs:
-                    self.stats.record_finished(seq.finish_reason)
+                    self.counters.record_finished(seq.finish_reason)
                 outputs.append(output)
                 continue
             if state.params.output_kind == "final":
@@ -305,7 +306,7 @@ class GroupEngine:
                 child = request_id if state.params.n == 1 else f"{request_id}#{seq.index}"
                 self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
                 self.outputs.finish(state, seq.index, RequestStatus.FINISHED_ERROR)
-                self.stats.record_finished(seq.finish_reason)
+                self.counters.record_finished(seq.finish_reason)
             output = self.outputs.make_output(state)
             output.metrics = replace(metrics, finished_time=time.monotonic(), finish_reason="error")
             outputs.append(output)
@@ -327,6 +328,14 @@ class GroupEngine:
                                              torch.device(getattr(self.executor, "device_type", "cpu")))
         return ModelCost.from_hf_config(self.hf_config, itemsize=dtype.itemsize)
 
+    def probe_device_peaks(self) -> tuple[DevicePeaks, int] | None:
+        """(peaks of one of the model's devices, how many devices the group has), measured with
+        `tandem bench`'s probes; None where the model runs on Ray workers, not here."""
+        if not self.model_in_process:
+            return None
+        runner = self.executor.runner
+        return DevicePeaks.probe(runner.device, runner.dtype, quick=True), 1
+
     def metrics_snapshot(self) -> dict[str, float]:
         """Cumulative counters and current gauges for the server's metrics exporter.
 
@@ -342,9 +351,9 @@ class GroupEngine:
             "host_kv_usage": len(host) / host.num_slots if host is not None and host.num_slots else 0.0,
             "num_prompt_tokens": sched.num_prompt_tokens, "num_prefix_hit_tokens": sched.num_prefix_hit_tokens,
             "num_generated_tokens": sched.num_generated_tokens, "num_preemptions": sched.num_preemptions,
-            **{f"num_finished_{reason}": n for reason, n in list(self.stats.num_finished.items())},
-            "num_steps": self.stats.num_steps, "step_seconds": self.stats.step_seconds,
-            "bytes_read": self.stats.bytes_read, "flops": self.stats.flops,
+            **{f"num_finished_{reason}": n for reason, n in list(self.counters.num_finished.items())},
+            "num_steps": self.counters.num_steps, "step_seconds": self.counters.step_seconds,
+            "bytes_read": self.counters.bytes_read, "flops": self.counters.flops,
             "spec_num_draft_tokens": spec.stats.num_draft_tokens,
             "spec_num_accepted_tokens": spec.stats.num_accepted_tokens,
             "spec_switched_off": float(spec.switched_off),
