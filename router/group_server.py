@@ -173,10 +173,13 @@ class GroupServer:
 
     def _observe(self, request: dict[str, Any], out: RequestOutput) -> None:
         """A finished request's histograms and trace spans (router/metrics.py, router/tracing.py)."""
-        if self.metrics is not None:
-            self.metrics.metrics.observe_request(out.metrics)
-        tracing.record_group_spans(request.get(tracing.CARRIER_KEY), out.metrics, group_id=self.group_id,
-                                   model=self.model_name, request_id=request["request_id"])
+        try:
+            if self.metrics is not None:
+                self.metrics.metrics.observe_request(out.metrics)
+            tracing.record_group_spans(request.get(tracing.CARRIER_KEY), out.metrics, group_id=self.group_id,
+                                       model=self.model_name, request_id=request["request_id"])
+        except Exception:  # noqa: BLE001 - monitoring never fails a request
+            logger.exception("recording request %s's metrics / spans failed", request["request_id"])
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve for the request router (see request_router.py)."""

@@ -46,17 +46,25 @@ REQUEST_ID_HEADER = "x-request-id"
 
 _lock = threading.Lock()
 _tracer: Any = None
+_provider: Any = None
 _configured = False
 
 
 def configure(exporter: Any | None = None) -> Any:
     """Set this process's tracer: with `exporter` (a SpanExporter, for tests) or from the
     environment. Returns the tracer, or None when tracing is off."""
-    global _tracer, _configured
+    global _tracer, _provider, _configured
     with _lock:
-        _tracer = _make_tracer(exporter)
+        _provider = _make_provider(exporter)
+        _tracer = _provider.get_tracer("tandem") if _provider is not None else None
         _configured = True
         return _tracer
+
+
+def force_flush(timeout_s: float = 10.0) -> None:
+    """Export the spans still batched in this process."""
+    if _provider is not None:
+        _provider.force_flush(int(timeout_s * 1000))
 
 
 def tracer() -> Any:
@@ -66,7 +74,7 @@ def tracer() -> Any:
     return _tracer
 
 
-def _make_tracer(exporter: Any | None) -> Any:
+def _make_provider(exporter: Any | None) -> Any:
     if exporter is None:
         names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
         if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true" or not names or names == ["none"]:
@@ -85,7 +93,7 @@ def _make_tracer(exporter: Any | None) -> Any:
     provider = TracerProvider(resource=resource)
     for exp in exporters:
         provider.add_span_processor(BatchSpanProcessor(exp))
-    return provider.get_tracer("tandem")
+    return provider
 
 
 def _exporter(name: str) -> Any:
@@ -276,8 +284,9 @@ def record_route(carrier: dict[str, str] | None, start_ns: int, end_ns: int, att
     span.end(end_time=end_ns)
 
 
-def _ns(monotonic_s: float) -> int:
-    return int(wall_time(monotonic_s) * 1e9)
+def _to_ns(offset_s: float) -> Callable[[float], int]:
+    """monotonic seconds -> wall-clock ns, with one offset (equal readings, equal times)."""
+    return lambda monotonic_s: int((monotonic_s + offset_s) * 1e9)
 
 
 def record_group_spans(carrier: dict[str, str] | None, metrics: RequestMetrics, *, group_id: str, model: str,
@@ -300,6 +309,7 @@ def record_group_spans(carrier: dict[str, str] | None, metrics: RequestMetrics, 
         attrs.update({"tandem.spec.num_draft_tokens": metrics.num_draft_tokens,
                       "tandem.spec.num_accepted_tokens": metrics.num_accepted_tokens,
                       "tandem.spec.acceptance_rate": metrics.num_accepted_tokens / metrics.num_draft_tokens})
+    _ns = _to_ns(wall_time(0.0))
     root = tr.start_span("group_request", context=extract(carrier), start_time=_ns(metrics.arrival_time),
                          attributes=attrs)
     inside = trace.set_span_in_context(root)
