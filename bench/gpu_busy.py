@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from tandem.bench.hardware import sync
+from tandem.workers.device_peaks import sync
 
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:

@@ -1,12 +1,9 @@
-"""Probes of what this machine can do, measured in the same run as the benchmark they divide.
+"""What a benchmark's figures were measured on, and a guard against CPU contention.
 
-- `matmul_flops`: a large square matmul in the model's dtype (the MFU denominator).
-- `copy_bandwidth`: a large tensor copy, counting bytes read plus bytes written, as STREAM
-  does (the MBU denominator).
-- `gemv_read_bandwidth`: bytes of a large matrix streamed by one matrix-vector product; on
-  CPUs it is well above the copy figure (no write traffic), so MBU against it is reported too.
+The probes of what the device can do (matmul FLOP/s, copy and GEMV bandwidth) are
+`workers/device_peaks.py`, shared with the server's live MBU / MFU gauges.
 
-And a guard for shared machines: `run_uncontended` waits for the CPU to be idle, runs a
+A guard for shared machines: `run_uncontended` waits for the CPU to be idle, runs a
 measurement while watching how much CPU *other* processes used (Linux /proc/stat), and runs
 it again when they took more than a threshold. On a 2-core machine a neighbour's test suite
 slows a batch-1 decode loop tenfold (OpenMP threads wait on descheduled peers), so a figure
@@ -16,63 +13,12 @@ measured beside one means nothing.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_median(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
-    """Median seconds of `fn()` over `repeats` calls, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 5) -> float:
-    """FLOP/s of an [n, n] @ [n, n] matmul (2 n^3 FLOPs); n = 2048 on CPU, 8192 on GPU."""
-    n = n or (8192 if device.type == "cuda" else 2048)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    seconds = time_median(lambda: torch.matmul(a, b, out=out), device, repeats)
-    return 2 * n ** 3 / seconds
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int | None = None, repeats: int = 5) -> float:
-    """Bytes/s of `dst.copy_(src)` counting read + write; 256 MiB on CPU, 2 GiB on GPU."""
-    num_bytes = num_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
-    src = torch.ones(num_bytes // 4, device=device, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    seconds = time_median(lambda: dst.copy_(src), device, repeats)
-    return 2 * num_bytes / seconds
-
-
-def gemv_read_bandwidth(device: torch.device, dtype: torch.dtype, num_bytes: int | None = None,
-                        repeats: int = 5) -> float:
-    """Bytes/s of the matrix read by `matrix @ vector` (64 MiB on CPU, 1 GiB on GPU)."""
-    num_bytes = num_bytes or ((1 << 30) if device.type == "cuda" else (64 << 20))
-    cols = 2048
-    rows = num_bytes // (cols * dtype.itemsize)
-    matrix = torch.ones(rows, cols, device=device, dtype=dtype)
-    vector = torch.ones(cols, device=device, dtype=dtype)
-    seconds = time_median(lambda: torch.mv(matrix, vector), device, repeats)
-    return rows * cols * dtype.itemsize / seconds
 
 
 def machine_figures(device: torch.device) -> dict[str, object]:

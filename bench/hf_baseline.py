@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from tandem.bench.hardware import sync
 from tandem.bench.workload import BenchRequest
+from tandem.workers.device_peaks import sync
 
 STATIC_BATCH_SIZE = 16
 # Runs a measurement (returning its seconds) and returns what it returned, possibly after

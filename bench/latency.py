@@ -33,11 +33,11 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
-from tandem.bench.hardware import copy_bandwidth, gemv_read_bandwidth, matmul_flops
 from tandem.bench.report import Figures, sweep_batches
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_device, resolve_model_dir, vocab_size_of
 from tandem.bench.tandem_runs import median_or_nan, run_tandem, time_bare_forward
 from tandem.bench.workload import BenchRequest, fixed_length_requests
+from tandem.workers.device_peaks import copy_bandwidth, gemv_read_bandwidth, matmul_flops
 
 
 @dataclass(frozen=True)

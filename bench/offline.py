@@ -7,7 +7,7 @@ over repeats, and each ratio is the median of the per-repeat (paired) ratios. A 
 run's time is the sum of its `generate` calls' times (each call guarded against CPU
 contention on its own); tandem's is one continuous run.
 
-MFU = model FLOPs of the request set (see `model_cost`) / elapsed seconds / the probe's
+MFU = model FLOPs of the request set (see `workers/model/cost.py`) / elapsed seconds / the probe's
 matmul FLOP/s. tandem's MFU is the headline `mfu`; all requests are in flight together, so
 apart from the last requests' tail the engine runs saturated.
 
@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
 from tandem.bench.gpu_busy import profiled_busy_fraction
-from tandem.bench.hardware import matmul_flops
 from tandem.bench.report import Figures
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
 from tandem.bench.tandem_runs import run_tandem
@@ -39,6 +38,7 @@ from tandem.bench.workload import (
     num_output_tokens,
     num_prompt_tokens,
 )
+from tandem.workers.device_peaks import matmul_flops
 
 SYSTEMS = ("tandem", "hf_static", "hf_sequential")
 _WARMUP = WorkloadSpec(num_requests=2, prompt_len=(16, 24), output_len=(4, 4), seed=99)

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from tandem.bench.hardware import ContentionLog
-from tandem.bench.model_cost import ModelCost
 from tandem.bench.workload import BenchRequest
+from tandem.workers.model.cost import ModelCost
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from tandem.bench.hardware import sync
 from tandem.bench.workload import BenchRequest
 from tandem.workers.core.request import SamplingParams
+from tandem.workers.device_peaks import sync
 
 _run_ids = itertools.count()
 

@@ -162,13 +162,32 @@ class KVAllocatorActor(KVAllocatorState):
     with whichever allocator answers next, see allocator_client.py).
     """
 
-    def __init__(self, host_bytes_per_node: int | None = None, idle_exit_s: float = IDLE_EXIT_S) -> None:
+    def __init__(self, host_bytes_per_node: int | None = None, idle_exit_s: float = IDLE_EXIT_S,
+                 app_name: str = "") -> None:
         import ray
+        from ray.util.metrics import Counter
 
         super().__init__(host_bytes_per_node, idle_exit_s=idle_exit_s)
+        # The cluster-wide prefix cache, as routing asks it (Prometheus: router/metrics.py's names).
+        self._queries = Counter("tandem_cluster_prefix_cache_queries", "Prompt blocks looked up in the cluster "
+                                "prefix directory", tag_keys=("application",))
+        self._hits = Counter("tandem_cluster_prefix_cache_hits", "Of those, leading blocks some group holds",
+                             tag_keys=("application",))
+        for counter in (self._queries, self._hits):
+            counter.set_default_tags({"application": app_name})
+            counter._record(0.0)  # the series exists from the start (inc refuses 0)
         me = ray.get_runtime_context().current_actor
         threading.Thread(target=self._end_when_idle, args=(me, min(60.0, idle_exit_s / 4)), daemon=True,
                          name="tandem-allocator-idle").start()
+
+    def match(self, block_hashes: list[int], model_id: str | None = None) -> dict[GroupId, int]:
+        counts = super().match(block_hashes, model_id)
+        if block_hashes:
+            self._queries.inc(len(block_hashes))
+            best = max(counts.values(), default=0)
+            if best:
+                self._hits.inc(best)
+        return counts
 
     def _end_when_idle(self, me: Any, period_s: float) -> None:
         import ray
@@ -198,7 +217,7 @@ def get_or_create_allocator(app_name: str, host_bytes_per_node: int | None = Non
     actor_cls = ray.remote(KVAllocatorActor)
     return actor_cls.options(name=allocator_name(app_name), namespace=namespace, get_if_exists=True,
                              lifetime="detached", max_restarts=-1, max_task_retries=0,
-                             num_cpus=0).remote(host_bytes_per_node, idle_exit_s)
+                             num_cpus=0).remote(host_bytes_per_node, idle_exit_s, app_name)
 
 
 class AllocatorRef:

@@ -64,6 +64,12 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "max_requests": None,
     "retry_after_s": 1,
     "max_request_body_bytes": 8 * 1024 * 1024,  # larger bodies: 413
+    # Metrics (router/metrics.py): how often a group hands its figures to Ray's pipeline (which
+    # exports every metrics_report_interval_ms, 10 s by default), and whether it probes its
+    # device's peaks at start-up for the live MBU / MFU gauges.
+    "metrics": True,  # False: the groups export no metrics (the engine still counts)
+    "metrics_interval_s": 1.0,
+    "probe_device_peaks": True,
 }
 
 ROUTING_POLICIES = ("prefix", "load")
@@ -88,7 +94,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         raise ValueError(f"kv_fetch: must be one of {', '.join(FETCH_MODES)}, got {serving['kv_fetch']!r}")
     group_options = {"kv_allocator": config.cache.enable_prefix_caching,
                      "host_kv_memory_per_node": serving["host_kv_memory_per_node"], "kv_fetch": serving["kv_fetch"],
-                     "stream_interval_ms": serving["stream_interval_ms"], "share_draft": serving["share_draft"]}
+                     "stream_interval_ms": serving["stream_interval_ms"], "share_draft": serving["share_draft"],
+                     "served_model_name": served_model_name, "metrics": serving["metrics"],
+                     "metrics_interval_s": serving["metrics_interval_s"],
+                     "probe_device_peaks": serving["probe_device_peaks"]}
     admission = admission_options(config, serving)
     if admission is not None:
         AdmissionLimits.from_dict(admission)  # bad bounds fail here, not in every ingress replica

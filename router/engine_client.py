@@ -28,6 +28,7 @@ from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
+from tandem.router import tracing
 from tandem.workers.core.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,10 @@ class EngineClient:
         if not await self._can_serve_now():
             raise ServiceUnavailable("no replica group is running")
         request = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids), "sampling": sampling}
+        carrier = tracing.inject()  # None when tracing is off
+        if carrier is not None:
+            request[tracing.CARRIER_KEY] = carrier
+            tracing.note_group_request(self.model_name, sampling)
         yielded = False
         for attempt in range(_ATTEMPTS):
             try:
@@ -132,6 +137,7 @@ class EngineClient:
         """One group call; a failed group is `_GroupFailed`, whatever way Ray reports it."""
         response = self._handle.generate.remote(request)
         finished = False
+        num_output_tokens = 0
         try:
             while True:
                 try:
@@ -144,6 +150,10 @@ class EngineClient:
                         raise ValueError(error)
                     raise _GroupFailed(error, delta.get("group_id"))
                 finished = delta["finished"]
+                if tracing.CARRIER_KEY in request:
+                    num_output_tokens += sum(len(o.get("token_ids") or ()) for o in delta["outputs"])
+                    if finished:
+                        tracing.note_usage(delta.get("num_prompt_tokens") or 0, num_output_tokens)
                 yield delta
                 if finished:
                     return

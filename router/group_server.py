@@ -37,7 +37,9 @@ from ray import serve
 
 from tandem.cluster.allocator_client import AllocatorClient, GroupIdentity
 from tandem.cluster.kv_allocator import get_or_create_allocator
+from tandem.router import tracing
 from tandem.router.kv_fetch import KVFetcher
+from tandem.router.metrics import start_group_metrics
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import RequestOutput, SamplingParams
@@ -87,6 +89,12 @@ class GroupServer:
                 self.fetcher = KVFetcher(self.engine, self.group_id, context.app_name,
                                          self.allocator.identity.kv_layout,
                                          mode=group_options.get("kv_fetch", "auto"))
+        self.model_name = group_options.get("served_model_name") or config.model.model or "tandem-demo"
+        self.metrics = None if not group_options.get("metrics", True) else start_group_metrics(
+            self.engine, self.fetcher, {"application": context.app_name, "model": self.model_name,
+                                        "replica_group": self.group_id},
+            interval_s=group_options.get("metrics_interval_s", 1.0),
+            probe_peaks=group_options.get("probe_device_peaks", True))
         logger.info("replica group %s ready: %d KV blocks", self.group_id,
                     self.engine.last_stats.get("kv_blocks_total", 0))
 
@@ -150,6 +158,8 @@ class GroupServer:
             async for out in self.engine.generate({"prompt_token_ids": request["prompt_token_ids"]},
                                                   params, request_id, stream_interval_s=self.stream_interval_s):
                 finished = out.finished
+                if finished and out.metrics is not None:
+                    self._observe(request, out)
                 yield self._delta(out)
         except ValueError as exc:  # refused by add_request (prompt too long for the cache, ...)
             finished = True
@@ -160,6 +170,16 @@ class GroupServer:
         finally:
             if not finished:  # cancelled: AsyncEngine.generate has aborted it
                 self.num_aborted += 1
+
+    def _observe(self, request: dict[str, Any], out: RequestOutput) -> None:
+        """A finished request's histograms and trace spans (router/metrics.py, router/tracing.py)."""
+        try:
+            if self.metrics is not None:
+                self.metrics.metrics.observe_request(out.metrics)
+            tracing.record_group_spans(request.get(tracing.CARRIER_KEY), out.metrics, group_id=self.group_id,
+                                       model=self.model_name, request_id=request["request_id"])
+        except Exception:  # noqa: BLE001 - monitoring never fails a request
+            logger.exception("recording request %s's metrics / spans failed", request["request_id"])
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve for the request router (see request_router.py)."""
@@ -182,6 +202,9 @@ class GroupServer:
         allocator = getattr(self, "allocator", None)
         if allocator is not None:
             allocator.close()
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -30,6 +30,7 @@ from tandem.router import tandem_pb2 as pb
 from tandem.router.admission import Overloaded, admitted
 from tandem.router.engine_client import RequestTimeout, ServiceUnavailable
 from tandem.router.limits import check_finite, check_stop_counts
+from tandem.router.tracing import traced_rpc
 from tandem.workers.core.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class GrpcMethods:
     client: Any  # tandem.router.engine_client.EngineClient
     api_key: str | None
 
+    @traced_rpc("Generate")
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
                        ) -> pb.GenerateResponse:
         try:
@@ -82,6 +84,7 @@ class GrpcMethods:
         return pb.GenerateResponse(request_id=request_id, model=self.client.model_name,
                                    choices=[choices[i] for i in sorted(choices)], usage=usage)
 
+    @traced_rpc("GenerateStream")
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:

@@ -51,6 +51,7 @@ from tandem.router.protocol import (
     OpenAIError,
 )
 from tandem.router.streams import DONE, sse
+from tandem.router.tracing import TracingMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ GROUP_HEADER = "x-tandem-groups"  # the replica groups serving a response (one p
 app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
 install_error_handlers(app)
 app.openapi = openapi_document  # the routes parse their own bodies: the document states them
+app.add_middleware(TracingMiddleware)  # a span per request when tracing is on (router/tracing.py)
 
 RETRY_AFTER_S = 1  # when a group refuses for overload (Serve's backstop queue is full)
 

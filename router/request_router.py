@@ -30,6 +30,8 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from tandem.router import tracing
+from tandem.router.metrics import start_at_zero
 from tandem.router.policy import CompletionLog, LoadWeights, PrefixWeights, rank_by_score, score_load, score_prefix
 from tandem.router.prefix_lookup import PrefixLookup, allocator_matcher
 
@@ -46,6 +48,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self._routed: dict[ReplicaID, Counter[str]] = {}  # sent and accepted, not completed
         self._predicted: dict[ReplicaID, deque[float]] = {}  # picked here, not confirmed yet
         self.completions = CompletionLog()  # seen to finish: ages each group's polled load
+        self._decisions: Any = None  # the router-decision counter (ray.util.metrics), made on first use
 
     def initialize_state(self, **kwargs: Any) -> None:
         """`request_router_kwargs`: `routing` ("prefix" | "load"), `block_size`, and the
@@ -74,6 +77,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         if target is not None:  # a call meant for one group (a KV export, its stats)
             chosen = [r for rid, r in by_id.items() if rid.unique_id == target]
             return [chosen] if chosen else [list(by_id.values())]
+        started_ns = time.time_ns()
         hashes = self._prompt_hashes(pending_request)
         # The directory first: loads are read after the await, so requests routed
         # meanwhile (counted as predictions) are in them.
@@ -83,12 +87,14 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             stats = replica.routing_stats or {}
             scores[rid] = score_load(stats, self.num_in_flight(rid), self.weights,
                                      self.completions.since(rid, stats.get("stats_time")))
+        by_prefix = False
         if hashes:
             by_group = {rid: held.get(rid.unique_id, 0) for rid in by_id}
             load_best = min(scores, key=scores.get)
             scores = score_prefix(scores, by_group, self.prefix_weights)
             if min(scores, key=scores.get) != load_best:
                 self.num_prefix_routed += 1
+                by_prefix = True
         ranked = [rid for tier in rank_by_score(scores) for rid in random.sample(tier, len(tier))]
         avoid = _request_field(pending_request, "avoid_group")
         if avoid is not None:  # a retry: the group that failed it goes last (it may be the only one)
@@ -98,7 +104,29 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             # Serve takes the first tier unless that group is full; if it does not, the
             # directory corrects the record within a publish interval.
             self.prefix.recent.record(hashes, ranked[0].unique_id)
+        if pending_request is not None and pending_request.metadata.call_method == "generate":
+            self._record_decision(pending_request, ranked[0], by_prefix, held, scores, started_ns)
         return [[by_id[rid]] for rid in ranked]
+
+    def _record_decision(self, pending_request: PendingRequest, chosen: ReplicaID, by_prefix: bool,
+                         held: dict[str, int], scores: dict[ReplicaID, float], started_ns: int) -> None:
+        """Count the decision (prefix hit vs load) and record it on the request's trace."""
+        decision = "prefix" if by_prefix else "load"
+        if self._decisions is None:
+            from ray.util.metrics import Counter
+
+            self._decisions = Counter("tandem_router_decisions", "Requests routed, by what decided the group",
+                                      tag_keys=("application", "decision"))
+            self._decisions.set_default_tags({"application": self._deployment_id.app_name})
+            for name in ("prefix", "load"):
+                start_at_zero(self._decisions, {"decision": name})
+        self._decisions.inc(1, tags={"decision": decision})
+        request = pending_request.args[0] if pending_request.args else None
+        if isinstance(request, dict) and request.get(tracing.CARRIER_KEY):
+            tracing.record_route(request[tracing.CARRIER_KEY], started_ns, time.time_ns(), {
+                "tandem.route.replica_group": chosen.unique_id, "tandem.route.decision": decision,
+                "tandem.route.prefix_cached_tokens": held.get(chosen.unique_id, 0),
+                "tandem.route.score": scores[chosen], "tandem.route.num_candidates": len(scores)})
 
     def _prompt_hashes(self, pending_request: PendingRequest | None) -> list[int]:
         """The prompt's block hash chain, for a `generate` call under prefix routing."""

@@ -37,6 +37,8 @@ def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
+    p.add_argument("--metrics-export-port", type=int, default=None,
+                   help="port of the local Ray node's Prometheus endpoint (default: Ray's choice; not with --address)")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, else none)")
     p.add_argument("--max-requests-per-group", type=int, default=None,
@@ -106,7 +108,8 @@ def local_ray_init_kwargs(args: argparse.Namespace, num_cpus: int) -> dict[str, 
 
         ray_constants.ENABLE_RAY_CLUSTER = False
     return {"address": "local", "num_cpus": num_cpus, "_node_ip_address": args.ray_bind_host,
-            "include_dashboard": args.dashboard, "dashboard_host": args.dashboard_host}
+            "include_dashboard": args.dashboard, "dashboard_host": args.dashboard_host,
+            "_metrics_export_port": getattr(args, "metrics_export_port", None)}
 
 
 def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
@@ -133,6 +136,8 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         serve.run(application, name=APP_NAME, route_prefix="/")
         print(f"tandem: HTTP (OpenAI API) listening on http://{args.host}:{args.port}/v1", flush=True)
         print(f"tandem: gRPC listening on {args.host}:{args.grpc_port}", flush=True)
+        for url in metrics_urls():
+            print(f"tandem: Prometheus metrics (tandem_*, ray_serve_*) at {url}", flush=True)
         print("tandem: press Ctrl-C to stop", flush=True)
         while True:
             time.sleep(3600)
@@ -146,6 +151,15 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def metrics_urls() -> list[str]:
+    """Every live Ray node's Prometheus endpoint: where tandem's metrics can be scraped
+    (deploy/prometheus.yml finds them through Ray's service-discovery file)."""
+    import ray
+
+    return [f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            for node in ray.nodes() if node.get("Alive") and node.get("MetricsExportPort")]
 
 
 def _interrupt(signum, frame) -> None:

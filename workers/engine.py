@@ -21,7 +21,10 @@ from tandem.workers.core.block_pool import BlockPool, LocalCapacity
 from tandem.workers.core.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.workers.core.scheduler import Scheduler, StepUpdate
 from tandem.workers.core.scheduler_output import PendingOutput
+from tandem.workers.core.stats import EngineStats, RequestMetrics
+from tandem.workers.device_peaks import DevicePeaks
 from tandem.workers.executor import Executor, UniProcExecutor
+from tandem.workers.model.cost import ModelCost
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.spec.policy import SpeculationPolicy
 from tandem.workers.text.output_processor import OutputProcessor, RequestState
@@ -61,6 +64,7 @@ class GroupEngine:
         self.proposer: Proposer | None = None
         self.prefill_tokens_per_s: float | None = None  # measured; see _note_prefill_speed
         self.spec_policy = SpeculationPolicy(disable_batch_size=config.speculative.disable_batch_size)
+        self.counters = EngineStats(cost=self._model_cost())
         overlap = config.model.overlap_steps
         self.overlap_steps = overlap if overlap is not None else getattr(executor, "device_type", "cpu") == "cuda"
         # Steps launched and not yet collected, oldest first: (step, its output, launched at).
@@ -92,6 +96,7 @@ class GroupEngine:
         text, token_ids = self.tokenize(prompt)
         self._validate_prompt(token_ids, params)
         state = self.outputs.new_state(request_id, text, token_ids, params)
+        state.arrival_time = arrival = time.monotonic()
         self.states[request_id] = state
         capacity = self.pool.num_blocks * self.config.cache.block_size - self.config.scheduler.num_lookahead_slots
         eos = () if params.ignore_eos else self.hf_config.eos_token_ids
@@ -104,7 +109,7 @@ class GroupEngine:
                 request_id=leader if i == 0 else f"{request_id}#{i}", prompt_token_ids=token_ids,
                 sampling_params=child_params, arrival_seq=next(self._arrival), eos_token_ids=tuple(eos),
                 max_model_len=min(self.max_model_len, capacity), parent_id=request_id, index=i,
-                leader_id=None if i == 0 else leader))
+                leader_id=None if i == 0 else leader, arrival_time=arrival))
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -127,11 +132,15 @@ class GroupEngine:
         state = self.states.pop(request_id, None)
         if state is None:
             return None
+        metrics = self._request_metrics(state)  # before the scheduler lets go of the sequences
         for seq in state.seqs:
             child = request_id if state.params.n == 1 else f"{request_id}#{seq.index}"
             self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
             self.outputs.finish(state, seq.index, RequestStatus.FINISHED_ABORTED)
-        return self.outputs.make_output(state)
+            self.counters.record_finished(seq.finish_reason)
+        output = self.outputs.make_output(state)
+        output.metrics = replace(metrics, finished_time=time.monotonic(), finish_reason="abort")
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states) or bool(self._in_flight)
@@ -204,7 +213,11 @@ class GroupEngine:
         except Exception as exc:  # a worker died or raised: fail the group loudly
             self._failed_outputs = self.fail(f"{type(exc).__name__}: {exc}")
             return []
-        self._note_prefill_speed(sched_out, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        num_tokens = sched_out.total_num_scheduled_tokens
+        self._note_prefill_speed(num_tokens, len(sched_out.num_scheduled_tokens), seconds)
+        self.counters.record_step(num_tokens, sched_out.num_context_tokens, sched_out.num_attention_pairs,
+                               len(result.req_ids), seconds)
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             drafts = sched_out.spec_token_ids.get(req_id)
             if drafts and tokens:
@@ -219,30 +232,63 @@ class GroupEngine:
     def _emit(self, updates: list[StepUpdate]) -> list[RequestOutput]:
         """Text, stop strings and outputs of a finished step's tokens."""
         touched: dict[str, RequestState] = {}
+        now = time.monotonic()
+        had_decode = False
         for update in updates:
             req = update.request
             state = self.states.get(req.parent_id)
             if state is None:
                 continue
             state.num_cached_tokens = max(state.num_cached_tokens, req.num_cached_prompt_tokens)
+            if update.new_token_ids:
+                if state.first_token_time:
+                    had_decode = True
+                else:
+                    state.first_token_time = now
+                state.last_token_time = now
             if self.outputs.add_tokens(state, req, update.new_token_ids, update.new_logprobs):
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.status.is_finished:
-                self.spec_policy.forget(req.request_id)
+                if req.index == 0:
+                    _keep_leader_figures(state, req)
+                drafted, accepted = self.spec_policy.forget(req.request_id)
+                state.num_draft_tokens += drafted
+                state.num_accepted_tokens += accepted
             touched[state.request_id] = state
+        if updates:
+            self.counters.record_emit(now, had_decode)
         outputs = []
         for request_id, state in touched.items():
             if state.finished:
                 del self.states[request_id]
-            elif state.params.output_kind == "final":
+                output = self.outputs.make_output(state)
+                output.metrics = replace(self._request_metrics(state), finished_time=now)
+                for seq in state.seqs:
+                    self.counters.record_finished(seq.finish_reason)
+                outputs.append(output)
+                continue
+            if state.params.output_kind == "final":
                 continue  # its one output comes when it finishes
             outputs.append(self.outputs.make_output(state))
         return outputs
 
-    def _note_prefill_speed(self, sched_out: Any, seconds: float) -> None:
+    def _request_metrics(self, state: RequestState) -> RequestMetrics:
+        """The request's timeline and counts (finished_time is set by the caller)."""
+        leader = self.scheduler.requests.get(state.request_id if state.params.n == 1 else f"{state.request_id}#0")
+        if leader is not None:  # still scheduled (an abort, a failure): its figures are current
+            _keep_leader_figures(state, leader)
+        return RequestMetrics(
+            arrival_time=state.arrival_time, first_scheduled_time=state.first_scheduled_time,
+            first_token_time=state.first_token_time, last_token_time=state.last_token_time, finished_time=0.0,
+            finish_reason=state.seqs[0].finish_reason or "abort", num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=sum(len(s.token_ids) for s in state.seqs),
+            num_cached_tokens=state.num_cached_tokens, num_prefill_chunks=state.num_prefill_chunks,
+            num_preemptions=state.num_preemptions, num_draft_tokens=state.num_draft_tokens,
+            num_accepted_tokens=state.num_accepted_tokens)
+
+    def _note_prefill_speed(self, num_tokens: int, num_requests: int, seconds: float) -> None:
         """Prompt tokens per second of prefill-heavy steps (an EMA): prices recomputing a prefix."""
-        num_tokens = sched_out.total_num_scheduled_tokens
-        if num_tokens >= 2 * max(1, len(sched_out.num_scheduled_tokens)) and seconds > 0:
+        if num_tokens >= 2 * max(1, num_requests) and seconds > 0:
             speed = num_tokens / seconds
             self.prefill_tokens_per_s = speed if self.prefill_tokens_per_s is None else (
                 0.8 * self.prefill_tokens_per_s + 0.2 * speed)
@@ -255,11 +301,15 @@ class GroupEngine:
         outputs = []
         for request_id, state in list(self.states.items()):
             state.error = error
+            metrics = self._request_metrics(state)
             for seq in state.seqs:
                 child = request_id if state.params.n == 1 else f"{request_id}#{seq.index}"
                 self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
                 self.outputs.finish(state, seq.index, RequestStatus.FINISHED_ERROR)
-            outputs.append(self.outputs.make_output(state))
+                self.counters.record_finished(seq.finish_reason)
+            output = self.outputs.make_output(state)
+            output.metrics = replace(metrics, finished_time=time.monotonic(), finish_reason="error")
+            outputs.append(output)
         self.states.clear()
         return outputs
 
@@ -270,6 +320,44 @@ class GroupEngine:
     @property
     def num_accepted_draft_tokens(self) -> int:
         return self.spec_policy.stats.num_accepted_tokens
+
+    def _model_cost(self) -> ModelCost:
+        import torch
+
+        dtype = self.hf_config.resolve_dtype(self.config.model.dtype,
+                                             torch.device(getattr(self.executor, "device_type", "cpu")))
+        return ModelCost.from_hf_config(self.hf_config, itemsize=dtype.itemsize)
+
+    def probe_device_peaks(self) -> tuple[DevicePeaks, int] | None:
+        """(peaks of one of the model's devices, how many devices the group has), measured with
+        `tandem bench`'s probes; None where the model runs on Ray workers, not here."""
+        if not self.model_in_process:
+            return None
+        runner = self.executor.runner
+        return DevicePeaks.probe(runner.device, runner.dtype, quick=True), 1
+
+    def metrics_snapshot(self) -> dict[str, float]:
+        """Cumulative counters and current gauges for the server's metrics exporter.
+
+        Read from another thread (the server's event loop) without stopping the engine: each
+        figure is one read of a number the engine thread replaces, so it may be a step old,
+        never torn."""
+        sched, spec = self.scheduler, self.spec_policy
+        host = sched.kv.host
+        return {
+            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+            "num_preempted_waiting": sched.num_preempted_waiting,
+            "kv_usage": sched.kv.pool.usage,
+            "host_kv_usage": len(host) / host.num_slots if host is not None and host.num_slots else 0.0,
+            "num_prompt_tokens": sched.num_prompt_tokens, "num_prefix_hit_tokens": sched.num_prefix_hit_tokens,
+            "num_generated_tokens": sched.num_generated_tokens, "num_preemptions": sched.num_preemptions,
+            **{f"num_finished_{reason}": n for reason, n in list(self.counters.num_finished.items())},
+            "num_steps": self.counters.num_steps, "step_seconds": self.counters.step_seconds,
+            "bytes_read": self.counters.bytes_read, "flops": self.counters.flops,
+            "spec_num_draft_tokens": spec.stats.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.stats.num_accepted_tokens,
+            "spec_switched_off": float(spec.switched_off),
+        }
 
     def stats(self) -> dict[str, float]:
         spec = self.spec_policy.stats
@@ -338,3 +426,10 @@ class GroupEngine:
         if self.proposer is not None and hasattr(self.proposer, "shutdown"):
             self.proposer.shutdown()  # a shared draft: detach (the last group ends it)
         self.executor.shutdown()
+
+
+def _keep_leader_figures(state: RequestState, leader: Request) -> None:
+    """The first sequence's scheduling figures, kept on the request once the scheduler lets go."""
+    state.first_scheduled_time = leader.first_scheduled_time
+    state.num_prefill_chunks = leader.num_prefill_chunks
+    state.num_preemptions = leader.num_preemptions

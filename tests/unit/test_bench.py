@@ -9,9 +9,9 @@ import torch
 
 from tandem.bench import hf_baseline, latency, report
 from tandem.bench.cli import register
-from tandem.bench.model_cost import ModelCost
 from tandem.bench.systems import BenchOptions
 from tandem.bench.workload import BenchRequest, WorkloadSpec, fixed_length_requests, make_workload
+from tandem.workers.model.cost import ModelCost
 
 TINY_OFFLINE = WorkloadSpec(num_requests=5, prompt_len=(6, 20), output_len=(3, 7), seed=3)
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.workers.config import require_field
+
+if TYPE_CHECKING:
+    from tandem.workers.core.stats import RequestMetrics
 
 
 @dataclass
@@ -131,6 +135,10 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # hash chain of full blocks so far
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    # Monitoring (workers/core/stats.py): monotonic seconds; 0.0 = not yet.
+    arrival_time: float = 0.0
+    first_scheduled_time: float = 0.0
+    num_prefill_chunks: int = 0  # steps that computed part of the prompt
     # 1 while the last output token is PENDING_TOKEN: sampled by a step still on the device,
     # and already scheduled into the next one (Scheduler.schedule(ahead=...)).
     num_pending: int = 0
@@ -220,3 +228,5 @@ class RequestOutput:
     # With params.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # predicts it). In delta mode it comes once, with the first output that has it complete.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # On the last output of a request: its timeline and counts (workers/core/stats.py).
+    metrics: RequestMetrics | None = None

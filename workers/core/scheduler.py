@@ -17,6 +17,7 @@ in `update` for rejected draft tokens.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,7 +54,12 @@ class Scheduler:
         self._block_ids_sent: dict[str, int] = {}  # req_id -> blocks the workers know
         self._finished_since_last_step: set[str] = set()
         self._step_id = 0
+        # Cumulative counters for monitoring (workers/core/stats.py), in tokens.
         self.num_preemptions = 0
+        self.num_preempted_waiting = 0  # preempted requests waiting to be recomputed now
+        self.num_prompt_tokens = 0  # prompts at first admission (cached tokens included)
+        self.num_prefix_hit_tokens = 0  # of those, found in the prefix cache (device or host)
+        self.num_generated_tokens = 0
 
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -71,6 +77,8 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
+            if req.status == RequestStatus.PREEMPTED:
+                self.num_preempted_waiting -= 1
         req.status = status
         req.spec_token_ids = []
         self.kv.free(req)
@@ -164,6 +172,11 @@ class Scheduler:
                 break
             if req.status == RequestStatus.WAITING:
                 req.num_cached_prompt_tokens = num_cached
+                req.first_scheduled_time = time.monotonic()
+                self.num_prompt_tokens += req.num_prompt_tokens
+                self.num_prefix_hit_tokens += num_cached
+            else:
+                self.num_preempted_waiting -= 1
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -203,7 +216,13 @@ class Scheduler:
             self._block_ids_sent[req_id] = len(req.block_ids)
         if req.spec_token_ids:
             out.spec_token_ids[req_id] = list(req.spec_token_ids)
-        req.num_computed_tokens += num_new
+        computed = req.num_computed_tokens
+        if computed < req.num_prompt_tokens:
+            req.num_prefill_chunks += 1
+        # Model cost figures: the KV this step reads, and its (query, key) pairs.
+        out.num_context_tokens += computed + num_new
+        out.num_attention_pairs += num_new * computed + num_new * (num_new + 1) // 2
+        req.num_computed_tokens = computed + num_new
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -213,6 +232,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preempted_waiting += 1
         self._forget_sent(req.request_id)
         self.waiting.appendleft(req)
 
@@ -226,6 +246,7 @@ class Scheduler:
     def update(self, sched_out: SchedulerOutput, result: RunnerOutput) -> list[StepUpdate]:
         """Apply a step's sampled tokens; token-level stop checks (EOS, stop ids, length)."""
         updates: list[StepUpdate] = []
+        num_generated = 0
         for req_id, tokens, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -250,6 +271,7 @@ class Scheduler:
                 status = self._check_stop(req, token)
                 if status is not None:
                     break
+            num_generated += len(kept)
             if len(kept) < len(tokens):
                 # Stopped inside accepted drafts: the KV past the stop is not needed.
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
@@ -261,6 +283,7 @@ class Scheduler:
             updates.append(StepUpdate(req, kept, logprobs[:len(kept)] if logprobs else None))
             if status is not None:
                 self.finish_request(req_id, status)
+        self.num_generated_tokens += num_generated
         return updates
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -44,6 +44,11 @@ class SchedulerOutput:
     # Host KV tier copies, applied before the forward in this order (see host_tier.py).
     host_saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     host_loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    # For the model cost figures (workers/core/stats.py): KV tokens the step attends to, and
+    # (query, key) pairs; a request computing n tokens after c cached ones reads c + n and
+    # attends n * c + n (n + 1) / 2.
+    num_context_tokens: int = 0
+    num_attention_pairs: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:

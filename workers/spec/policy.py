@@ -42,9 +42,11 @@ class SpeculationPolicy:
     min_proposals: int = 16
     stats: SpecStats = field(default_factory=SpecStats)
     _per_request: dict[str, list[int]] = field(default_factory=dict)  # id -> [drafted, accepted]
+    switched_off: bool = False  # the last step's batch was too large to draft for
 
     def candidates(self, running: list[Request]) -> list[Request]:
-        if len(running) > self.disable_batch_size:
+        self.switched_off = len(running) > self.disable_batch_size
+        if self.switched_off:
             return []
         out = []
         for req in running:
@@ -64,5 +66,7 @@ class SpeculationPolicy:
         self.stats.num_accepted_tokens += num_accepted
         self.stats.num_verifications += 1
 
-    def forget(self, req_id: str) -> None:
-        self._per_request.pop(req_id, None)
+    def forget(self, req_id: str) -> tuple[int, int]:
+        """Drop a finished request; returns its (drafted, accepted) token counts."""
+        drafted, accepted = self._per_request.pop(req_id, (0, 0))
+        return drafted, accepted

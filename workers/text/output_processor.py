@@ -43,6 +43,15 @@ class RequestState:
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False  # delta mode: they go out once
+    # Monitoring (workers/core/stats.py): monotonic seconds; 0.0 = not yet.
+    arrival_time: float = 0.0
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
+    first_scheduled_time: float = 0.0  # these three: the first sequence's, kept when it finishes
+    num_prefill_chunks: int = 0
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -26,8 +26,12 @@ the table (with tied embeddings the lm_head *is* that table and is counted once,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tandem.workers.model.hf_config import HFModelConfig
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,19 @@ class ModelCost:
                          non_embedding_params=non_embedding, lm_head_params=model.lm_head.weight.numel(),
                          itemsize=itemsize)
 
+    @staticmethod
+    def from_hf_config(cfg: HFModelConfig, itemsize: int) -> ModelCost:
+        """From the checkpoint's config alone (any TP x PP: the whole model's figures)."""
+        hidden, head_dim = cfg.hidden_size, cfg.head_dim
+        q_out, kv_out = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+        per_layer = (hidden * (q_out + 2 * kv_out) + q_out * hidden  # q, k, v, o
+                     + 3 * hidden * cfg.intermediate_size + 2 * hidden)  # gate, up, down; two norms
+        if cfg.attention_bias:
+            per_layer += q_out + 2 * kv_out
+        return ModelCost(num_layers=cfg.num_hidden_layers, hidden_size=hidden, num_kv_heads=cfg.num_key_value_heads,
+                         head_dim=head_dim, non_embedding_params=cfg.num_hidden_layers * per_layer + hidden,
+                         lm_head_params=cfg.vocab_size * hidden, itemsize=itemsize)
+
     # ---- FLOPs ---------------------------------------------------------------------------------
     def attention_flops(self, context_len: int) -> int:
         return 2 * 2 * self.num_layers * context_len * self.hidden_size
@@ -70,6 +87,12 @@ class ModelCost:
                 + 2 * 2 * self.num_layers * self.hidden_size * sum_ctx
                 + 2 * self.lm_head_params * num_logits)
 
+    def step_flops(self, num_tokens: int, num_attention_pairs: int, num_logit_rows: int) -> int:
+        """Any step: `num_tokens` processed, `num_attention_pairs` (query, key) pairs attended,
+        `num_logit_rows` rows through the lm_head."""
+        return (2 * self.non_embedding_params * num_tokens + 2 * 2 * self.num_layers * self.hidden_size
+                * num_attention_pairs + 2 * self.lm_head_params * num_logit_rows)
+
     def decode_step_flops(self, batch: int, context_len: int) -> int:
         """One decode step: `batch` tokens, each attending to `context_len` keys."""
         return batch * (2 * (self.non_embedding_params + self.lm_head_params)
@@ -86,6 +109,10 @@ class ModelCost:
 
     def decode_step_bytes(self, batch: int, context_len: int) -> int:
         return self.weight_bytes + batch * context_len * self.kv_bytes_per_token
+
+    def step_bytes(self, num_context_tokens: int) -> int:
+        """Any step: the weights once, plus the KV of every token its requests attend to."""
+        return self.weight_bytes + num_context_tokens * self.kv_bytes_per_token
 
     def roofline_crossover_batch(self, context_len: int, peak_flops: float, peak_bytes_per_s: float,
                                  max_batch: int = 4096) -> float:

@@ -1,0 +1,162 @@
+"""Monitoring figures: the scheduler's counters and per-step cost inputs, EngineStats,
+RequestMetrics, ModelCost from a config, and GroupMetrics' reporting (with recording fakes in
+place of ray.util.metrics)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from tandem.workers.core.request import RequestStatus
+from tandem.workers.core.stats import EngineStats, RequestMetrics
+from tandem.workers.model.cost import ModelCost
+from tandem.workers.model.hf_config import HFModelConfig
+from tests.unit.test_scheduler import FakeWorkers, make_req, make_scheduler, prompt, step
+
+
+def test_scheduler_counts_tokens_prefix_hits_and_step_cost_inputs() -> None:
+    s, w = make_scheduler(max_num_batched_tokens=8, prefix=True), FakeWorkers()
+    a = make_req("a", prompt(10), 0, max_tokens=2)
+    s.add_request(a)
+    out, _ = step(s, w)  # a: 8 of 10 prompt tokens
+    assert (out.num_context_tokens, out.num_attention_pairs) == (8, 8 * 9 // 2)
+    assert (s.num_prompt_tokens, s.num_prefix_hit_tokens, a.num_prefill_chunks) == (10, 0, 1)
+    assert a.first_scheduled_time > 0
+    out, _ = step(s, w)  # a: the last 2 prompt tokens after 8 cached -> first token
+    assert (out.num_context_tokens, out.num_attention_pairs) == (10, 2 * 8 + 2 * 3 // 2)
+    assert (a.num_prefill_chunks, s.num_generated_tokens) == (2, 1)
+    out, _ = step(s, w)  # a decodes its last token: attends 11 keys
+    assert (out.num_context_tokens, out.num_attention_pairs) == (11, 11)
+    assert (s.num_generated_tokens, a.status) == (2, RequestStatus.FINISHED_LENGTH)
+    # The same prompt again: its two full blocks (8 tokens) come from the prefix cache.
+    b = make_req("b", prompt(10), 1, max_tokens=1)
+    s.add_request(b)
+    out, _ = step(s, w)
+    assert (s.num_prompt_tokens, s.num_prefix_hit_tokens) == (20, 8)
+    assert (out.num_context_tokens, out.num_attention_pairs) == (10, 2 * 8 + 3)
+
+
+def test_preempted_waiting_is_counted_until_readmitted() -> None:
+    s, w = make_scheduler(num_blocks=4, max_num_batched_tokens=64), FakeWorkers()
+    a, b = make_req("a", prompt(7), 0, max_tokens=8), make_req("b", prompt(7, 50), 1, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    step(s, w)  # both prefill: 2 blocks each, the pool is full
+    step(s, w)  # both decode into their second block's last slot
+    step(s, w)  # a needs a third block: b (the latest) is preempted
+    assert (s.num_preemptions, s.num_preempted_waiting, b.status) == (1, 1, RequestStatus.PREEMPTED)
+    s.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    assert s.num_preempted_waiting == 0
+
+
+def test_engine_stats_step_cost_and_intervals() -> None:
+    cost = ModelCost(num_layers=2, hidden_size=8, num_kv_heads=2, head_dim=4, non_embedding_params=1000,
+                     lm_head_params=100, itemsize=4)
+    stats = EngineStats(cost=cost)
+    stats.record_step(num_tokens=3, num_context_tokens=10, num_attention_pairs=12, num_logit_rows=2, seconds=0.5)
+    assert stats.bytes_read == 1100 * 4 + 10 * (2 * 2 * 2 * 4 * 4)
+    assert stats.flops == 2 * 1000 * 3 + 2 * 2 * 2 * 8 * 12 + 2 * 100 * 2
+    assert (stats.num_steps, stats.step_seconds) == (1, 0.5)
+    stats.record_emit(10.0, had_decode=False)  # a first token: no interval
+    stats.record_emit(10.25, had_decode=True)
+    stats.record_emit(10.75, had_decode=True)
+    assert stats.drain_token_intervals() == [0.25, 0.5]
+    assert stats.drain_token_intervals() == []
+    stats.record_finished("stop")
+    stats.record_finished(None)
+    assert stats.num_finished == {"stop": 1, "length": 0, "abort": 0, "error": 0}
+
+
+def test_request_metrics_intervals() -> None:
+    m = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0, last_token_time=4.0,
+                       finished_time=4.5, finish_reason="stop", num_prompt_tokens=5, num_generation_tokens=5,
+                       num_cached_tokens=0, num_prefill_chunks=1, num_preemptions=0)
+    assert (m.queue_s, m.prefill_s, m.ttft_s, m.decode_s, m.e2e_s, m.tpot_s) == (0.5, 0.5, 1.0, 2.0, 3.5, 0.5)
+    never = RequestMetrics(1.0, 0.0, 0.0, 0.0, 2.0, "abort", 5, 0, 0, 0, 0)
+    assert (never.queue_s, never.prefill_s, never.ttft_s, never.decode_s, never.tpot_s) == (None,) * 5
+
+
+def test_model_cost_from_config_counts_what_the_model_holds(tiny_dir) -> None:
+    cost = ModelCost.from_hf_config(HFModelConfig.from_dir(tiny_dir), itemsize=4)
+    # the figures test_bench.py counts from the loaded tandem model
+    per_layer = 64 * 128 + 64 * 64 + 64 * 256 + 128 * 64 + 2 * 64
+    assert cost == ModelCost(num_layers=2, hidden_size=64, num_kv_heads=2, head_dim=16,
+                             non_embedding_params=2 * per_layer + 64, lm_head_params=512 * 64, itemsize=4)
+
+
+@pytest.fixture
+def tiny_dir() -> str:
+    from tests.conftest import tiny_model
+
+    return tiny_model("llama")
+
+
+# ---- GroupMetrics with recording fakes --------------------------------------------------------------
+class _Recorder:
+    def __init__(self, name: str, description: str = "", boundaries: list[float] | None = None,
+                 tag_keys: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.events: list[tuple] = []
+
+    def set_default_tags(self, tags: dict[str, str]) -> None:
+        self.default_tags = tags
+
+    def inc(self, value: float, tags: dict[str, str] | None = None) -> None:
+        assert value > 0
+        self.events.append(("inc", value, tags))
+
+    def _record(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.events.append(("record", value, tags))
+
+    def set(self, value: float) -> None:
+        self.events.append(("set", value))
+
+    def observe(self, value: float) -> None:
+        self.events.append(("observe", value))
+
+
+@pytest.fixture
+def fake_ray_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("ray.util.metrics")
+    module.Counter = module.Gauge = module.Histogram = _Recorder
+    monkeypatch.setitem(sys.modules, "ray.util.metrics", module)
+
+
+def _snapshot(**changes: float) -> dict[str, float]:
+    base = {"num_running": 1, "num_waiting": 2, "num_preempted_waiting": 0, "kv_usage": 0.25, "host_kv_usage": 0.0,
+            "num_prompt_tokens": 10, "num_prefix_hit_tokens": 4, "num_generated_tokens": 3, "num_preemptions": 0,
+            "num_finished_stop": 1, "num_finished_length": 0, "num_finished_abort": 0, "num_finished_error": 0,
+            "num_steps": 4, "step_seconds": 0.5, "bytes_read": 1e9, "flops": 2e9, "spec_num_draft_tokens": 0,
+            "spec_num_accepted_tokens": 0, "spec_switched_off": 0.0}
+    return {**base, **changes}
+
+
+def test_group_metrics_reports_increases_and_utilization(fake_ray_metrics: None) -> None:
+    from tandem.router.metrics import GroupMetrics
+    from tandem.workers.device_peaks import DevicePeaks
+
+    metrics = GroupMetrics({"application": "app", "model": "m", "replica_group": "g"})
+    metrics.set_peaks(DevicePeaks(flops_per_s=1e10, bytes_per_s=4e9), num_devices=2)
+    metrics.report(_snapshot(), [0.01, 0.02], kv_blocks_fetched=0)
+    prompt = metrics.counters["tandem_prompt_tokens"]
+    fetched = metrics.kv_fetched
+    assert prompt.events == [("inc", 10, None)]
+    assert fetched.events == [("record", 0.0, None)]  # exported at 0 from the start
+    assert metrics.finished.events[:2] == [("inc", 1, {"finished_reason": "stop"}),
+                                           ("record", 0.0, {"finished_reason": "length"})]
+    assert metrics.itl.events == [("observe", 0.01), ("observe", 0.02)]
+    # bytes / step seconds / (peak x devices): 1e9 / 0.5 / 8e9; FLOPs likewise over 2e10
+    assert metrics.mbu.events == [("set", 0.25)]
+    assert metrics.mfu.events == [("set", 0.2)]
+    metrics.report(_snapshot(num_prompt_tokens=25, step_seconds=1.5, bytes_read=5e9, flops=4e9), [], 3)
+    assert prompt.events[1:] == [("inc", 15, None)]
+    assert fetched.events[1:] == [("inc", 3, None)]
+    assert metrics.mbu.events[1:] == [("set", 0.5)]  # 4e9 bytes over 1 s of steps
+    assert metrics.mfu.events[1:] == [("set", 0.1)]
+    metrics.report(_snapshot(num_prompt_tokens=25, step_seconds=1.5, bytes_read=5e9, flops=4e9), [], 3)
+    assert metrics.mbu.events[2:] == [("set", 0.0)]  # no step ended: no model work
+    assert prompt.events[2:] == []
+    gauge = metrics.gauges["tandem_kv_cache_usage_perc"]
+    assert gauge.events == [("set", 0.25)] * 3

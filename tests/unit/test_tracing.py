@@ -1,0 +1,71 @@
+"""router/tracing.py in one process with an in-memory exporter: the ingress span under the
+client's traceparent, the carrier a group request takes, and the route and group spans made
+from it, all one connected trace."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tandem.router import tracing
+from tandem.workers.core.stats import RequestMetrics
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    tracing.configure(exporter)
+    yield exporter
+    tracing.configure(None)  # back to the environment's choice (off in tests)
+
+
+def test_off_by_default_without_otel_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    assert tracing.configure() is None
+    assert tracing.inject() is None
+    with tracing.ingress_span("POST /v1/completions", {}, {}) as span:
+        assert span is None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert tracing.configure() is None
+
+
+def test_one_connected_trace_under_the_clients_span(exporter: InMemorySpanExporter) -> None:
+    headers = [("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01")]
+    now = time.monotonic()
+    metrics = RequestMetrics(arrival_time=now - 1.0, first_scheduled_time=now - 0.9, first_token_time=now - 0.5,
+                             last_token_time=now - 0.1, finished_time=now, finish_reason="length",
+                             num_prompt_tokens=7, num_generation_tokens=4, num_cached_tokens=0, num_prefill_chunks=2,
+                             num_preemptions=0, num_draft_tokens=6, num_accepted_tokens=3)
+    with tracing.ingress_span("POST /v1/completions", headers, {"gen_ai.operation.name": "text_completion"}):
+        carrier = tracing.inject()
+        tracing.note_group_request("tandem-demo", {"max_tokens": 4, "temperature": 0.0})
+        tracing.record_route(carrier, time.time_ns(), time.time_ns(), {"tandem.route.decision": "load"})
+        tracing.record_group_spans(carrier, metrics, group_id="g0", model="tandem-demo", request_id="cmpl-1-0")
+        tracing.note_usage(7, 4)
+    tracing.force_flush()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert sorted(spans) == ["POST /v1/completions", "decode", "group_request", "prefill", "queue", "route"]
+    assert {format(s.context.trace_id, "032x") for s in spans.values()} == {TRACE_ID}
+    ingress = spans["POST /v1/completions"]
+    assert format(ingress.parent.span_id, "016x") == CLIENT_SPAN
+    parent_of = {name: next(n for n, p in spans.items() if p.context.span_id == s.parent.span_id)
+                 for name, s in spans.items() if name != "POST /v1/completions"}
+    assert parent_of == {"route": ingress.name, "group_request": ingress.name, "queue": "group_request",
+                         "prefill": "group_request", "decode": "group_request"}
+    assert dict(ingress.attributes) == {
+        "gen_ai.operation.name": "text_completion", "gen_ai.request.model": "tandem-demo",
+        "gen_ai.request.max_tokens": 4, "gen_ai.request.temperature": 0.0,
+        "gen_ai.usage.input_tokens": 7, "gen_ai.usage.output_tokens": 4}
+    group = spans["group_request"]
+    assert group.attributes["tandem.spec.acceptance_rate"] == 0.5
+    assert [e.name for e in group.events] == ["first_token", "finish"]
+    assert spans["prefill"].attributes["tandem.prefill.num_chunks"] == 2
+    # the phases tile the request: queue ends where prefill starts, prefill where decode starts
+    assert spans["queue"].end_time == spans["prefill"].start_time
+    assert spans["prefill"].end_time == spans["decode"].start_time == spans["decode"].events[0].timestamp
