@@ -22,6 +22,7 @@ from tandem.router import tandem_pb2_grpc as pb_grpc
 from tandem.router.engine_client import ServiceUnavailable
 from tandem.router.grpc_service import GrpcMethods
 from tests.serve.conftest import free_port, wait_for
+from tests.serve.hostile_cases import GRPC_CASES
 
 SERVICER = "tandem.router.tandem_pb2_grpc.add_TandemServicer_to_server"
 FAKE_APP = "fake"
@@ -368,6 +369,15 @@ def test_real_app_greedy_generate_matches_offline(grpc_address: str, stub) -> No
                             timeout=60)
         streamed = list(stub.GenerateStream(pb.GenerateRequest(text=prompt, sampling=sampling),
                                             metadata=_md(auth=None, app="tandem"), timeout=60))
+        # The hostile-input battery's gRPC cases that hold whatever the context and key.
+        hostile = [c for c in GRPC_CASES if not any(w in c.name for w in ("context", "too long", "key"))]
+        assert len(hostile) == 21
+        for case in hostile:
+            error = _error(lambda case=case: stub.Generate(case.request, metadata=_md(auth=None, app="tandem"),
+                                                           timeout=60))
+            assert error.code() == case.code and case.details_has in error.details(), case.name
+        assert stub.Generate(pb.GenerateRequest(text=prompt, sampling=sampling), metadata=_md(auth=None, app="tandem"),
+                             timeout=60).choices[0].text == out.choices[0].text  # still serving
     finally:
         serve.delete("tandem")
 
