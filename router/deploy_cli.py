@@ -29,6 +29,7 @@ import yaml
 DEFAULT_CONFIG = "deploy/serve_config.yaml"
 DEFAULT_IMAGE = "registry.example.com/tandem:0.1.0"  # built from deploy/Dockerfile
 SERVE_PORT, GRPC_PORT = 8000, 9000
+METRICS_PORT = 8080  # each Ray node's Prometheus endpoint (tandem_*, ray_serve_*): deploy/prometheus.yml
 
 
 def pinned_ray_version() -> str:
@@ -101,7 +102,12 @@ def _container(name: str, image: str, resources: dict[str, Any], ports: list[tup
 
 
 def _pod(container: dict[str, Any]) -> dict[str, Any]:
-    return {"spec": {"containers": [container],
+    # The annotations let an annotation-driven Prometheus scrape every Ray pod's metrics;
+    # with prometheus-operator, a PodMonitor on the `metrics` port does the same.
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
+                   "prometheus.io/path": "/metrics"}
+    return {"metadata": {"annotations": annotations},
+            "spec": {"containers": [container],
                      "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
 
 
@@ -110,13 +116,13 @@ def ray_cluster_spec(layout: Layout, image: str, ray_version: str) -> dict[str, 
     and one GPU worker group sized for the layout."""
     head = _container("ray-head", image, {"cpu": "8", "memory": "32Gi"},
                       [("gcs-server", 6379), ("dashboard", 8265), ("client", 10001),
-                       ("serve", SERVE_PORT), ("grpc", GRPC_PORT)])
+                       ("serve", SERVE_PORT), ("grpc", GRPC_PORT), ("metrics", METRICS_PORT)])
     # Serve's proxy answers /-/healthz once it runs; the application's own readiness (every
     # replica group up) is what RayService waits for before it sends traffic.
     head["readinessProbe"] = {"httpGet": {"path": "/-/healthz", "port": SERVE_PORT},
                               "initialDelaySeconds": 10, "periodSeconds": 5}
     worker = _container("ray-worker", image, {"cpu": str(8 * layout.gpus_per_node), "memory": "64Gi",
-                                              "nvidia.com/gpu": str(layout.gpus_per_node)}, [])
+                                              "nvidia.com/gpu": str(layout.gpus_per_node)}, [("metrics", METRICS_PORT)])
     pods = layout.num_worker_pods
     return {
         "rayVersion": ray_version,
@@ -124,13 +130,14 @@ def ray_cluster_spec(layout: Layout, image: str, ray_version: str) -> dict[str, 
         "authOptions": {"mode": "token"},  # Ray's own RPCs and dashboard; not Serve's HTTP/gRPC
         "headGroupSpec": {
             # num-cpus 0: no replica group lands on the head; it has no GPUs anyway.
-            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0",
+                               "metrics-export-port": str(METRICS_PORT)},
             "template": _pod(head),
         },
         "workerGroupSpecs": [{
             "groupName": "gpu",
             "replicas": pods, "minReplicas": pods, "maxReplicas": pods,
-            "rayStartParams": {"num-gpus": str(layout.gpus_per_node)},
+            "rayStartParams": {"num-gpus": str(layout.gpus_per_node), "metrics-export-port": str(METRICS_PORT)},
             "template": _pod(worker),
         }],
     }

@@ -31,6 +31,7 @@ _ERRORS = {
     "401": "a missing or wrong API key",
     "404": "the model is not served here",
     "413": "the body is larger than the server's limit",
+    "408": "the request's own `timeout` passed before it finished (its KV is freed)",
     "415": "the body is not JSON",
     "429": "the replica groups are full: retry after Retry-After seconds",
     "500": "an internal error (its id is in the server log)",

@@ -107,9 +107,11 @@ def local_ray_init_kwargs(args: argparse.Namespace, num_cpus: int) -> dict[str, 
         from ray._private import ray_constants
 
         ray_constants.ENABLE_RAY_CLUSTER = False
-    return {"address": "local", "num_cpus": num_cpus, "_node_ip_address": args.ray_bind_host,
-            "include_dashboard": args.dashboard, "dashboard_host": args.dashboard_host,
-            "_metrics_export_port": getattr(args, "metrics_export_port", None)}
+    kwargs = {"address": "local", "num_cpus": num_cpus, "_node_ip_address": args.ray_bind_host,
+              "include_dashboard": args.dashboard, "dashboard_host": args.dashboard_host}
+    if getattr(args, "metrics_export_port", None) is not None:
+        kwargs["_metrics_export_port"] = args.metrics_export_port
+    return kwargs
 
 
 def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:

@@ -44,6 +44,8 @@ def cluster_env(token: str | None = None) -> dict[str, str]:
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
         # A loaded 2-core machine can take longer than the default to start a node's agent.
         RAY_agent_register_timeout_ms="120000",
+        # ... and longer than ray start's default 30 s for a new node to register with the GCS.
+        RAY_raylet_start_wait_time_s="120",
         # The torch path: no node waits on (or races another for) the first build of the C++
         # kernels; greedy output is the same either way.
         TANDEM_CPU_KERNELS="0",

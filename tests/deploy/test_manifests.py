@@ -5,8 +5,10 @@ fail) and against their generator, and the versions everywhere against pyproject
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -38,8 +40,40 @@ def load(name: str) -> Any:
 
 def test_every_file_in_deploy_is_covered_here() -> None:
     files = sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*") if p.is_file())
-    assert files == ["Dockerfile", "README.md", "kuberay/raycluster.yaml", "kuberay/rayservice.yaml",
-                     "ray-cluster.yaml", "serve_config.yaml", "try_multi_node.sh"]  # serve_config: tests/serve
+    # serve_config.yaml: tests/serve; grafana/tandem.json's queries: tests/serve/test_observability.py
+    assert files == ["Dockerfile", "README.md", "grafana/tandem.json", "kuberay/raycluster.yaml",
+                     "kuberay/rayservice.yaml", "prometheus.yml", "ray-cluster.yaml", "serve_config.yaml",
+                     "try_multi_node.sh"]
+
+
+def test_prometheus_yml_is_a_valid_config_reading_rays_discovery_file() -> None:
+    config = load("prometheus.yml")
+    (job,) = config["scrape_configs"]
+    assert job["file_sd_configs"] == [{"files": ["/tmp/ray/prom_metrics_service_discovery.json"]}]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool (Debian's prometheus package) is not installed: only the YAML was checked")
+    check = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus.yml")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_grafana_dashboard_queries_only_tandem_and_serve_metrics() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "tandem.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", ())]
+    assert len(exprs) >= len(dashboard["panels"]) - sum(p["type"] == "row" for p in dashboard["panels"])
+    assert all("ray_tandem_" in expr or "ray_serve_" in expr for expr in exprs)
+
+
+def test_kuberay_pods_expose_and_annotate_the_metrics_port() -> None:
+    for name in ("kuberay/rayservice.yaml", "kuberay/raycluster.yaml"):
+        manifest = load(name)
+        spec = manifest["spec"]["rayClusterConfig"] if manifest["kind"] == "RayService" else manifest["spec"]
+        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            assert group["rayStartParams"]["metrics-export-port"] == "8080"
+            assert group["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8080"
+            (container,) = group["template"]["spec"]["containers"]
+            assert {"name": "metrics", "containerPort": 8080} in container["ports"]
 
 
 # ---- the cluster launcher ---------------------------------------------------------------------------
@@ -190,7 +224,7 @@ def test_layout_sizes_the_gpu_worker_group() -> None:
     assert (layout.num_gpus, layout.num_worker_pods) == (13, 4)
     spec = deploy_cli.ray_cluster_spec(layout, "img", "2.60.0")
     [worker] = spec["workerGroupSpecs"]
-    assert (worker["replicas"], worker["rayStartParams"]) == (4, {"num-gpus": "4"})
+    assert (worker["replicas"], worker["rayStartParams"]) == (4, {"num-gpus": "4", "metrics-export-port": "8080"})
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     with pytest.raises(ValueError, match="tensor_parallel_size=8 needs that many GPUs on one node"):
         deploy_cli.Layout(tensor_parallel_size=8, gpus_per_node=4)

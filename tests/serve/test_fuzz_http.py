@@ -46,7 +46,7 @@ def test_the_document_states_every_route_and_its_errors(schema):
     raw = schema.raw_schema
     assert sorted(raw["paths"]) == ["/health", "/v1/chat/completions", "/v1/completions", "/v1/models"]
     completions = raw["paths"]["/v1/completions"]["post"]
-    assert sorted(completions["responses"]) == ["200", "400", "401", "404", "413", "415", "429", "500", "503"]
+    assert sorted(completions["responses"]) == ["200", "400", "401", "404", "408", "413", "415", "429", "500", "503"]
     assert completions["responses"]["429"]["headers"]["Retry-After"]["required"] is True
     request = raw["components"]["schemas"]["CompletionRequest"]
     assert request["required"] == ["prompt"]

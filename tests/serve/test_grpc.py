@@ -68,7 +68,7 @@ class FakeEngineClient:
     async def health(self) -> bool:
         return self.healthy
 
-    async def stream(self, prompt_token_ids: list[int], sampling: dict, request_id: str):
+    async def stream(self, prompt_token_ids: list[int], sampling: dict, request_id: str, deadline: float | None = None):
         cue = prompt_token_ids[-1]
         if cue == UNAVAILABLE_AT_START:
             raise ServiceUnavailable("every replica group is busy")
