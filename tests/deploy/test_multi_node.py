@@ -216,9 +216,11 @@ def test_openai_and_grpc_clients_get_offline_output_from_both_groups(cluster: Cl
                 break
         r2.cancel()
         assert offline[2, LONG].startswith(text2) and len(text2) >= len(offline[2, MAX_TOKENS])
-    # Each group served one HTTP and one gRPC stream.
+    # Four streams over both groups: the HTTP ones went one to each; the gRPC ones go where the
+    # router's load reports (a second apart) put them, which may be the same group twice.
     groups = cluster.probe(num_groups=2)
-    assert {g: info["num_requests_total"] for g, info in groups.items()} == {g0: 2, g1: 2}
+    served = {g: info["num_requests_total"] for g, info in groups.items()}
+    assert sum(served.values()) == 4 and min(served.values()) >= 1, served
 
 
 def test_stopping_a_node_mid_stream_fails_its_requests_cleanly(cluster: Cluster, offline) -> None:
