@@ -23,9 +23,11 @@ MODEL = "tiny"
 MAX_MODEL_LEN = 64
 
 
-class _Response:
-    def __init__(self, deltas: list[dict]) -> None:
-        self.deltas = deltas
+class FakeResponse:
+    """Stands in for a DeploymentResponseGenerator."""
+
+    def __init__(self, items: list) -> None:
+        self.items = list(items)
         self.cancelled = False
 
     def __aiter__(self):
@@ -33,9 +35,12 @@ class _Response:
 
     async def __anext__(self) -> dict:
         await asyncio.sleep(0)
-        if not self.deltas:
+        if not self.items:
             raise StopAsyncIteration
-        item = self.deltas.pop(0)
+        item = self.items.pop(0)
+        while isinstance(item, float):  # a pause (seconds) in the script
+            await asyncio.sleep(item)
+            item = self.items.pop(0)
         if isinstance(item, BaseException):
             raise item
         return item
@@ -55,12 +60,12 @@ class EchoGroup:
     def options(self, **_: Any) -> EchoGroup:
         return self
 
-    def remote(self, request: dict) -> _Response:
+    def remote(self, request: dict) -> FakeResponse:
         self.calls.append(request)
         if self.fail_with is not None:
             error, self.fail_with = self.fail_with, None
-            return _Response([error])
-        return _Response(answer(request))
+            return FakeResponse([error])
+        return FakeResponse(answer(request))
 
 
 def _position(token_id: int, num_top: int) -> dict[str, list]:

@@ -18,6 +18,7 @@ from ray.serve.exceptions import BackPressureError
 
 from tandem.router import ingress
 from tandem.router.engine_client import EngineClient, ServiceUnavailable
+from tests.serve.fake_group import FakeResponse
 
 
 def delta(text: str, token_id: int, finish: str | None = None, *, index: int = 0, error: str | None = None,
@@ -27,32 +28,6 @@ def delta(text: str, token_id: int, finish: str | None = None, *, index: int = 0
             "outputs": [] if error and error_type == "invalid_request" else [
                 {"index": index, "text": text, "token_ids": [token_id], "logprobs": None,
                  "finish_reason": finish, "stop_reason": None}]}
-
-
-class FakeResponse:
-    """Stands in for a DeploymentResponseGenerator."""
-
-    def __init__(self, items: list) -> None:
-        self.items = list(items)
-        self.cancelled = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> dict:
-        await asyncio.sleep(0)
-        if not self.items:
-            raise StopAsyncIteration
-        item = self.items.pop(0)
-        while isinstance(item, float):  # a pause (seconds) in the script
-            await asyncio.sleep(item)
-            item = self.items.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class FakeGroup:
