@@ -63,9 +63,15 @@ class Overloaded(Exception):
 
 
 class NoGroupUp(ServiceUnavailable):
+    """No replica group is up: 503 / UNAVAILABLE, come back after `retry_after_s`."""
+
     def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
+        super().__init__(message, retry_after_s)  # both in args: pickle re-creates it from them
+        self.message = message
         self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class Ticket:

@@ -8,9 +8,12 @@ Errors: a method sets the status code and details on `grpc_context`. A unary met
 returns an empty response: the proxy copies the context's code onto the call. A streaming
 method raises instead, because the proxy only copies the context when a message goes out;
 raising after `set_code` makes Serve keep the code (`gRPCStatusError`) rather than INTERNAL.
+What it raises is always an `RpcError` (code and details in its args): Serve pickles the
+exception to the proxy, and one the proxy cannot unpickle becomes INTERNAL whatever the code.
 Admission (admission.py) runs before the prompt is tokenized: RESOURCE_EXHAUSTED when the
 groups are full, UNAVAILABLE when none is up, both with `retry-after` trailing metadata
-(seconds). An unexpected error is INTERNAL with an id; its traceback goes to the log only.
+(seconds; Serve's proxy sends it for unary calls only, a failed stream's is dropped). An
+unexpected error is INTERNAL with an id; its traceback goes to the log only.
 """
 
 from __future__ import annotations
@@ -105,8 +108,7 @@ class GrpcMethods:
                             message.usage.CopyFrom(_usage(delta, num_output_tokens))
                         yield message
         except Exception as exc:
-            _set_status(grpc_context, exc)
-            raise
+            raise RpcError(*_set_status(grpc_context, exc)) from None
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
                        ) -> pb.TokenizeResponse:
@@ -246,8 +248,9 @@ def _raise_on_error(delta: dict[str, Any]) -> None:
         raise RpcError(grpc.StatusCode.INTERNAL, f"engine: {delta['error']}")
 
 
-def _set_status(grpc_context: RayServegRPCContext, exc: Exception) -> None:
-    """Put the status an exception stands for on the context; unexpected ones stay INTERNAL."""
+def _set_status(grpc_context: RayServegRPCContext, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """Put the status an exception stands for on the context; unexpected ones stay INTERNAL.
+    Returns (code, details)."""
     if isinstance(exc, RpcError):
         code, details = exc.code, exc.details
     elif isinstance(exc, ValueError):
@@ -269,3 +272,4 @@ def _set_status(grpc_context: RayServegRPCContext, exc: Exception) -> None:
         retry_after_s = 1
     if retry_after_s is not None:
         grpc_context.set_trailing_metadata([("retry-after", str(retry_after_s))])
+    return code, details

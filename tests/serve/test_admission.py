@@ -20,6 +20,7 @@ from tandem.router import tandem_pb2 as pb
 from tandem.router.admission import Admission, AdmissionLimits, NoGroupUp, Overloaded, ReleasingStream
 from tandem.router.app import SERVING_DEFAULTS, admission_options
 from tandem.router.engine_client import EngineClient
+from tandem.router.grpc_service import RpcError
 from tandem.workers.config import EngineConfig
 from tests.serve.fake_group import EchoGroup, FakeGrpcContext, ingress_server, serving
 
@@ -192,9 +193,10 @@ def test_full_is_resource_exhausted_over_grpc(served, full):
         return [m async for m in full.GenerateStream(request, stream_context)]
 
     stream_context = FakeGrpcContext()
-    with pytest.raises(Overloaded):
+    with pytest.raises(RpcError) as raised:
         asyncio.run(stream())
     assert stream_context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (raised.value.code, raised.value.details) == (stream_context.code, stream_context.details)
     full.admission.in_flight = 0
     context = FakeGrpcContext()
     assert asyncio.run(full.Generate(request, context)).choices[0].text == "t10t11"

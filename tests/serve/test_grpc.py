@@ -19,6 +19,7 @@ from ray.serve.config import gRPCOptions
 
 from tandem.router import tandem_pb2 as pb
 from tandem.router import tandem_pb2_grpc as pb_grpc
+from tandem.router.admission import NoGroupUp
 from tandem.router.engine_client import ServiceUnavailable
 from tandem.router.grpc_service import GrpcMethods
 from tests.serve.conftest import free_port, wait_for
@@ -31,6 +32,15 @@ AUTH = ("authorization", f"Bearer {API_KEY}")
 BOS = 1
 # Cues: a prompt ending in one of these ids makes the fake client fail.
 UNAVAILABLE_AT_START, UNAVAILABLE_MID_STREAM, CLIENT_VALUE_ERROR = 900, 901, 902
+NO_GROUP_UP, UNPICKLABLE_ERROR = 903, 904
+
+
+class UnpicklableError(Exception):
+    """An unexpected error that pickle cannot re-create (its __init__ wants what args lacks)."""
+
+    def __init__(self, message: str, *, where: str) -> None:
+        super().__init__(message)
+        self.where = where
 
 # The fake classes live in this module, which Ray workers cannot import: send them by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -74,6 +84,10 @@ class FakeEngineClient:
             raise ServiceUnavailable("every replica group is busy")
         if cue == CLIENT_VALUE_ERROR:
             raise ValueError(f"prompt: token id {cue} is reserved")
+        if cue == NO_GROUP_UP:
+            raise NoGroupUp("no replica group is running", 3)
+        if cue == UNPICKLABLE_ERROR:
+            raise UnpicklableError("/secret/path exploded", where="/secret/path")
         if prompt_token_ids[0] == BOS:
             echo = {"prompt_token_ids": prompt_token_ids, "sampling": sampling, "request_id": request_id}
             yield _delta(request_id, [_output(0, json.dumps(echo, sort_keys=True), [], "stop")], True, 0)
@@ -324,6 +338,16 @@ def test_no_group_is_unavailable(stub) -> None:
         pb.GenerateRequest(token_ids=_ids(5, UNAVAILABLE_MID_STREAM)), metadata=_md(), timeout=30)))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert [m.choices[0].text for m in received] == ["<0.0>"]
+
+
+def test_stream_errors_keep_their_code_through_the_proxy(stub) -> None:
+    """Serve pickles what a streaming method raises to the proxy; an exception the proxy
+    cannot re-create would turn any code into INTERNAL with Ray's insides in the details."""
+    err = _error(lambda: _stream(stub, pb.GenerateRequest(token_ids=_ids(5, NO_GROUP_UP))))
+    assert (err.code(), err.details()) == (grpc.StatusCode.UNAVAILABLE, "no replica group is running")
+    err = _error(lambda: _stream(stub, pb.GenerateRequest(token_ids=_ids(5, UNPICKLABLE_ERROR))))
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert err.details().startswith("internal error (id ") and "/secret" not in err.details()
 
 
 def test_reflection_lists_describes_and_calls_the_service(channel) -> None:
