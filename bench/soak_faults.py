@@ -42,6 +42,7 @@ class FaultRecord:
     serving_again_s: float | None = None  # a probe request served
     recovery_s: float | None = None  # served, and back to strength; None: not within the bound
     error: str = ""
+    short_of_strength: str = ""  # when not recovered: what the last look found missing
 
 
 def _kill_pids(pids: list[int]) -> None:
@@ -103,17 +104,34 @@ class FaultInjector:
 
     async def _wait_recovered(self, record: FaultRecord, killed_at: float, hit_group: str | None) -> None:
         await asyncio.sleep(0.5)  # let the death be noticed before asking who is healthy
+        record.short_of_strength = "not serving"
         while time.monotonic() - killed_at < self.recovery_timeout_s:
             if record.serving_again_s is None and await self.probe():
                 record.serving_again_s = time.monotonic() - killed_at
-            if record.serving_again_s is not None and self.at_strength(await self.holdings(), hit_group):
-                record.recovery_s = time.monotonic() - killed_at
-                return
+            if record.serving_again_s is not None:
+                record.short_of_strength = "; ".join(self.short_of_strength(await self.holdings(), hit_group))
+                if not record.short_of_strength:
+                    record.recovery_s = time.monotonic() - killed_at
+                    return
             await asyncio.sleep(0.5)
 
     def at_strength(self, report: dict[str, Any], hit_group: str | None = None) -> bool:
+        return not self.short_of_strength(report, hit_group)
+
+    def short_of_strength(self, report: dict[str, Any], hit_group: str | None = None) -> list[str]:
+        """What keeps the application from full strength (none: every group healthy and
+        reporting, the hit one replaced, the allocator leasing to each)."""
         groups = report["groups"]
-        leases = report["allocator"].get("leases", {})
-        return (len(groups) == self.num_groups and not report["unreachable_groups"]
-                and all(g["healthy"] for g in groups.values()) and hit_group not in groups
-                and (not report["allocator"].get("present") or set(groups) <= set(leases)))
+        allocator = report["allocator"]
+        missing = []
+        if len(groups) != self.num_groups:
+            missing.append(f"{len(groups)} of {self.num_groups} groups")
+        if report["unreachable_groups"]:
+            missing.append(f"{report['unreachable_groups']} unreachable")
+        missing += [f"group {gid} unhealthy" for gid, g in sorted(groups.items()) if not g["healthy"]]
+        if hit_group in groups:
+            missing.append(f"group {hit_group} (the one hit) still listed")
+        if allocator.get("present"):
+            missing += [f"group {gid} holds no allocator lease" for gid in sorted(set(groups) - set(allocator.get(
+                "leases", {})))]
+        return missing

@@ -54,3 +54,19 @@ def test_grpc_outcomes() -> None:
 def test_config_checks_fault_names() -> None:
     with pytest.raises(ValueError, match="faults: unknown nope"):
         SoakConfig(faults=("worker", "nope"))
+
+
+def test_strength_names_what_is_missing() -> None:
+    from tandem.bench.soak_faults import FaultInjector
+
+    injector = FaultInjector("app", holdings=None, probe=None, num_groups=2)
+    healthy = {"healthy": True}
+    report = {"groups": {"a": healthy, "b": healthy}, "unreachable_groups": 0,
+              "allocator": {"present": True, "leases": {"a": 3, "b": 1}}}
+    assert injector.short_of_strength(report, hit_group="c") == [] and injector.at_strength(report, "c")
+    report = {"groups": {"a": {"healthy": False}}, "unreachable_groups": 1,
+              "allocator": {"present": True, "leases": {"b": 1}}}
+    assert injector.short_of_strength(report, hit_group="a") == [
+        "1 of 2 groups", "1 unreachable", "group a unhealthy", "group a (the one hit) still listed",
+        "group a holds no allocator lease"]
+    assert not injector.at_strength(report, "a")
