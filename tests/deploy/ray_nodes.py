@@ -21,7 +21,10 @@ from pathlib import Path
 
 from tandem.cluster.net import free_port
 
-_RAY_CLI = "from ray.scripts.scripts import main; main()"
+# SIGUSR1 makes a node's `ray start` write every thread's stack to its log: a start that
+# hangs says where (see start_node).
+_RAY_CLI = ("import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+            "from ray.scripts.scripts import main; main()")
 _SERVE_CLI = "from ray.serve.scripts import cli; cli()"
 
 
@@ -65,6 +68,16 @@ class RayNode:
     def is_running(self) -> bool:
         return self.proc.poll() is None
 
+    def session_logs(self, names: tuple[str, ...] = ("raylet.out", "raylet.err", "gcs_server.out"),
+                     tail: int = 2000) -> str:
+        """The ends of the node's own Ray logs, for a failure message."""
+        out = []
+        for name in names:
+            for path in sorted(self.temp_dir.glob(f"session_*/logs/{name}")):
+                text = path.read_text(errors="replace")[-tail:]
+                out.append(f"\n--- {path.relative_to(self.temp_dir)} ---\n{text}")
+        return "".join(out)
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the node's `ray start`, then SIGKILL what is left of its process tree."""
         tree = _descendants(self.proc.pid)
@@ -88,8 +101,10 @@ class RayNode:
 
 def start_node(base: Path, name: str, env: dict[str, str], *, head_address: str | None = None,
                num_cpus: int, resources: dict[str, float], timeout_s: float = 120.0,
-               extra: tuple[str, ...] = ()) -> RayNode:
-    """Start one node (a head when `head_address` is None) and wait until it has joined."""
+               extra: tuple[str, ...] = (), diagnose: RayNode | None = None) -> RayNode:
+    """Start one node (a head when `head_address` is None) and wait until it has joined.
+    A start that fails or hangs raises with its stacks and logs, and the GCS log of
+    `diagnose` (the head) when given."""
     temp_dir = base / name  # short: Ray's socket paths live under it
     temp_dir.mkdir(parents=True)
     args = ["start", "--block", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
@@ -104,8 +119,14 @@ def start_node(base: Path, name: str, env: dict[str, str], *, head_address: str 
     deadline = time.monotonic() + timeout_s
     while "Ray runtime started" not in node.log():
         if not node.is_running() or time.monotonic() > deadline:
+            if node.is_running():
+                proc.send_signal(signal.SIGUSR1)  # its stacks, into its log
+                time.sleep(1.0)
+            report = f"ray start {name} failed or timed out:\n{node.log()[-6000:]}{node.session_logs()}"
+            if diagnose is not None:
+                report += diagnose.session_logs(("gcs_server.out", "gcs_server.err"), tail=6000)
             node.stop()
-            raise RuntimeError(f"ray start {name} failed or timed out:\n{node.log()[-3000:]}")
+            raise RuntimeError(report)
         time.sleep(0.3)
     return node
 

@@ -98,7 +98,8 @@ def offline() -> dict[tuple[int, int], str]:
     from tandem.workers import LLM, SamplingParams
 
     llm = LLM()
-    wanted = [(seed, MAX_TOKENS) for seed in range(8)] + [(0, LONG), (2, LONG), (5, LONG), (0, 48), (1, 48)]
+    wanted = ([(seed, MAX_TOKENS) for seed in range(12)] + [(0, LONG), (2, LONG), (5, LONG)]
+              + [(seed, 48) for seed in (0, 1, 8, 9)])
     outs = llm.generate([{"prompt_token_ids": prompt(s)} for s, _ in wanted],
                         [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in wanted])
     llm.shutdown()
@@ -167,6 +168,19 @@ def rest(stream) -> str:
     return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
 
 
+def complete_on_another_group(client, busy: str, seeds: tuple[int, ...], offline) -> tuple[str, int, int]:
+    """(group, seed, requests sent): a completion opened while group `busy` streams goes to
+    another (idle) group. On a loaded machine Serve may not hear the idle group's queue
+    length in time and fall back to `busy`; that answer is checked too, and the next seed
+    (a fresh prompt, no prefix credit anywhere) goes again."""
+    for num_sent, seed in enumerate(seeds, start=1):
+        stream, group, first = open_stream(client, seed, MAX_TOKENS)
+        assert first + rest(stream) == offline[seed, MAX_TOKENS]
+        if group != busy:
+            return group, seed, num_sent
+    raise AssertionError(f"{len(seeds)} completions opened beside a stream on {busy} all went to it")
+
+
 def grpc_stream(stub, seed: int, max_tokens: int):
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt(seed)), sampling=pb.SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -195,11 +209,10 @@ def test_openai_and_grpc_clients_get_offline_output_from_both_groups(cluster: Cl
     client = openai_client(cluster)
     # A second request opened while the first runs goes to the other (idle) group.
     s0, g0, t0 = open_stream(client, 0, ENDLESS)
-    s1, g1, t1 = open_stream(client, 1, MAX_TOKENS)
+    g1, seed1, num_http = complete_on_another_group(client, g0, (1, 8, 9), offline)
     assert {g0, g1} == set(cluster.groups)
     head_of(s0, t0, 0, offline)
-    assert t1 + rest(s1) == offline[1, MAX_TOKENS]
-    cluster.served_by.update({0: g0, 1: g1})
+    cluster.served_by.update({0: g0, seed1: g1})
 
     with grpc.insecure_channel(cluster.grpc_target) as channel:
         stub = pb_grpc.TandemStub(channel)
@@ -216,11 +229,11 @@ def test_openai_and_grpc_clients_get_offline_output_from_both_groups(cluster: Cl
                 break
         r2.cancel()
         assert offline[2, LONG].startswith(text2) and len(text2) >= len(offline[2, MAX_TOKENS])
-    # Four streams over both groups: the HTTP ones went one to each; the gRPC ones go where the
-    # router's load reports (a second apart) put them, which may be the same group twice.
+    # The HTTP streams reached both groups; the gRPC ones go where the router's load reports
+    # (a second apart) put them, which may be the same group twice.
     groups = cluster.probe(num_groups=2)
     served = {g: info["num_requests_total"] for g, info in groups.items()}
-    assert sum(served.values()) == 4 and min(served.values()) >= 1, served
+    assert sum(served.values()) == 1 + num_http + 2 and min(served.values()) >= 1, served
 
 
 def test_stopping_a_node_mid_stream_fails_its_requests_cleanly(cluster: Cluster, offline) -> None:
@@ -258,15 +271,8 @@ def test_stopping_a_node_mid_stream_fails_its_requests_cleanly(cluster: Cluster,
 
 def test_a_node_that_joins_again_gets_a_new_group(cluster: Cluster, offline) -> None:
     survivor = cluster.group_on(head=True)
-    # A `ray start` on this loaded 2-core machine sometimes never gets past registering with
-    # the GCS (no Ray log line after "Local node IP"); a second node process is what an
-    # operator would start too. What is under test is Serve placing a group on it.
-    try:
-        node = start_node(cluster.base, "worker2", cluster.env, head_address=cluster.gcs,
-                          num_cpus=2, resources=WORKER_RESOURCES)
-    except RuntimeError:
-        node = start_node(cluster.base, "worker3", cluster.env, head_address=cluster.gcs,
-                          num_cpus=2, resources=WORKER_RESOURCES)
+    node = start_node(cluster.base, "worker2", cluster.env, head_address=cluster.gcs,
+                      num_cpus=2, resources=WORKER_RESOURCES, diagnose=cluster.head)
     cluster.workers.append(node)
     groups = cluster.probe(num_groups=2, timeout_s=240)
     new = cluster.group_on(head=False)
@@ -274,10 +280,9 @@ def test_a_node_that_joins_again_gets_a_new_group(cluster: Cluster, offline) -> 
 
     client = openai_client(cluster)
     s5, g5, t5 = open_stream(client, 5, ENDLESS)
-    s6, g6, t6 = open_stream(client, 6, MAX_TOKENS)
+    g6, _, _ = complete_on_another_group(client, g5, (6, 10, 11), offline)
     assert {g5, g6} == {survivor, new}
     head_of(s5, t5, 5, offline)
-    assert t6 + rest(s6) == offline[6, MAX_TOKENS]
     cluster.probe(num_groups=2)  # both idle, every KV block free
 
 
