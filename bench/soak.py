@@ -201,8 +201,7 @@ class Soak:
             log_progress("soak", self.show_progress, f"fault {kind} ({record.target}): serving again after "
                          f"{_fmt(record.serving_again_s)} s, recovered after {_fmt(record.recovery_s)} s"
                          + (f"; {record.error}" if record.error else "")
-                         + (f"; short of strength: {record.short_of_strength}"
-                            if record.recovery_s is None and record.short_of_strength else ""))
+                         + (f"; short of strength: {record.short_of_strength}" if record.short_of_strength else ""))
 
     # ---- the server's state --------------------------------------------------------------------
     async def _holdings(self) -> dict[str, Any]:
@@ -287,7 +286,7 @@ class Soak:
             figures[f"fault_{f.kind}_recovery_s"] = f.recovery_s
             if f.error:
                 figures[f"fault_{f.kind}_error"] = f.error
-            if f.recovery_s is None and f.short_of_strength:
+            if f.short_of_strength:
                 figures[f"fault_{f.kind}_short_of_strength"] = f.short_of_strength
         for kind in ("lost", "unexpected_5xx", "failed_abrupt", "invalid_accepted", "failed_clean", "rejected"):
             first = next((o for o in outs if o.kind == kind), None)

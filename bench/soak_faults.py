@@ -42,7 +42,7 @@ class FaultRecord:
     serving_again_s: float | None = None  # a probe request served
     recovery_s: float | None = None  # served, and back to strength; None: not within the bound
     error: str = ""
-    short_of_strength: str = ""  # when not recovered: what the last look found missing
+    short_of_strength: str = ""  # not recovered: what the last look found missing ("" once recovered)
 
 
 def _kill_pids(pids: list[int]) -> None:
@@ -114,9 +114,6 @@ class FaultInjector:
                     record.recovery_s = time.monotonic() - killed_at
                     return
             await asyncio.sleep(0.5)
-
-    def at_strength(self, report: dict[str, Any], hit_group: str | None = None) -> bool:
-        return not self.short_of_strength(report, hit_group)
 
     def short_of_strength(self, report: dict[str, Any], hit_group: str | None = None) -> list[str]:
         """What keeps the application from full strength (none: every group healthy and

@@ -50,20 +50,8 @@ class AdmissionLimits:
                       if k in options})
 
 
-class Overloaded(Exception):
-    """The groups that are up hold as many requests as they may: come back later."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message, retry_after_s)
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class NoGroupUp(ServiceUnavailable):
-    """No replica group is up: 503 / UNAVAILABLE, come back after `retry_after_s`."""
+class _ComeBackLater(Exception):
+    """A refusal the client may retry after `retry_after_s` seconds."""
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message, retry_after_s)  # both in args: pickle re-creates it from them
@@ -72,6 +60,14 @@ class NoGroupUp(ServiceUnavailable):
 
     def __str__(self) -> str:
         return self.message
+
+
+class Overloaded(_ComeBackLater):
+    """The groups that are up hold as many requests as they may: come back later."""
+
+
+class NoGroupUp(_ComeBackLater, ServiceUnavailable):
+    """No replica group is up: 503 / UNAVAILABLE, come back after `retry_after_s`."""
 
 
 class Ticket:

@@ -63,10 +63,9 @@ def test_strength_names_what_is_missing() -> None:
     healthy = {"healthy": True}
     report = {"groups": {"a": healthy, "b": healthy}, "unreachable_groups": 0,
               "allocator": {"present": True, "leases": {"a": 3, "b": 1}}}
-    assert injector.short_of_strength(report, hit_group="c") == [] and injector.at_strength(report, "c")
+    assert injector.short_of_strength(report, hit_group="c") == []
     report = {"groups": {"a": {"healthy": False}}, "unreachable_groups": 1,
               "allocator": {"present": True, "leases": {"b": 1}}}
     assert injector.short_of_strength(report, hit_group="a") == [
         "1 of 2 groups", "1 unreachable", "group a unhealthy", "group a (the one hit) still listed",
         "group a holds no allocator lease"]
-    assert not injector.at_strength(report, "a")
