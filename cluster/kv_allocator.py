@@ -211,13 +211,18 @@ def get_or_create_allocator(app_name: str, host_bytes_per_node: int | None = Non
     Detached (it outlives the replica that created it) and restarted by Ray if it dies;
     the application's teardown (`kill_allocator`) kills it, and it ends itself after
     `idle_exit_s` without groups.
+
+    Outside any placement group: a group's replica runs in one that captures its child
+    actors, and an allocator placed there would die with that group's placement group and
+    could never restart (its bundle gone), leaving every later group unregistered.
     """
     import ray
 
     actor_cls = ray.remote(KVAllocatorActor)
     return actor_cls.options(name=allocator_name(app_name), namespace=namespace, get_if_exists=True,
                              lifetime="detached", max_restarts=-1, max_task_retries=0,
-                             num_cpus=0).remote(host_bytes_per_node, idle_exit_s, app_name)
+                             num_cpus=0, scheduling_strategy="DEFAULT").remote(
+        host_bytes_per_node, idle_exit_s, app_name)
 
 
 class AllocatorRef:

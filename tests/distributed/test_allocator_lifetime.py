@@ -52,8 +52,45 @@ def test_an_allocator_with_a_group_stays(ray_local) -> None:
     assert _wait_gone("busy-app", timeout_s=20.0)
 
 
+def test_an_allocator_made_by_a_group_outlives_the_groups_placement_group(ray_local) -> None:
+    """A group's replica runs in a placement group that captures its child actors (Serve's
+    way); the allocator it creates must not land there, or it dies with that group and,
+    its bundle gone, never restarts: every group built later would stay unregistered."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=1)
+    class Replica:
+        def make_allocator(self) -> float:
+            return ray.get(get_or_create_allocator("pg-app").ping.remote())
+
+    pg = placement_group([{"CPU": 1}])
+    ray.get(pg.ready())
+    replica = Replica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_capture_child_tasks=True)).remote()
+    started = ray.get(replica.make_allocator.remote())
+    ray.kill(replica)
+    remove_placement_group(pg)
+    actor = ray.get_actor(allocator_name("pg-app"), namespace="tandem")
+    assert ray.get(actor.ping.remote(), timeout=10) == started  # the same one, never restarted
+    # Killed (a fault), it restarts and answers again.
+    ray.kill(actor, no_restart=False)
+    assert wait_for(lambda: _answers("pg-app"), timeout_s=30.0, interval_s=0.5)
+
+
+def _answers(app: str) -> bool:
+    import ray
+
+    try:
+        ray.get(ray.get_actor(allocator_name(app), namespace="tandem").ping.remote(), timeout=2)
+    except Exception:  # noqa: BLE001 - restarting
+        return False
+    return True
+
+
 @pytest.fixture(autouse=True)
 def _no_leftovers(ray_local):
     yield
-    for app in ("idle-app", "busy-app"):
+    for app in ("idle-app", "busy-app", "pg-app"):
         kill_allocator(app)
