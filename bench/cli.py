@@ -27,6 +27,7 @@ HELP = {
     "spec": "speculative decoding: per-token speedup, cost at saturation",
     "prefix": "prefix-aware vs load-only routing: TTFT, cache hits, overhead",
     "soak": "overload and faults while serving: nothing lost, nothing leaked, goodput and recovery",
+    "observability": "what metrics and tracing cost a server: throughput and CPU per token, both on vs both off",
 }
 
 
@@ -105,6 +106,15 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
                 "built-in demo model); with --url: the server's model here, to check outputs against")
     _add_soak_args(p)
     p.set_defaults(func=partial(_run_soak, hooks))
+
+    p = _parser(sub, "observability", hooks, model="local model directory to serve (default: built-in benchmark "
+                "model)")
+    p.add_argument("--rounds", type=int, default=None, help="pairs of fresh servers, off and on, the order "
+                   "alternating (default 4; --quick 1)")
+    _add_repeats(p, "passes over the request set per server; default 3, --quick 1")
+    p.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 8)")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per pass (default 32; --quick 8)")
+    p.set_defaults(func=partial(_run_observability, hooks))
 
 
 def _parser(sub: Any, name: str, hooks: RouterHooks | None, **helps: str) -> argparse.ArgumentParser:
@@ -357,3 +367,25 @@ def _run_soak(hooks: RouterHooks, args: argparse.Namespace) -> int:
     figures["quick"] = args.quick
     report.print_table("tandem bench soak", [(k, v, "") for k, v in figures.items() if k in report.SOAK_ROWS])
     return _finish(args, figures, None, warn=False)
+
+
+def _run_observability(hooks: RouterHooks, args: argparse.Namespace) -> int:
+    from tandem.bench import report
+    from tandem.bench.observability_cost import OBS_QUICK, ObservabilityCostConfig, run_observability_cost, table_rows
+    from tandem.bench.systems import pick_model_dir, vocab_size_of
+
+    options = hooks.engine_options(args)
+    if options.pop("address", None):
+        raise ValueError("bench observability starts a fresh local Ray for every run: drop --address")
+    model_dir = pick_model_dir(options.pop("model", None), args.bench_model)
+    cfg = OBS_QUICK if args.quick else ObservabilityCostConfig()
+    changes: dict[str, Any] = {k: v for k, v in (("rounds", args.rounds), ("repeats", args.repeats),
+                                                 ("concurrency", args.concurrency)) if v is not None}
+    if args.num_requests:
+        changes["spec"] = replace(cfg.spec, num_requests=args.num_requests)
+    cfg = replace(cfg, **changes)
+    figures = _measured(lambda: run_observability_cost(cfg, hooks.local_app, model=model_dir, engine_options=options,
+                                                       vocab_size=vocab_size_of(model_dir)), "cpu")
+    figures["quick"] = args.quick
+    report.print_table("tandem bench observability", table_rows(figures))
+    return _finish(args, figures, None)

@@ -87,7 +87,7 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
     server_levels = levels if compare in levels else levels + [compare]
     figures.update(model=model_dir, compare_concurrency=compare.concurrency)
     log_progress("serve", show_progress, f"offline engine, {compare.concurrency} in flight")
-    compare_requests = _level_requests(spec, vocab, server_levels.index(compare))
+    compare_requests = level_requests(spec, vocab, server_levels.index(compare))
     figures["offline_output_tok_s"] = offline_throughput(model_dir, options, compare_requests, compare.concurrency)
     app_options = {**(serving_options or {}), **options, "model": model_dir}
     with bench_server(local_app, {"": app_options}, num_cpus=(os.cpu_count() or 1) + 4, address=address) as urls:
@@ -98,18 +98,18 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
     return figures
 
 
-def _level_requests(spec: WorkloadSpec, vocab_size: int, index: int) -> list[BenchRequest]:
+def level_requests(spec: WorkloadSpec, vocab_size: int, index: int) -> list[BenchRequest]:
     return make_workload(dataclasses.replace(spec, seed=spec.seed + index), vocab_size)
 
 
 def _run_levels(url: str, spec: WorkloadSpec, vocab_size: int, levels: list[LoadLevel], figures: dict[str, Any],
                 model: str | None, api_key: str | None, show_progress: bool) -> None:
     # Warm-up prompts are shorter than a KV block, so they leave nothing in the prefix cache.
-    warmup = [BenchRequest(r.prompt_token_ids[:8], 4) for r in _level_requests(spec, vocab_size, -1)[:2]]
+    warmup = [BenchRequest(r.prompt_token_ids[:8], 4) for r in level_requests(spec, vocab_size, -1)[:2]]
     asyncio.run(run_level(url, warmup, LoadLevel(rate=math.inf), model=model, api_key=api_key))
     for i, level in enumerate(levels):
         log_progress("serve", show_progress, f"server at {level.key}: {spec.num_requests} requests")
-        records, duration = asyncio.run(run_level(url, _level_requests(spec, vocab_size, i), level, model=model,
+        records, duration = asyncio.run(run_level(url, level_requests(spec, vocab_size, i), level, model=model,
                                                   api_key=api_key, seed=spec.seed + i))
         figures.update(summarize(level.key, records, duration, figures["slo_ttft_ms"], figures["slo_tpot_ms"]))
 

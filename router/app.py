@@ -37,7 +37,9 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "max_ongoing_requests": None,  # per group; default 2 * max_num_seqs (the engine queues the rest)
     "max_queued_requests": 1024,  # waiting for a group (per ingress replica); beyond: 503; -1 = no limit
     "routing_stats_period_s": 1.0,  # how often each group reports its load to the router
-    "health_check_period_s": 2.0,
+    # Serve marks a group unhealthy after 3 failed checks in a row, so a group whose engine died
+    # is replaced ~3 periods later; a check only reads a flag.
+    "health_check_period_s": 1.0,
     "ingress_num_replicas": 1,
     "ingress_num_cpus": 0,  # tokenizing is light; a laptop's CPUs go to the groups
     # Streams one ingress replica carries at once. The ingress only awaits, so it can carry
@@ -67,7 +69,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # Metrics (router/metrics.py): how often a group hands its figures to Ray's pipeline (which
     # exports every metrics_report_interval_ms, 10 s by default), and whether it probes its
     # device's peaks at start-up for the live MBU / MFU gauges.
-    "metrics": True,  # False: the groups export no metrics (the engine still counts)
+    "metrics": True,  # False: the groups and the router export no metrics (the engine still counts)
     "metrics_interval_s": 1.0,
     "probe_device_peaks": True,
 }
@@ -187,7 +189,7 @@ def _router_kwargs(config: EngineConfig, serving: dict[str, Any]) -> dict[str, A
     prefix = serving["routing"] == "prefix" and config.cache.enable_prefix_caching
     return {"routing": "prefix" if prefix else "load", "block_size": config.cache.block_size,
             "tokens_per_request": serving["routing_tokens_per_request"],
-            "max_imbalance": serving["routing_max_imbalance"]}
+            "max_imbalance": serving["routing_max_imbalance"], "metrics": serving["metrics"]}
 
 
 def _use_gpu(device: str) -> bool:

@@ -49,11 +49,13 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self._predicted: dict[ReplicaID, deque[float]] = {}  # picked here, not confirmed yet
         self.completions = CompletionLog()  # seen to finish: ages each group's polled load
         self._decisions: Any = None  # the router-decision counter (ray.util.metrics), made on first use
+        self.export_metrics = True
 
     def initialize_state(self, **kwargs: Any) -> None:
-        """`request_router_kwargs`: `routing` ("prefix" | "load"), `block_size`, and the
-        PrefixWeights and LoadWeights fields."""
+        """`request_router_kwargs`: `routing` ("prefix" | "load"), `block_size`, `metrics`
+        (False: no router-decision counter), and the PrefixWeights and LoadWeights fields."""
         routing = kwargs.pop("routing", "load")
+        self.export_metrics = kwargs.pop("metrics", True)
         block_size = kwargs.pop("block_size", 16)
         self.prefix_weights = PrefixWeights(**{k: kwargs.pop(k) for k in ("tokens_per_request", "max_imbalance")
                                                if k in kwargs})
@@ -112,7 +114,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
                          held: dict[str, int], scores: dict[ReplicaID, float], started_ns: int) -> None:
         """Count the decision (prefix hit vs load) and record it on the request's trace."""
         decision = "prefix" if by_prefix else "load"
-        if self._decisions is None:
+        if self._decisions is None and self.export_metrics:
             from ray.util.metrics import Counter
 
             self._decisions = Counter("tandem_router_decisions", "Requests routed, by what decided the group",
@@ -120,7 +122,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             self._decisions.set_default_tags({"application": self._deployment_id.app_name})
             for name in ("prefix", "load"):
                 start_at_zero(self._decisions, {"decision": name})
-        self._decisions.inc(1, tags={"decision": decision})
+        if self._decisions is not None:
+            self._decisions.inc(1, tags={"decision": decision})
         request = pending_request.args[0] if pending_request.args else None
         if isinstance(request, dict) and request.get(tracing.CARRIER_KEY):
             tracing.record_route(request[tracing.CARRIER_KEY], started_ns, time.time_ns(), {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from tqdm.auto import tqdm
@@ -27,12 +28,20 @@ def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEn
     if max_len is not None and max_len > hf_config.max_position_embeddings:
         raise ValueError(f"max_model_len: {max_len} exceeds the model's max_position_embeddings "
                          f"({hf_config.max_position_embeddings})")
-    tokenizer = load_tokenizer(model_dir)
-    if config.parallel.world_size > 1:
-        from tandem.workers.distributed.ray_executor import RayExecutor  # Ray only when a group spans ranks
-        executor = RayExecutor(config, hf_config, model_dir)
-    else:
-        executor = UniProcExecutor(config, hf_config, model_dir, show_progress=show_progress)
+    # The tokenizer (and transformers' import, ~2 s of CPU) loads on a thread while the model
+    # loads: a group rebuilt after a fault serves that much sooner, most of all on a busy host.
+    with ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer") as pool:
+        tokenizer_loaded = pool.submit(load_tokenizer, model_dir)
+        if config.parallel.world_size > 1:
+            from tandem.workers.distributed.ray_executor import RayExecutor  # Ray only when a group spans ranks
+            executor = RayExecutor(config, hf_config, model_dir)
+        else:
+            executor = UniProcExecutor(config, hf_config, model_dir, show_progress=show_progress)
+        try:
+            tokenizer = tokenizer_loaded.result()
+        except BaseException:
+            executor.shutdown()  # a Ray group's workers would outlive the failed start
+            raise
     engine = GroupEngine(config, hf_config, tokenizer, executor)
     try:
         engine.proposer = build_proposer(config, hf_config, executor)

@@ -56,3 +56,12 @@ def test_sharded_index_maps_every_tensor_to_its_file() -> None:
     files = checkpoint_files(tiny_model("llama", max_shard_size="40KB"))
     assert len(set(files.values())) > 1
     assert "model.layers.1.mlp.down_proj.weight" in files
+
+
+def test_a_missing_tokenizer_is_clear_after_the_model_loads_beside_it(llama_dir: str, tmp_path) -> None:
+    # The tokenizer loads on a thread while the weights load; its error still reaches the caller.
+    path = _copy(llama_dir, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "model" / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="^model: cannot load a tokenizer from"):
+        LLM(path)

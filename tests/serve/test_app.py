@@ -52,7 +52,10 @@ def test_unknown_or_bad_args_fail_with_the_field_name():
 
 def test_router_gets_the_routing_policy_and_block_size():
     kwargs = options(block_size=32)["request_router_config"].request_router_kwargs
-    assert kwargs == {"routing": "prefix", "block_size": 32, "tokens_per_request": 256.0, "max_imbalance": 4.0}
+    assert kwargs == {"routing": "prefix", "block_size": 32, "tokens_per_request": 256.0, "max_imbalance": 4.0,
+                      "metrics": True}
+    quiet = _group_options(EngineConfig.from_options(), {**SERVING_DEFAULTS, "metrics": False})
+    assert quiet["request_router_config"].request_router_kwargs["metrics"] is False  # no router counter either
     # Without a prefix cache there is nothing to route on.
     no_cache = options(enable_prefix_caching=False)["request_router_config"].request_router_kwargs
     assert no_cache["routing"] == "load"

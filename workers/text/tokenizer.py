@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
+    # transformers is imported here, not with the module: ~2 s of CPU that a group's start-up
+    # spends on a thread of its own while its workers load the model (workers/llm.py).
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
