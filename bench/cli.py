@@ -42,6 +42,9 @@ class RouterHooks:
     kv_holdings: Callable[[str], dict[str, Any]] | None = None
     grpc_servicer: str | None = None  # Serve's gRPCOptions servicer function (import path)
     grpc_messages: Callable[[], Any] | None = None  # -> the gRPC API's message module (tandem_pb2)
+    # () -> CPU seconds of the metrics and tracing code per request and per reporter interval
+    # (router/telemetry_cost.py; in a process connected to Ray)
+    telemetry_cost: Callable[[], dict[str, float]] | None = None
 
 
 def override_help(parser: argparse.ArgumentParser, **helps: str) -> None:
@@ -385,7 +388,8 @@ def _run_observability(hooks: RouterHooks, args: argparse.Namespace) -> int:
         changes["spec"] = replace(cfg.spec, num_requests=args.num_requests)
     cfg = replace(cfg, **changes)
     figures = _measured(lambda: run_observability_cost(cfg, hooks.local_app, model=model_dir, engine_options=options,
-                                                       vocab_size=vocab_size_of(model_dir)), "cpu")
+                                                       vocab_size=vocab_size_of(model_dir),
+                                                       telemetry_cost=hooks.telemetry_cost), "cpu")
     figures["quick"] = args.quick
     report.print_table("tandem bench observability", table_rows(figures))
     return _finish(args, figures, None)

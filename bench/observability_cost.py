@@ -22,6 +22,11 @@ streamed (as `tandem bench serve` sends them), the passes' tokens over their tim
     spans_per_request                spans written per request in the "on" runs (the proof that
                                      tracing ran; 6 per request: ingress, route, group_request,
                                      queue, prefill, decode)
+    telemetry_cpu_share              the metrics and tracing code's own CPU (router/telemetry_cost.py:
+                                     that code run in a loop in this process, per request and per
+                                     reporter interval) over the "on" run's CPU, for the requests and
+                                     seconds of the run: what the +-6% noise of the comparison hides.
+                                     On a CPU-bound server it bounds the throughput cost (target <= 0.02)
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import math
 import os
 import statistics
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,6 +48,10 @@ from tandem.bench.server import SERVED_MODEL_NAME, AppBuilder, bench_server
 from tandem.bench.workload import BenchRequest, WorkloadSpec
 
 TRACING_VARIABLES = ("OTEL_TRACES_EXPORTER", "TANDEM_TRACES_FILE", "OTEL_SDK_DISABLED")
+# () -> {"telemetry_cpu_s_per_request", "telemetry_cpu_s_per_report"} (router/telemetry_cost.py,
+# handed in through RouterHooks; needs this process connected to Ray)
+TelemetryCost = Callable[[], dict[str, float]]
+METRICS_INTERVAL_S = 1.0  # the serving default: one reporter interval per second
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,7 @@ OBS_QUICK = ObservabilityCostConfig(rounds=1, repeats=1, spec=replace(SERVE_QUIC
 
 def run_observability_cost(cfg: ObservabilityCostConfig, local_app: AppBuilder, *, model: str,
                            engine_options: dict[str, Any] | None = None, vocab_size: int,
-                           show_progress: bool = True) -> dict[str, Any]:
+                           telemetry_cost: TelemetryCost | None = None, show_progress: bool = True) -> dict[str, Any]:
     """Figures of every run, then the medians named in the module docstring."""
     figures: dict[str, Any] = {"rounds": cfg.rounds, "repeats": cfg.repeats, "concurrency": cfg.concurrency,
                                "num_requests": cfg.spec.num_requests, "model": model}
@@ -73,7 +82,8 @@ def run_observability_cost(cfg: ObservabilityCostConfig, local_app: AppBuilder, 
                 name = "on" if on else "off"
                 log_progress("observability", show_progress, f"round {r + 1}/{cfg.rounds}: metrics and tracing {name}")
                 traces = os.path.join(tmp, f"spans-{r}.jsonl") if on else None
-                runs[name] = _one_run(cfg, local_app, model, engine_options or {}, on, traces, warmup, passes)
+                runs[name] = _one_run(cfg, local_app, model, engine_options or {}, on, traces, warmup, passes,
+                                      telemetry_cost if on else None)
                 for key, value in runs[name].items():
                     figures[f"round{r}_{name}_{key}"] = value
                 if traces is not None:
@@ -85,12 +95,16 @@ def run_observability_cost(cfg: ObservabilityCostConfig, local_app: AppBuilder, 
         figures[f"observability_{kind}_ratio_min"] = min(values)
         figures[f"observability_{kind}_ratio_max"] = max(values)
     figures["spans_per_request"] = statistics.median(spans)
+    for key in ("telemetry_cpu_share", "telemetry_cpu_s_per_request", "telemetry_cpu_s_per_report"):
+        values = [figures[f"round{r}_on_{key}"] for r in range(cfg.rounds) if f"round{r}_on_{key}" in figures]
+        if values:
+            figures[key] = statistics.median(values)
     return figures
 
 
 def _one_run(cfg: ObservabilityCostConfig, local_app: AppBuilder, model: str, engine_options: dict[str, Any],
-             on: bool, traces: str | None, warmup: list[BenchRequest],
-             passes: list[list[BenchRequest]]) -> dict[str, float]:
+             on: bool, traces: str | None, warmup: list[BenchRequest], passes: list[list[BenchRequest]],
+             telemetry_cost: TelemetryCost | None = None) -> dict[str, float]:
     options = {**engine_options, "model": model, "metrics": on}
     level = LoadLevel(concurrency=cfg.concurrency)
     with _tracing_environment(traces), bench_server(local_app, {"": options}, num_cpus=(os.cpu_count() or 1) + 4) \
@@ -105,10 +119,22 @@ def _one_run(cfg: ObservabilityCostConfig, local_app: AppBuilder, model: str, en
             failed += sum(1 for rec in records if not rec.ok)
             seconds += duration
         cpu = _cpu_used(cpu_before, tree_cpu_seconds(os.getpid()))
+        cost = telemetry_cost() if telemetry_cost is not None else {}  # Ray is still up
     if failed:
         raise RuntimeError(f"{failed} requests failed in a {'metrics and tracing on' if on else 'off'} run")
-    return {"output_tok_s": tokens / seconds, "cpu_s_per_token": cpu / tokens, "cpu_cores_busy": cpu / seconds,
-            "load_average_1m": os.getloadavg()[0]}
+    figures = {"output_tok_s": tokens / seconds, "cpu_s_per_token": cpu / tokens, "cpu_cores_busy": cpu / seconds,
+               "load_average_1m": os.getloadavg()[0], **cost}
+    if cost:
+        figures["telemetry_cpu_share"] = telemetry_share(cost, sum(len(p) for p in passes), seconds, cpu)
+    return figures
+
+
+def telemetry_share(cost: dict[str, float], num_requests: int, seconds: float, cpu_s: float) -> float:
+    """The telemetry code's CPU for `num_requests` served in `seconds` (one report per metrics
+    interval), over the run's `cpu_s`."""
+    spent = (cost["telemetry_cpu_s_per_request"] * num_requests
+             + cost["telemetry_cpu_s_per_report"] * seconds / METRICS_INTERVAL_S)
+    return spent / cpu_s
 
 
 @contextmanager
@@ -172,7 +198,10 @@ def table_rows(figures: dict[str, Any]) -> list[tuple[str, Any, str]]:
     rows = [(name, figures[name], "") for name in (
         "observability_throughput_ratio", "observability_throughput_ratio_min", "observability_throughput_ratio_max",
         "observability_cpu_ratio", "observability_cpu_ratio_min", "observability_cpu_ratio_max",
-        "spans_per_request")]
+        "spans_per_request") if name in figures]
+    rows += [(name, figures[name], unit) for name, unit in (
+        ("telemetry_cpu_share", ""), ("telemetry_cpu_s_per_request", "s"), ("telemetry_cpu_s_per_report", "s"))
+        if name in figures]
     for r in range(figures["rounds"]):
         for name in ("off", "on"):
             rows.append((f"round{r}_{name}_output_tok_s", figures[f"round{r}_{name}_output_tok_s"], "tok/s"))

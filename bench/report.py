@@ -35,6 +35,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "overload_goodput_ratio": (">=", 0.8),
     "recovery_s_max": ("<=", 30.0),
     "observability_throughput_ratio": (">=", 0.98),
+    "telemetry_cpu_share": ("<=", 0.02),
     # One GPU, bf16, --bench-model llama-1b.
     "tpot_ratio_vs_hf_compiled": ("<=", 0.7),
     "gpu_busy": (">=", 0.85),

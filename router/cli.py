@@ -103,6 +103,12 @@ def _grpc_messages() -> Any:
     return tandem_pb2
 
 
+def _telemetry_cost() -> dict[str, float]:
+    from tandem.router.telemetry_cost import telemetry_cpu_cost
+
+    return telemetry_cpu_cost()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Distributed LLM serving on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.register(sub, add_engine_args, engine_options)
     bench_cli.register(sub, bench_cli.RouterHooks(add_engine_args, engine_options, serve_cli.local_app,
                                                   kv_holdings=_kv_holdings, grpc_servicer=serve_cli.GRPC_SERVICER,
-                                                  grpc_messages=_grpc_messages))
+                                                  grpc_messages=_grpc_messages, telemetry_cost=_telemetry_cost))
     deploy_cli.register(sub)
     return parser
 

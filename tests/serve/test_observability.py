@@ -241,3 +241,15 @@ def test_prometheus_scrapes_the_deployment(deployment: Deployment) -> None:
     assert {r["metric"]["finished_reason"]: float(r["value"][1]) for r in finished}["length"] == sent
     mbu = deployment.query("ray_tandem_model_bandwidth_utilization")
     assert mbu and all(float(r["value"][1]) >= 0.0 for r in mbu)
+
+
+def test_the_telemetry_codes_own_cost_runs_the_real_code(deployment: Deployment) -> None:
+    """`tandem bench observability`'s measure of the metrics and tracing code: every span a
+    served request makes is exported, and tracing is back to the environment's after."""
+    from tandem.router import tracing
+    from tandem.router.telemetry_cost import telemetry_cpu_cost
+
+    cost = telemetry_cpu_cost(num_requests=20, steps_per_report=10)
+    assert cost["telemetry_spans_per_request"] == 6.0  # ingress, route, group_request, queue, prefill, decode
+    assert cost["telemetry_cpu_s_per_request"] > 0 and cost["telemetry_cpu_s_per_report"] > 0
+    assert tracing.tracer() is not None  # this module's environment turns tracing on
