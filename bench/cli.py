@@ -112,9 +112,8 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
 
     p = _parser(sub, "observability", hooks, model="local model directory to serve (default: built-in benchmark "
                 "model)")
-    p.add_argument("--rounds", type=int, default=None, help="pairs of fresh servers, off and on, the order "
-                   "alternating (default 4; --quick 1)")
-    _add_repeats(p, "passes over the request set per server; default 3, --quick 1")
+    p.add_argument("--rounds", type=int, default=None, help="passes through each application, off and on, the "
+                   "order alternating (default 12; --quick 2)")
     p.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 8)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per pass (default 32; --quick 8)")
     p.set_defaults(func=partial(_run_observability, hooks))
@@ -382,8 +381,8 @@ def _run_observability(hooks: RouterHooks, args: argparse.Namespace) -> int:
         raise ValueError("bench observability starts a fresh local Ray for every run: drop --address")
     model_dir = pick_model_dir(options.pop("model", None), args.bench_model)
     cfg = OBS_QUICK if args.quick else ObservabilityCostConfig()
-    changes: dict[str, Any] = {k: v for k, v in (("rounds", args.rounds), ("repeats", args.repeats),
-                                                 ("concurrency", args.concurrency)) if v is not None}
+    changes: dict[str, Any] = {k: v for k, v in (("rounds", args.rounds), ("concurrency", args.concurrency))
+                               if v is not None}
     if args.num_requests:
         changes["spec"] = replace(cfg.spec, num_requests=args.num_requests)
     cfg = replace(cfg, **changes)

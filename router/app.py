@@ -72,6 +72,10 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "metrics": True,  # False: the groups and the router export no metrics (the engine still counts)
     "metrics_interval_s": 1.0,
     "probe_device_peaks": True,
+    # Environment variables of this application's processes (its ingress and groups, and the
+    # groups' workers), e.g. OTEL_* to trace one application of a shared cluster (Ray's
+    # runtime_env; they override what the processes inherit from the cluster).
+    "env_vars": None,
 }
 
 ROUTING_POLICIES = ("prefix", "load")
@@ -111,7 +115,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                       "admission": admission}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
                                     max_ongoing_requests=serving["ingress_max_ongoing_requests"],
-                                    ray_actor_options={"num_cpus": serving["ingress_num_cpus"]})
+                                    ray_actor_options={"num_cpus": serving["ingress_num_cpus"],
+                                                       **_runtime_env(serving)})
     return ingress.bind(group, ingress_config)
 
 
@@ -175,14 +180,24 @@ def _group_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, A
         options["num_replicas"] = serving["num_replicas"]
     num_cpus = serving["group_num_cpus"]
     if par.world_size == 1:
-        options["ray_actor_options"] = {"num_cpus": num_cpus, "num_gpus": 1 if use_gpu else 0}
+        options["ray_actor_options"] = {"num_cpus": num_cpus, "num_gpus": 1 if use_gpu else 0, **_runtime_env(serving)}
     else:
         worker = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
-        options["ray_actor_options"] = {"num_cpus": num_cpus}
+        options["ray_actor_options"] = {"num_cpus": num_cpus, **_runtime_env(serving)}
         options["placement_group_bundles"] = [{"CPU": float(num_cpus)}] + [dict(worker) for _ in range(par.world_size)]
         # A stage's TP ranks talk every layer: one node. Stages may span nodes.
         options["placement_group_strategy"] = "STRICT_PACK" if par.pipeline_parallel_size == 1 else "PACK"
     return options
+
+
+def _runtime_env(serving: dict[str, Any]) -> dict[str, Any]:
+    """The `runtime_env` actor option that sets `env_vars` (nothing when there are none)."""
+    env = serving["env_vars"]
+    if not env:
+        return {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError(f"env_vars: must map names to string values, got {env!r}")
+    return {"runtime_env": {"env_vars": dict(env)}}
 
 
 def _router_kwargs(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any]:

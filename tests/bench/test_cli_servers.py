@@ -51,3 +51,17 @@ def test_prefix(local_ray: None, tmp_path: Path) -> None:
         assert isinstance(fig[name], float), name
         assert fig[f"{name}_met"] in (True, False)
     assert fig["routed_ttft_ratio"] == pytest.approx(fig["routed_ttft_p50_ms"] / fig["load_only_ttft_p50_ms"])
+
+
+def test_observability(local_ray: None, tmp_path: Path) -> None:
+    # Two apps in one Ray, one tracing through its own env_vars: every request it served left its
+    # six spans, and the other none (its requests would have added to the count).
+    fig = bench(tmp_path, "observability", "--model", tiny_model(), "--quick", "--num-requests", "3")
+    assert (fig["rounds"], fig["num_requests"], fig["concurrency"]) == (2, 3, 8)
+    assert fig["spans_per_request"] == 6.0
+    assert fig["telemetry_spans_per_request"] == 6.0  # the code's own cost was measured on real spans
+    for r in range(2):
+        assert fig[f"round{r}_on_output_tok_s"] > 0 and fig[f"round{r}_off_output_tok_s"] > 0
+    ratios = [fig[f"round{r}_on_output_tok_s"] / fig[f"round{r}_off_output_tok_s"] for r in range(2)]
+    assert fig["observability_throughput_ratio"] == pytest.approx(sum(ratios) / 2)  # the median of two
+    assert 0 < fig["telemetry_cpu_share"] < 1

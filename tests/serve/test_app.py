@@ -64,3 +64,15 @@ def test_router_gets_the_routing_policy_and_block_size():
 def test_logical_cpus_a_local_ray_needs():
     assert num_cpus_needed({}) == 1
     assert num_cpus_needed({"tensor_parallel_size": 2, "num_replicas": 2}) == 6
+
+
+def test_env_vars_reach_the_groups_and_the_ingress_and_are_checked():
+    serving = {**SERVING_DEFAULTS, "env_vars": {"OTEL_TRACES_EXPORTER": "console"}}
+    for config in (EngineConfig.from_options(), EngineConfig.from_options(tensor_parallel_size=2)):
+        assert _group_options(config, serving)["ray_actor_options"]["runtime_env"] == {
+            "env_vars": {"OTEL_TRACES_EXPORTER": "console"}}
+    assert "runtime_env" not in options()["ray_actor_options"]
+    app = build_app({"env_vars": {"OTEL_TRACES_EXPORTER": "console"}})
+    assert app._bound_deployment.ray_actor_options["runtime_env"] == {"env_vars": {"OTEL_TRACES_EXPORTER": "console"}}
+    with pytest.raises(ValueError, match="^env_vars: must map names to string values"):
+        build_app({"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": 100}})

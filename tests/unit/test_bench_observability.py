@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -49,33 +50,47 @@ def test_the_tracing_environment_is_set_for_a_run_and_restored_after(monkeypatch
     assert os.environ["OTEL_TRACES_EXPORTER"] == "otlp"
 
 
-def test_rounds_alternate_and_the_ratios_are_medians_of_pairs(monkeypatch) -> None:
-    runs = []
-    # (output tok/s, CPU s per token) of each run in order: round 0 off then on, round 1 on then off, ...
-    results = iter([(100.0, 0.010), (98.0, 0.0102), (90.0, 0.011), (100.0, 0.010), (50.0, 0.02), (49.0, 0.0204)])
+def test_rounds_alternate_between_the_two_apps_and_the_ratios_are_medians(monkeypatch) -> None:
+    served: list[tuple[str, int]] = []
+    apps_started = {}
 
-    def one_run(cfg, local_app, model, engine_options, on, traces, warmup, passes, telemetry_cost=None):
-        runs.append((on, telemetry_cost is not None))
-        if traces is not None:  # as the servers' exporters would: 6 spans per request sent
-            with open(traces, "w") as f:
-                f.write("{}\n" * 6 * (len(warmup) + sum(len(p) for p in passes)))
-        tok_s, cpu = next(results)
-        share = {"telemetry_cpu_share": 0.001 if tok_s > 95 else 0.003} if telemetry_cost else {}
-        return {"output_tok_s": tok_s, "cpu_s_per_token": cpu, **share}
+    @contextmanager
+    def server(local_app, apps, num_cpus):
+        apps_started.update(apps)
+        assert "OTEL_TRACES_EXPORTER" not in os.environ  # only the "on" app traces, through its env_vars
+        yield {"off": "off", "on": "on"}
 
-    monkeypatch.setattr(obs, "_one_run", one_run)
-    cfg = ObservabilityCostConfig(rounds=3, repeats=2, spec=WorkloadSpec(num_requests=3, prompt_len=(4, 8),
-                                                                           output_len=(2, 3), seed=0))
+    # (output tokens, CPU s) of each round's pass, by app: on is 2% slower in rounds 0 and 2, 10% in round 1.
+    figures = {"off": [(100, 1.0), (100, 1.0), (50, 1.0)], "on": [(98, 1.0), (90, 1.0), (49, 1.0)]}
+
+    def measure(url, requests, level):
+        if url == "on":  # as the app's exporter would: 6 spans per request, the warm-up's too
+            with open(apps_started["on"]["env_vars"]["TANDEM_TRACES_FILE"], "a") as f:
+                f.write("{}\n" * 6 * len(requests))
+        if level.concurrency is None:  # the warm-up
+            return obs.Pass(8, 1.0, 1.0, 0)
+        served.append((url, len(requests)))
+        tokens, cpu = figures[url][sum(1 for u, _ in served if u == url) - 1]
+        return obs.Pass(tokens, 1.0, cpu, 0)
+
+    monkeypatch.setattr(obs, "bench_server", server)
+    monkeypatch.setattr(obs, "_measure", measure)
+    cfg = ObservabilityCostConfig(rounds=3, spec=WorkloadSpec(num_requests=3, prompt_len=(4, 8), output_len=(2, 3),
+                                                              seed=0))
+    cost = {"telemetry_cpu_s_per_request": 0.01, "telemetry_cpu_s_per_report": 0.05}
     fig = obs.run_observability_cost(cfg, lambda options: None, model="m", vocab_size=100, show_progress=False,
-                                     telemetry_cost=dict)
-    # The code's own cost is measured in the "on" runs only.
-    assert runs == [(False, False), (True, True), (True, True), (False, False), (False, False), (True, True)]
+                                     telemetry_cost=lambda: cost)
+    assert [url for url, _ in served] == ["off", "on", "on", "off", "off", "on"]
+    assert apps_started["off"]["metrics"] is False and "env_vars" not in apps_started["off"]
+    assert apps_started["on"]["metrics"] is True
+    assert apps_started["on"]["env_vars"]["OTEL_TRACES_EXPORTER"] == "console"
     assert fig["observability_throughput_ratio"] == pytest.approx(0.98)  # of 0.98, 0.90, 0.98
     assert fig["observability_throughput_ratio_min"] == pytest.approx(0.90)
-    assert fig["observability_cpu_ratio"] == pytest.approx(1.02)  # of 1.02, 1.10, 1.02
+    assert fig["observability_cpu_ratio"] == pytest.approx(100 / 98)  # CPU per token, on / off
     assert fig["spans_per_request"] == 6.0
     assert fig["round1_on_output_tok_s"] == 90.0 and fig["round1_off_output_tok_s"] == 100.0
-    assert fig["telemetry_cpu_share"] == 0.003  # of 0.001, 0.003, 0.003
+    # 9 requests (0.09 s) and 3 reports (0.15 s) over the on passes' 3 s of CPU.
+    assert fig["telemetry_cpu_share"] == pytest.approx(0.08)
 
 
 def test_the_telemetry_share_counts_requests_and_one_report_per_second() -> None:
