@@ -20,9 +20,9 @@ minutes apart reaches 10% here; the idle application costs both alike.
     observability_cpu_ratio          median over rounds of on / off CPU seconds per output token,
                                      counted over this process and all its descendants (Ray,
                                      Serve's proxy, both applications)
-    spans_per_request                spans written per request sent to "on" (the proof that
-                                     tracing ran; 6: ingress, route, group_request, queue,
-                                     prefill, decode)
+    spans_per_request                spans written per request sent to "on", health checks'
+                                     left out (the proof that tracing ran; 6: ingress, route,
+                                     group_request, queue, prefill, decode)
     telemetry_cpu_share              the metrics and tracing code's own CPU (router/telemetry_cost.py:
                                      that code run in a loop in this process, per request and per
                                      reporter interval), for the requests and seconds of the "on"
@@ -34,10 +34,12 @@ minutes apart reaches 10% here; the idle application costs both alike.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -55,6 +57,7 @@ TRACING_VARIABLES = ("OTEL_TRACES_EXPORTER", "TANDEM_TRACES_FILE", "OTEL_SDK_DIS
 TelemetryCost = Callable[[], dict[str, float]]
 METRICS_INTERVAL_S = 1.0  # the serving default: one reporter interval per second
 CONFIGS = ("off", "on")
+EXPORT_WAIT_S = 6.0  # OpenTelemetry's BatchSpanProcessor exports every 5 s
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,10 @@ def run_observability_cost(cfg: ObservabilityCostConfig, local_app: AppBuilder, 
                     log_progress("observability", show_progress, f"round {r + 1}/{cfg.rounds}: {name}")
                     passes[name].append(_measure(urls[name], requests, LoadLevel(concurrency=cfg.concurrency)))
             cost = telemetry_cost() if telemetry_cost is not None else {}  # Ray is still up
-        spans = _count_lines(traces)
+            # The last passes' spans wait up to the batch processor's delay (5 s) in the
+            # replicas; a graceful stop flushes them too, but a stop may be cut short.
+            time.sleep(EXPORT_WAIT_S)
+        spans = _count_request_spans(traces)
     failed = sum(p.failed for runs in passes.values() for p in runs)
     if failed:
         raise RuntimeError(f"{failed} requests failed")
@@ -166,11 +172,13 @@ def _tracing_environment(traces_file: str | None) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _count_lines(path: str) -> int:
+def _count_request_spans(path: str) -> int:
+    """Spans in an exporter's JSON lines, but for the health checks' (`GET /health`: the
+    server is polled until it is up, a varying number of times)."""
     if not os.path.exists(path):
         return 0
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+    with open(path) as f:
+        return sum(1 for line in f if line.strip() and not json.loads(line)["name"].startswith("GET "))
 
 
 # ---- CPU time of a process tree (Linux /proc) ------------------------------------------------------

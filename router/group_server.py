@@ -199,6 +199,7 @@ class GroupServer:
             raise RuntimeError(f"replica group {self.group_id} has failed: {self.engine.dead_error}")
 
     def __del__(self) -> None:
+        tracing.force_flush(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
         allocator = getattr(self, "allocator", None)
         if allocator is not None:
             allocator.close()

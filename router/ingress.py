@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
+from tandem.router import tracing
 from tandem.router.admission import Admission, AdmissionLimits, NoGroupUp, Overloaded, ReleasingStream, Ticket
 from tandem.router.chat import ChatServing
 from tandem.router.completions import CompletionServing
@@ -121,6 +122,9 @@ class OpenAIIngress(GrpcMethods):
 
     # ---- routes --------------------------------------------------------------------------------
     @app.get("/health")
+    def __del__(self) -> None:
+        tracing.force_flush(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
+
     async def health(self) -> Response:
         healthy = await self.client.health()
         return Response(status_code=200 if healthy else 503)

@@ -64,9 +64,9 @@ def test_rounds_alternate_between_the_two_apps_and_the_ratios_are_medians(monkey
     figures = {"off": [(100, 1.0), (100, 1.0), (50, 1.0)], "on": [(98, 1.0), (90, 1.0), (49, 1.0)]}
 
     def measure(url, requests, level):
-        if url == "on":  # as the app's exporter would: 6 spans per request, the warm-up's too
+        if url == "on":  # as the app's exporter would: 6 spans per request, the warm-up's too, and a health check
             with open(apps_started["on"]["env_vars"]["TANDEM_TRACES_FILE"], "a") as f:
-                f.write("{}\n" * 6 * len(requests))
+                f.write('{"name": "POST /v1/completions"}\n' * 6 * len(requests) + '{"name": "GET /health"}\n')
         if level.concurrency is None:  # the warm-up
             return obs.Pass(8, 1.0, 1.0, 0)
         served.append((url, len(requests)))
@@ -75,6 +75,7 @@ def test_rounds_alternate_between_the_two_apps_and_the_ratios_are_medians(monkey
 
     monkeypatch.setattr(obs, "bench_server", server)
     monkeypatch.setattr(obs, "_measure", measure)
+    monkeypatch.setattr(obs, "EXPORT_WAIT_S", 0.0)
     cfg = ObservabilityCostConfig(rounds=3, spec=WorkloadSpec(num_requests=3, prompt_len=(4, 8), output_len=(2, 3),
                                                               seed=0))
     cost = {"telemetry_cpu_s_per_request": 0.01, "telemetry_cpu_s_per_report": 0.05}
