@@ -120,11 +120,11 @@ class OpenAIIngress(GrpcMethods):
         self.completions = CompletionServing(self.client)
         self.chat = ChatServing(self.client)
 
-    # ---- routes --------------------------------------------------------------------------------
-    @app.get("/health")
     def __del__(self) -> None:
         tracing.force_flush(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
 
+    # ---- routes --------------------------------------------------------------------------------
+    @app.get("/health")
     async def health(self) -> Response:
         healthy = await self.client.health()
         return Response(status_code=200 if healthy else 503)
