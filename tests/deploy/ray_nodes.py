@@ -49,6 +49,10 @@ def cluster_env(token: str | None = None) -> dict[str, str]:
         RAY_agent_register_timeout_ms="120000",
         # ... and longer than ray start's default 30 s for a new node to register with the GCS.
         RAY_raylet_start_wait_time_s="120",
+        # Serve asks the router's first-ranked group for its queue length and, with no answer
+        # within this deadline (0.1 s by default), sends the request to the next-ranked one:
+        # on a loaded 2-core machine that was the busy group, again and again.
+        RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S="1.0",
         # The torch path: no node waits on (or races another for) the first build of the C++
         # kernels; greedy output is the same either way.
         TANDEM_CPU_KERNELS="0",
