@@ -378,7 +378,8 @@ def _run_observability(hooks: RouterHooks, args: argparse.Namespace) -> int:
 
     options = hooks.engine_options(args)
     if options.pop("address", None):
-        raise ValueError("bench observability starts a fresh local Ray for every run: drop --address")
+        raise ValueError("bench observability starts its own local Ray (it counts the CPU of its processes): "
+                         "drop --address")
     model_dir = pick_model_dir(options.pop("model", None), args.bench_model)
     cfg = OBS_QUICK if args.quick else ObservabilityCostConfig()
     changes: dict[str, Any] = {k: v for k, v in (("rounds", args.rounds), ("concurrency", args.concurrency))

@@ -95,7 +95,7 @@ def run_observability_cost(cfg: ObservabilityCostConfig, local_app: AppBuilder, 
                 "on": {**base, "metrics": True,
                        "env_vars": {"OTEL_TRACES_EXPORTER": "console", "TANDEM_TRACES_FILE": traces}}}
         log_progress("observability", show_progress, "starting both applications")
-        with _tracing_environment(None), bench_server(local_app, apps, num_cpus=(os.cpu_count() or 1) + 4) as urls:
+        with _without_tracing_variables(), bench_server(local_app, apps, num_cpus=(os.cpu_count() or 1) + 4) as urls:
             for url in urls.values():
                 _measure(url, warmup, LoadLevel(rate=math.inf))
             for r in range(cfg.rounds):
@@ -157,18 +157,13 @@ def _measure(url: str, requests: list[BenchRequest], level: LoadLevel) -> Pass:
 
 
 @contextmanager
-def _tracing_environment(traces_file: str | None) -> Iterator[None]:
-    """This process's tracing variables for the block: the console exporter into `traces_file`,
-    or (None) none at all, so that Ray's processes, which inherit them, trace only where an
-    application's own `env_vars` say so."""
+def _without_tracing_variables() -> Iterator[None]:
+    """No tracing variables in this process for the block: Ray's processes inherit them, so
+    only an application whose own `env_vars` say so traces. Restored after."""
     saved = {name: os.environ.pop(name) for name in TRACING_VARIABLES if name in os.environ}
-    if traces_file is not None:
-        os.environ.update(OTEL_TRACES_EXPORTER="console", TANDEM_TRACES_FILE=traces_file)
     try:
         yield
     finally:
-        for name in TRACING_VARIABLES:
-            os.environ.pop(name, None)
         os.environ.update(saved)
 
 

@@ -38,16 +38,12 @@ def test_cpu_used_counts_new_processes_whole_and_old_ones_by_their_increase() ->
     assert obs._cpu_used({1: 2.0, 2: 5.0}, {1: 2.5, 3: 0.25}) == 0.75
 
 
-def test_the_tracing_environment_is_set_for_a_run_and_restored_after(monkeypatch, tmp_path) -> None:
+def test_the_tracing_variables_are_cleared_for_a_run_and_restored_after(monkeypatch) -> None:
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
     monkeypatch.delenv("TANDEM_TRACES_FILE", raising=False)
-    with obs._tracing_environment(str(tmp_path / "spans.jsonl")):
-        assert (os.environ["OTEL_TRACES_EXPORTER"], os.environ["TANDEM_TRACES_FILE"]) == (
-            "console", str(tmp_path / "spans.jsonl"))
-    assert os.environ["OTEL_TRACES_EXPORTER"] == "otlp" and "TANDEM_TRACES_FILE" not in os.environ
-    with obs._tracing_environment(None):
+    with obs._without_tracing_variables():
         assert "OTEL_TRACES_EXPORTER" not in os.environ  # off: none of the variables
-    assert os.environ["OTEL_TRACES_EXPORTER"] == "otlp"
+    assert os.environ["OTEL_TRACES_EXPORTER"] == "otlp" and "TANDEM_TRACES_FILE" not in os.environ
 
 
 def test_rounds_alternate_between_the_two_apps_and_the_ratios_are_medians(monkeypatch) -> None:
