@@ -1,7 +1,7 @@
 """The CPU that tandem's metrics and tracing code costs, measured on that code itself.
 
 An end-to-end on/off comparison (`tandem bench observability`) carries the machine's noise:
-on a shared 2-core machine, runs of one configuration spread by +-6%, more than the 2%
+on a shared 2-core machine, passes of one configuration differ by up to 11%, more than the 2%
 budget being checked. This measures the added work directly instead: the functions a request
 and the metrics reporter run when metrics and tracing are on, called here in a loop, their
 CPU time per call. Nothing is stubbed: Ray's metrics (the process must be connected to Ray),
