@@ -2,8 +2,8 @@
 deployment takes to serve again after each. Only against a server on this machine (the
 bench's own): they need the application's Ray cluster and its processes' ids.
 
-    worker     one TP worker process of a group, SIGKILLed (the group's engine fails; Serve
-               replaces the group)
+    worker     one TP worker process of a group, SIGKILLed (the group's engine fails; the
+               group starts new workers in place, router/group_healer.py)
     group      a whole replica group: its workers SIGKILLed and its Serve replica actor
                killed, at once
     allocator  the application's cluster KV allocator actor, killed (Ray restarts it; the
@@ -11,8 +11,9 @@ bench's own): they need the application's Ray cluster and its processes' ids.
     replica    one group's Serve replica actor, killed (its workers die with it)
 
 Recovered: a probe request is served and the application is back to strength (every
-group healthy and reporting, none of them the one hit, the allocator reachable and
-leasing to every group). `recovery_s` is the time from the kill to both.
+group healthy and reporting, the one hit replaced, or for a worker fault, serving on new
+workers, the allocator reachable and leasing to every group). `recovery_s` is the time
+from the kill to both.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class FaultInjector:
         groups = sorted(before["groups"].items())
         now = time.monotonic()
         record = FaultRecord(kind, "", now - self.zero)
-        hit_group = None
+        hit_group, old_workers = None, None
         try:
             if kind == "allocator":
                 record.target = allocator_name(self.app_name)
@@ -87,6 +88,7 @@ class FaultInjector:
                 hit_group, group = (with_workers or groups)[0]
                 record.target = hit_group
                 if kind == "worker":
+                    old_workers = set(group["worker_pids"])
                     record.target += f" worker pid {group['worker_pids'][-1]}"
                     _kill_pids(group["worker_pids"][-1:])
                 elif kind == "group":
@@ -99,25 +101,29 @@ class FaultInjector:
         except Exception as exc:  # noqa: BLE001 - reported, the soak goes on
             record.error = f"{type(exc).__name__}: {exc}"
             return record
-        await self._wait_recovered(record, now, hit_group)
+        await self._wait_recovered(record, now, hit_group, old_workers)
         return record
 
-    async def _wait_recovered(self, record: FaultRecord, killed_at: float, hit_group: str | None) -> None:
+    async def _wait_recovered(self, record: FaultRecord, killed_at: float, hit_group: str | None,
+                              old_workers: set[int] | None) -> None:
         await asyncio.sleep(0.5)  # let the death be noticed before asking who is healthy
         record.short_of_strength = "not serving"
         while time.monotonic() - killed_at < self.recovery_timeout_s:
             if record.serving_again_s is None and await self.probe():
                 record.serving_again_s = time.monotonic() - killed_at
             if record.serving_again_s is not None:
-                record.short_of_strength = "; ".join(self.short_of_strength(await self.holdings(), hit_group))
+                record.short_of_strength = "; ".join(self.short_of_strength(await self.holdings(), hit_group,
+                                                                            old_workers))
                 if not record.short_of_strength:
                     record.recovery_s = time.monotonic() - killed_at
                     return
             await asyncio.sleep(0.5)
 
-    def short_of_strength(self, report: dict[str, Any], hit_group: str | None = None) -> list[str]:
+    def short_of_strength(self, report: dict[str, Any], hit_group: str | None = None,
+                          old_workers: set[int] | None = None) -> list[str]:
         """What keeps the application from full strength (none: every group healthy and
-        reporting, the hit one replaced, the allocator leasing to each)."""
+        reporting, the hit one replaced, or with `old_workers` (the hit group's worker pids
+        before a worker fault) serving on none of them, the allocator leasing to each)."""
         groups = report["groups"]
         allocator = report["allocator"]
         missing = []
@@ -127,7 +133,11 @@ class FaultInjector:
             missing.append(f"{report['unreachable_groups']} unreachable")
         missing += [f"group {gid} unhealthy" for gid, g in sorted(groups.items()) if not g["healthy"]]
         if hit_group in groups:
-            missing.append(f"group {hit_group} (the one hit) still listed")
+            pids = set(groups[hit_group].get("worker_pids", ()))
+            if old_workers is None:
+                missing.append(f"group {hit_group} (the one hit) still listed")
+            elif not pids or pids & old_workers:
+                missing.append(f"group {hit_group} (the one hit) still without new workers")
         if allocator.get("present"):
             missing += [f"group {gid} holds no allocator lease" for gid in sorted(set(groups) - set(allocator.get(
                 "leases", {})))]

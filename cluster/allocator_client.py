@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,12 @@ class AllocatorClient:
             else:
                 self._events.extend(events)
             self._usage = usage
+
+    def resync(self, device_blocks: int) -> None:
+        """The group was rebuilt (new workers, an empty cache): register again with what the
+        engine holds now, at its next submit."""
+        self.identity = replace(self.identity, device_blocks=device_blocks)
+        self._ask_snapshot()
 
     def close(self) -> None:
         self._stop.set()

@@ -19,6 +19,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from tandem.router.admission import AdmissionLimits
+from tandem.router.group_healer import HealPolicy
 from tandem.router.group_server import GroupServer
 from tandem.router.ingress import OpenAIIngress
 from tandem.router.kv_fetch import FETCH_MODES
@@ -40,6 +41,11 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # Serve marks a group unhealthy after 3 failed checks in a row, so a group whose engine died
     # is replaced ~3 periods later; a check only reads a flag.
     "health_check_period_s": 1.0,
+    # When a worker of a TP or PP group dies, the group starts new workers in place (no new
+    # replica): at most this many times in 10 minutes, each within the timeout; beyond, or
+    # with 0, Serve replaces the whole replica (router/group_healer.py).
+    "max_group_rebuilds": 3,
+    "group_rebuild_timeout_s": 120.0,
     "ingress_num_replicas": 1,
     "ingress_num_cpus": 0,  # tokenizing is light; a laptop's CPUs go to the groups
     # Streams one ingress replica carries at once. The ingress only awaits, so it can carry
@@ -103,7 +109,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                      "stream_interval_ms": serving["stream_interval_ms"], "share_draft": serving["share_draft"],
                      "served_model_name": served_model_name, "metrics": serving["metrics"],
                      "metrics_interval_s": serving["metrics_interval_s"],
-                     "probe_device_peaks": serving["probe_device_peaks"]}
+                     "probe_device_peaks": serving["probe_device_peaks"],
+                     "max_group_rebuilds": serving["max_group_rebuilds"],
+                     "group_rebuild_timeout_s": serving["group_rebuild_timeout_s"]}
+    HealPolicy(max_rebuilds=serving["max_group_rebuilds"], timeout_s=serving["group_rebuild_timeout_s"])  # fails here
     admission = admission_options(config, serving)
     if admission is not None:
         AdmissionLimits.from_dict(admission)  # bad bounds fail here, not in every ingress replica

@@ -18,6 +18,9 @@ A delta, as `generate` yields it:
 `error` is set (with `error_type` "invalid_request" or "unavailable") on the only delta
 of a request the group refused, or on the last one of a request the group failed.
 
+When a worker of a TP or PP group dies, the group starts new workers in its placement
+group and serves again without Serve replacing the replica (router/group_healer.py).
+
 With prefix caching on, the group registers with the application's cluster KV allocator
 (cluster/kv_allocator.py; created by the first group to start) and publishes its block
 events and usage after every step through an `AllocatorClient`, which batches them on a
@@ -38,6 +41,7 @@ from ray import serve
 from tandem.cluster.allocator_client import AllocatorClient, GroupIdentity
 from tandem.cluster.kv_allocator import get_or_create_allocator
 from tandem.router import tracing
+from tandem.router.group_healer import GroupHealer, HealPolicy
 from tandem.router.kv_fetch import KVFetcher
 from tandem.router.metrics import start_group_metrics
 from tandem.workers.async_engine import AsyncEngine
@@ -52,7 +56,7 @@ logger = logging.getLogger(__name__)
 @serve.deployment(name="GroupServer")
 class GroupServer:
     def __init__(self, config: EngineConfig, group_options: dict[str, Any] | None = None) -> None:
-        from tandem.workers.llm import build_engine  # torch and the model: only in the group
+        from tandem.workers.llm import build_engine, rebuild_engine  # torch and the model: only in the group
         from tandem.workers.spec.draft_proposer import draft_actor_name
 
         # Two threads share this process's GIL: the engine's (model steps: hundreds of short
@@ -83,6 +87,7 @@ class GroupServer:
         host_bytes = config.cache.host_kv_cache_memory
         if group_options.get("kv_allocator", True) and config.cache.enable_prefix_caching:
             self.allocator, host_bytes = self._link_allocator(engine, context.app_name, group_options, host_bytes)
+        self.host_bytes = host_bytes
         if host_bytes:
             engine.enable_host_tier(host_bytes)
             if self.allocator is not None:
@@ -95,8 +100,32 @@ class GroupServer:
                                         "replica_group": self.group_id},
             interval_s=group_options.get("metrics_interval_s", 1.0),
             probe_peaks=group_options.get("probe_device_peaks", True))
+        self.healer: GroupHealer | None = None
+        max_rebuilds = group_options.get("max_group_rebuilds", 3)
+        if not engine.model_in_process and max_rebuilds > 0:  # a model in this process dies with it
+            policy = HealPolicy(max_rebuilds=max_rebuilds,
+                                timeout_s=group_options.get("group_rebuild_timeout_s", HealPolicy.timeout_s))
+            self.healer = GroupHealer(self.engine, lambda failed: self._rebuilt(rebuild_engine(failed)),
+                                      self._swapped, policy)
         logger.info("replica group %s ready: %d KV blocks", self.group_id,
                     self.engine.last_stats.get("kv_blocks_total", 0))
+
+    def _rebuilt(self, engine: GroupEngine) -> GroupEngine:
+        """A rebuilt engine, made what the failed one was: its host tier, its block events."""
+        try:
+            if self.host_bytes:
+                engine.enable_host_tier(self.host_bytes)
+            if self.allocator is not None:
+                engine.enable_block_events()
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    def _swapped(self, engine: GroupEngine) -> None:
+        """Engine thread, the rebuilt engine in place: the allocator learns its (empty) cache."""
+        if self.allocator is not None:
+            self.allocator.resync(engine.num_kv_blocks)
 
     def _link_allocator(self, engine: GroupEngine, app_name: str, group_options: dict[str, Any],
                         host_ask: int) -> tuple[AllocatorClient, int]:
@@ -192,14 +221,27 @@ class GroupServer:
         fetch = self.fetcher.stats() if self.fetcher is not None else {}
         # Where its workers run (fault injection in `tandem bench soak`; none in-process).
         pids = [w["pid"] for w in getattr(self.engine.engine.executor, "worker_info", ())]
-        return {**self.record_routing_stats(), **fetch, "group_id": self.group_id, "worker_pids": pids}
+        heals = self.healer.stats() if self.healer is not None else {"num_rebuilds": 0, "rebuilding": False}
+        return {**self.record_routing_stats(), **fetch, **heals, "group_id": self.group_id, "worker_pids": pids}
 
     def check_health(self) -> None:
+        """Serve replaces the replica when this raises: a failed group that is not being
+        rebuilt in place (router/group_healer.py), or whose rebuild gave up."""
+        if self.healer is not None:
+            try:
+                self.healer.check()
+            except RuntimeError as exc:
+                raise RuntimeError(f"replica group {self.group_id} has failed: {exc}") from None
+            if self.healer.healing:
+                return
         if not self.engine.is_healthy:
             raise RuntimeError(f"replica group {self.group_id} has failed: {self.engine.dead_error}")
 
     def __del__(self) -> None:
         tracing.force_flush(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
+        healer = getattr(self, "healer", None)
+        if healer is not None:
+            healer.close()
         allocator = getattr(self, "allocator", None)
         if allocator is not None:
             allocator.close()

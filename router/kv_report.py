@@ -70,7 +70,7 @@ def _group_figures(stats: dict[str, Any], actor_name: str) -> dict[str, Any]:
     total = int(stats.get("kv_blocks_total", 0))
     return {
         "actor_name": actor_name, "healthy": bool(stats.get("is_healthy", False)),
-        "worker_pids": list(stats.get("worker_pids", [])),
+        "worker_pids": list(stats.get("worker_pids", [])), "num_rebuilds": int(stats.get("num_rebuilds", 0)),
         "num_running": int(stats.get("num_running", 0)), "num_waiting": int(stats.get("num_waiting", 0)),
         "device_blocks_total": total, "device_blocks_held": total - int(stats.get("kv_blocks_free", total)),
         "host_blocks_total": int(stats.get("host_kv_blocks_total", 0)),

@@ -155,7 +155,9 @@ class GroupMetrics:
         self._last.update(values)
 
     def _increase(self, counter: Any, key: str, value: float, tags: dict[str, str] | None = None) -> None:
-        delta = value - self._last.get(key, 0.0)
+        last = self._last.get(key, 0.0)
+        # Below the last figure: the group was rebuilt (router/group_healer.py) and counts from 0 again.
+        delta = value - last if value >= last else value
         if delta > 0:
             counter.inc(delta, tags=tags)
         elif key not in self._last:

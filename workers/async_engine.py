@@ -4,7 +4,8 @@ The engine object is touched by its thread only. Callers on the event loop post
 commands (add, abort) to a queue the thread drains before each step; outputs come
 back through `loop.call_soon_threadsafe` into one asyncio.Queue per request. So
 nothing on the event loop ever blocks on model work, and a step never waits on a
-caller.
+caller. A failed engine (its group's workers died) can be replaced by a rebuilt one
+(`replace_engine`; router/group_healer.py does it): streams and listeners stay.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.workers.core.request import RequestOutput, SamplingParams
-from tandem.workers.engine import GroupEngine, Prompt
+from tandem.workers.engine import EngineDeadError, GroupEngine, Prompt
 from tandem.workers.kv_transfer import export_prefix, held_prefix, import_prefix
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class AsyncEngine:
         self._stopped = False
         self.last_stats: dict[str, Any] = engine.stats()
         self._step_listeners: list[Callable[[GroupEngine], None]] = []
+        self._failure_listeners: list[Callable[[GroupEngine], None]] = []
+        self._failure_told = False  # the listeners heard of this engine's failure
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -140,6 +143,16 @@ class AsyncEngine:
     def add_step_listener(self, listener: Callable[[GroupEngine], None]) -> None:
         """Call `listener(engine)` on the engine thread after every step (keep it quick)."""
         self._post(lambda: self._step_listeners.append(listener))
+
+    def add_failure_listener(self, listener: Callable[[GroupEngine], None]) -> None:
+        """Call `listener(engine)` on the engine thread once when the engine fails (keep it quick)."""
+        self._post(lambda: self._failure_listeners.append(listener))
+
+    def replace_engine(self, engine: GroupEngine,
+                       on_swapped: Callable[[GroupEngine], None] | None = None) -> None:
+        """Serve from `engine` (a rebuilt group) in place of the failed one, between two steps;
+        `on_swapped(engine)` runs on the engine thread right after, before any listener."""
+        self._post(lambda: self._swap(engine, on_swapped))
 
     def notify_step_listeners(self) -> None:
         """Run the step listeners soon, even if the engine is idle."""
@@ -210,6 +223,18 @@ class AsyncEngine:
         self.engine.abort_request(request_id)
         self._streams.pop(request_id, None)
 
+    def _swap(self, engine: GroupEngine, on_swapped: Callable[[GroupEngine], None] | None) -> None:
+        old, self.engine = self.engine, engine
+        self._failure_told = False
+        if on_swapped is not None:
+            on_swapped(engine)
+        # fail() ended every request the old engine held; a stream still open here would
+        # never hear from the new one.
+        for stream in self._streams.values():
+            stream.put(EngineDeadError(f"the replica group was rebuilt: {old.dead_error}"))
+        self._streams.clear()
+        self._after_step()
+
     def _after_step(self) -> None:
         self.last_stats = self.engine.stats()
         for listener in self._step_listeners:
@@ -242,3 +267,10 @@ class AsyncEngine:
                     if out.finished:
                         del self._streams[out.request_id]
             self._after_step()
+            if self.engine.dead_error is not None and not self._failure_told:
+                self._failure_told = True
+                for listener in self._failure_listeners:
+                    try:
+                        listener(self.engine)
+                    except Exception:
+                        logger.exception("failure listener failed")

@@ -45,9 +45,11 @@ class EngineDeadError(RuntimeError):
 
 
 class GroupEngine:
-    def __init__(self, config: EngineConfig, hf_config: HFModelConfig, tokenizer, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, hf_config: HFModelConfig, tokenizer, executor: Executor, *,
+                 model_dir: str = "") -> None:
         self.config = config
         self.hf_config = hf_config
+        self.model_dir = model_dir  # where the weights were loaded from (a rebuilt group loads them again)
         self.tokenizer = tokenizer
         self.executor = executor
         self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings

@@ -17,12 +17,15 @@ from tandem.workers.text.tokenizer import apply_chat_template
 
 def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEngine:
     """Resolve the model, load tokenizer and weights, size the KV cache, and start a group."""
-    from tandem.workers.executor import UniProcExecutor
-    from tandem.workers.model.demo_model import demo_model_path
     from tandem.workers.model.hf_config import HFModelConfig
     from tandem.workers.text.tokenizer import load_tokenizer
 
-    model_dir = config.model.model or demo_model_path()
+    if config.model.model:
+        model_dir = config.model.model
+    else:  # the demo model's module imports torch and transformers' models: only when it is asked for
+        from tandem.workers.model.demo_model import demo_model_path
+
+        model_dir = demo_model_path()
     hf_config = HFModelConfig.from_dir(model_dir)
     max_len = config.model.max_model_len
     if max_len is not None and max_len > hf_config.max_position_embeddings:
@@ -32,17 +35,35 @@ def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEn
     # loads: a group rebuilt after a fault serves that much sooner, most of all on a busy host.
     with ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer") as pool:
         tokenizer_loaded = pool.submit(load_tokenizer, model_dir)
-        if config.parallel.world_size > 1:
-            from tandem.workers.distributed.ray_executor import RayExecutor  # Ray only when a group spans ranks
-            executor = RayExecutor(config, hf_config, model_dir)
-        else:
-            executor = UniProcExecutor(config, hf_config, model_dir, show_progress=show_progress)
+        executor = _start_executor(config, hf_config, model_dir, show_progress)
         try:
             tokenizer = tokenizer_loaded.result()
         except BaseException:
             executor.shutdown()  # a Ray group's workers would outlive the failed start
             raise
-    engine = GroupEngine(config, hf_config, tokenizer, executor)
+    return _assemble(config, hf_config, tokenizer, executor, model_dir)
+
+
+def rebuild_engine(failed: GroupEngine) -> GroupEngine:
+    """A group in place of a failed one: new workers for the same model and options (in the
+    same placement group when the group runs in one), the tokenizer kept, the cache empty."""
+    failed.shutdown()  # what is left of the old workers, and its draft's attachment
+    executor = _start_executor(failed.config, failed.hf_config, failed.model_dir, show_progress=False)
+    return _assemble(failed.config, failed.hf_config, failed.tokenizer, executor, failed.model_dir)
+
+
+def _start_executor(config: EngineConfig, hf_config, model_dir: str, show_progress: bool):
+    if config.parallel.world_size > 1:
+        from tandem.workers.distributed.ray_executor import RayExecutor  # Ray only when a group spans ranks
+
+        return RayExecutor(config, hf_config, model_dir)
+    from tandem.workers.executor import UniProcExecutor
+
+    return UniProcExecutor(config, hf_config, model_dir, show_progress=show_progress)
+
+
+def _assemble(config: EngineConfig, hf_config, tokenizer, executor, model_dir: str) -> GroupEngine:
+    engine = GroupEngine(config, hf_config, tokenizer, executor, model_dir=model_dir)
     try:
         engine.proposer = build_proposer(config, hf_config, executor)
     except BaseException:

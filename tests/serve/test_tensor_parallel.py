@@ -1,11 +1,17 @@
-"""A TP=2 replica group behind the API gives the offline LLM's greedy text, token for token."""
+"""A TP=2 replica group behind the API gives the offline LLM's greedy text, token for token,
+also after one of its workers is killed (the group starts new workers in place)."""
 
 from __future__ import annotations
+
+import json
+import os
+import signal
 
 import openai
 import pytest
 
-from tests.serve.conftest import serve_app
+from tandem.bench.load_generator import httpx
+from tests.serve.conftest import serve_app, wait_for
 
 PROMPTS = ["The quick brown fox", "It was the best of times, it was the worst of times"]
 MAX_TOKENS = 24
@@ -38,3 +44,29 @@ def test_tp2_greedy_text_equals_offline_llm(server, offline_texts):
     streamed = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed) == offline_texts[0]
+
+
+def test_killed_worker_is_replaced_in_place_and_serves_the_same_text(server, offline_texts):
+    report = httpx.get(server + "/admin/kv", timeout=30).json()
+    [(group_id, group)] = report["groups"].items()
+    old = group["worker_pids"]
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"]
+        os.kill(old[1], signal.SIGKILL)
+        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert (json.loads(events[-2])["error"]["code"], events[-1]) == ("service_unavailable", "[DONE]")
+
+    def rebuilt() -> bool:
+        groups = httpx.get(server + "/admin/kv", timeout=30).json()["groups"]
+        g = groups.get(group_id, {})
+        return g.get("healthy", False) and g.get("num_rebuilds") == 1
+
+    assert wait_for(rebuilt, timeout_s=90)  # the same replica (no new group id), on new workers
+    report = httpx.get(server + "/admin/kv", timeout=30).json()
+    assert list(report["groups"]) == [group_id] and not set(report["groups"][group_id]["worker_pids"]) & set(old)
+    test_tp2_greedy_text_equals_offline_llm(server, offline_texts)
+    assert wait_for(lambda: httpx.get(server + "/admin/kv", timeout=30).json()["device_blocks_held"] == 0,
+                    timeout_s=30)

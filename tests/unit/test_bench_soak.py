@@ -69,3 +69,9 @@ def test_strength_names_what_is_missing() -> None:
     assert injector.short_of_strength(report, hit_group="a") == [
         "1 of 2 groups", "1 unreachable", "group a unhealthy", "group a (the one hit) still listed",
         "group a holds no allocator lease"]
+    # A worker fault: the hit group may stay, once it serves on new workers.
+    report = {"groups": {"a": {"healthy": True, "worker_pids": [7, 9]}, "b": healthy}, "unreachable_groups": 0,
+              "allocator": {"present": True, "leases": {"a": 3, "b": 1}}}
+    assert injector.short_of_strength(report, hit_group="a", old_workers={7, 8}) == [
+        "group a (the one hit) still without new workers"]
+    assert injector.short_of_strength(report, hit_group="a", old_workers={5, 6}) == []

@@ -1,0 +1,170 @@
+"""A TP=2 group whose worker dies starts new workers in place and serves the same greedy
+tokens again; the heal budget, a failed rebuild and a rebuild that takes too long leave the
+group to Serve (its health check fails)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tandem.router.group_healer import GroupHealer, HealPolicy
+from tandem.workers.async_engine import AsyncEngine
+from tandem.workers.config import EngineConfig
+from tandem.workers.core.request import SamplingParams
+from tandem.workers.llm import build_engine, rebuild_engine
+from tests.conftest import hf_greedy, mixed_prompts, tiny_model
+
+LONG = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _wait(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+async def _generate(engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str):
+    return [out async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id)]
+
+
+async def _first_token_then(engine: AsyncEngine, prompt: list[int], request_id: str, kill) -> list:
+    outs = []
+    async for out in engine.generate({"prompt_token_ids": prompt}, LONG, request_id):
+        if not outs:
+            kill()
+        outs.append(out)
+    return outs
+
+
+def _pids(engine: AsyncEngine) -> list[int]:
+    return [w["pid"] for w in engine.engine.executor.worker_info]
+
+
+def test_a_killed_worker_is_replaced_in_place_and_the_group_serves_the_same_tokens(ray_local) -> None:
+    model = tiny_model("llama")
+    prompts = mixed_prompts(seed=5)
+    config = EngineConfig.from_options(model=model, tensor_parallel_size=2, num_kv_blocks=64, block_size=4)
+    engine = AsyncEngine(build_engine(config, show_progress=False))
+    swapped = []
+    healer = GroupHealer(engine, rebuild_engine, swapped.append, HealPolicy(max_rebuilds=2))
+    try:
+        before = _pids(engine)
+        # SIGKILL, as the OOM killer would: the worker's process is gone mid-stream.
+        outs = asyncio.run(_first_token_then(engine, prompts[0], "long", lambda: os.kill(before[1], signal.SIGKILL)))
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "error"
+        assert "worker pp_rank=0 tp_rank=1 died" in outs[-1].error
+        healer.check()  # being rebuilt: Serve's health check passes
+        assert _wait(lambda: healer.num_rebuilds == 1 and engine.is_healthy, timeout_s=60)
+        assert not healer.healing and swapped == [engine.engine]
+        after = _pids(engine)
+        assert len(after) == 2 and not set(after) & set(before)
+        got = [asyncio.run(_generate(engine, p, GREEDY, f"g{i}")) for i, p in enumerate(prompts)]
+        assert [[t for out in outs for t in out.outputs[0].token_ids] for outs in got] == hf_greedy(model, prompts, 8)
+        assert engine.engine.scheduler.stats()["kv_blocks_free"] == 64  # nothing held after the requests
+
+        # Again, then once more than the policy allows: the group is left failed for Serve.
+        os.kill(_pids(engine)[0], signal.SIGKILL)
+        asyncio.run(_generate(engine, prompts[1], LONG, "second"))
+        assert _wait(lambda: healer.num_rebuilds == 2 and engine.is_healthy, timeout_s=60)
+        os.kill(_pids(engine)[0], signal.SIGKILL)
+        asyncio.run(_generate(engine, prompts[1], LONG, "third"))
+        assert _wait(lambda: healer.gave_up is not None, timeout_s=30)
+        assert "after 2 rebuilds within 600 s" in healer.gave_up and not engine.is_healthy
+        with pytest.raises(RuntimeError, match="after 2 rebuilds"):
+            healer.check()
+    finally:
+        healer.close()
+        engine.shutdown()
+
+
+class _FakeEngine:
+    """What GroupHealer touches of an AsyncEngine's engine."""
+
+    def __init__(self, error: str | None = None) -> None:
+        self.dead_error = error
+        self.num_kv_blocks = 8
+        self.shut = False
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+class _FakeAsyncEngine:
+    def __init__(self) -> None:
+        self.listeners = []
+        self.engine = _FakeEngine()
+
+    def add_failure_listener(self, listener) -> None:
+        self.listeners.append(listener)
+
+    def fail(self, error: str) -> None:
+        self.engine.dead_error = error
+        for listener in self.listeners:
+            listener(self.engine)
+
+    def replace_engine(self, engine, on_swapped=None) -> None:
+        self.engine = engine
+        if on_swapped is not None:
+            on_swapped(engine)
+
+
+def test_a_rebuild_that_fails_leaves_the_group_to_serve() -> None:
+    fake = _FakeAsyncEngine()
+
+    def rebuild(failed):
+        raise RuntimeError("no bundle for the new worker")
+
+    healer = GroupHealer(fake, rebuild, policy=HealPolicy(max_rebuilds=3))
+    try:
+        fake.fail("worker pp_rank=0 tp_rank=1 died")
+        assert _wait(lambda: healer.gave_up is not None, timeout_s=10)
+        assert healer.gave_up == ("the group failed (worker pp_rank=0 tp_rank=1 died) and could not be rebuilt: "
+                                  "no bundle for the new worker")
+        assert not healer.healing and healer.num_rebuilds == 0
+        with pytest.raises(RuntimeError, match="could not be rebuilt"):
+            healer.check()
+    finally:
+        healer.close()
+
+
+def test_a_rebuild_slower_than_the_timeout_fails_the_health_check_and_its_engine_is_dropped() -> None:
+    fake = _FakeAsyncEngine()
+    now = [100.0]
+    started, go, built = threading.Event(), threading.Event(), []
+
+    def rebuild(failed):
+        started.set()
+        go.wait(10)
+        built.append(_FakeEngine())
+        return built[-1]
+
+    healer = GroupHealer(fake, rebuild, policy=HealPolicy(timeout_s=30.0), clock=lambda: now[0])
+    try:
+        fake.fail("worker pp_rank=0 tp_rank=0 died")
+        assert healer.healing and started.wait(10)
+        now[0] = 129.0
+        healer.check()  # within the timeout
+        now[0] = 131.0
+        with pytest.raises(RuntimeError, match="not rebuilt within 30 s"):
+            healer.check()
+        go.set()
+        assert _wait(lambda: built and built[0].shut, timeout_s=10)  # built too late: shut, never swapped in
+        assert fake.engine.dead_error is not None and healer.num_rebuilds == 0
+    finally:
+        healer.close()
+
+
+def test_heal_policy_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="max_rebuilds must be >= 0"):
+        HealPolicy(max_rebuilds=-1)
+    with pytest.raises(ValueError, match="timeout_s > 0"):
+        HealPolicy(timeout_s=0)
