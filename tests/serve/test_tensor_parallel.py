@@ -47,9 +47,14 @@ def test_tp2_greedy_text_equals_offline_llm(server, offline_texts):
 
 
 def test_killed_worker_is_replaced_in_place_and_serves_the_same_text(server, offline_texts):
+    import ray
+
+    def placement_groups() -> list[str]:
+        return sorted(pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED")
+
     report = httpx.get(server + "/admin/kv", timeout=30).json()
     [(group_id, group)] = report["groups"].items()
-    old = group["worker_pids"]
+    old, reserved = group["worker_pids"], placement_groups()
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "temperature": 0,
             "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
@@ -67,6 +72,7 @@ def test_killed_worker_is_replaced_in_place_and_serves_the_same_text(server, off
     assert wait_for(rebuilt, timeout_s=90)  # the same replica (no new group id), on new workers
     report = httpx.get(server + "/admin/kv", timeout=30).json()
     assert list(report["groups"]) == [group_id] and not set(report["groups"][group_id]["worker_pids"]) & set(old)
+    assert placement_groups() == reserved  # the new workers took the replica's own bundles
     test_tp2_greedy_text_equals_offline_llm(server, offline_texts)
     assert wait_for(lambda: httpx.get(server + "/admin/kv", timeout=30).json()["device_blocks_held"] == 0,
                     timeout_s=30)
