@@ -9,6 +9,8 @@ the workers. The healer does only the last part, in the replica that is already 
     engine fails ──> healer thread: rebuild_engine() (new workers in the same bundles,
                      weights loaded again, KV cache sized) ──> AsyncEngine.replace_engine()
 
+An idle group's workers are checked every `probe_interval_s` (a built-in no-op call
+to each), so a worker that dies between requests is replaced before a request finds it.
 Meanwhile the group reports itself unhealthy to the request router (its load is infinite,
 so requests go to other groups) but passes Serve's health check. A rebuild that fails, takes
 longer than `timeout_s`, or comes more than `max_rebuilds` times within `window_s` gives up:
@@ -36,10 +38,14 @@ class HealPolicy:
     max_rebuilds: int = 3  # rebuilds within window_s; beyond them Serve replaces the replica
     window_s: float = 600.0
     timeout_s: float = 120.0  # one rebuild, from the failure to serving
+    # How often an idle group's workers are checked: a step finds a dead worker at once,
+    # but a group with nothing to do would find it only when the next request fails.
+    probe_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.max_rebuilds < 0 or self.window_s <= 0 or self.timeout_s <= 0:
-            raise ValueError(f"heal policy: max_rebuilds must be >= 0, window_s and timeout_s > 0, got {self}")
+        if self.max_rebuilds < 0 or min(self.window_s, self.timeout_s, self.probe_interval_s) <= 0:
+            raise ValueError(f"heal policy: max_rebuilds must be >= 0, window_s, timeout_s and probe_interval_s "
+                             f"> 0, got {self}")
 
 
 class GroupHealer:
@@ -85,6 +91,20 @@ class GroupHealer:
         self._stop.set()
         self._wake.set()
 
+    def _probe(self) -> None:
+        """Fail the engine when a worker's process is gone (it then heals as after a step)."""
+        engine = self.engine.engine
+        dead_ranks = getattr(engine.executor, "dead_ranks", None)
+        if engine.dead_error is not None or self._failed is not None or dead_ranks is None:
+            return
+        try:
+            dead = dead_ranks()
+        except Exception:  # noqa: BLE001 - the next probe, or the next step, tells
+            logger.debug("probing the group's workers failed", exc_info=True)
+            return
+        if dead:
+            self.engine.fail_engine(f"worker {', '.join(dead)} died (found between steps)")
+
     def _engine_failed(self, engine: GroupEngine) -> None:
         """Engine thread: hand the failed engine to the healer's thread."""
         self._failed, self._failed_at = engine, self._clock()
@@ -92,7 +112,9 @@ class GroupHealer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait()
+            if not self._wake.wait(self.policy.probe_interval_s):
+                self._probe()
+                continue
             self._wake.clear()
             failed = self._failed
             if failed is None or self._stop.is_set() or self.gave_up is not None:

@@ -154,6 +154,11 @@ class AsyncEngine:
         `on_swapped(engine)` runs on the engine thread right after, before any listener."""
         self._post(lambda: self._swap(engine, on_swapped))
 
+    def fail_engine(self, error: str) -> None:
+        """Fail the engine between two steps: its group was found broken outside a step (a
+        worker died while the group was idle). Its requests end with the error."""
+        self._post(lambda: self._fail_now(error))
+
     def notify_step_listeners(self) -> None:
         """Run the step listeners soon, even if the engine is idle."""
         self._post(self._after_step)
@@ -223,6 +228,33 @@ class AsyncEngine:
         self.engine.abort_request(request_id)
         self._streams.pop(request_id, None)
 
+    def _fail_now(self, error: str) -> None:
+        if self.engine.dead_error is not None:  # a step found it first
+            return
+        fail_executor = getattr(self.engine.executor, "fail", None)
+        if fail_executor is not None:
+            fail_executor(error)
+        self._deliver(self.engine.fail(error))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+
+    def _tell_failure(self) -> None:
+        """The failure listeners, once per failed engine."""
+        if self.engine.dead_error is None or self._failure_told:
+            return
+        self._failure_told = True
+        for listener in self._failure_listeners:
+            try:
+                listener(self.engine)
+            except Exception:
+                logger.exception("failure listener failed")
+
     def _swap(self, engine: GroupEngine, on_swapped: Callable[[GroupEngine], None] | None) -> None:
         old, self.engine = self.engine, engine
         self._failure_told = False
@@ -250,6 +282,7 @@ class AsyncEngine:
                     self._commands.get_nowait()()
                 except queue.Empty:
                     break
+            self._tell_failure()
             if not self.engine.has_unfinished_requests():
                 self._after_step()
                 self._wake.wait()
@@ -260,17 +293,6 @@ class AsyncEngine:
             except Exception as exc:  # the step loop never swallows: fail every stream loudly
                 logger.exception("engine step failed")
                 outputs = self.engine.fail(f"{type(exc).__name__}: {exc}")
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
-                    if out.finished:
-                        del self._streams[out.request_id]
+            self._deliver(outputs)
             self._after_step()
-            if self.engine.dead_error is not None and not self._failure_told:
-                self._failure_told = True
-                for listener in self._failure_listeners:
-                    try:
-                        listener(self.engine)
-                    except Exception:
-                        logger.exception("failure listener failed")
+            self._tell_failure()

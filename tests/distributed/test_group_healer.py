@@ -55,7 +55,7 @@ def test_a_killed_worker_is_replaced_in_place_and_the_group_serves_the_same_toke
     config = EngineConfig.from_options(model=model, tensor_parallel_size=2, num_kv_blocks=64, block_size=4)
     engine = AsyncEngine(build_engine(config, show_progress=False))
     swapped = []
-    healer = GroupHealer(engine, rebuild_engine, swapped.append, HealPolicy(max_rebuilds=2))
+    healer = GroupHealer(engine, rebuild_engine, swapped.append, HealPolicy(max_rebuilds=2, probe_interval_s=0.5))
     try:
         before = _pids(engine)
         # SIGKILL, as the OOM killer would: the worker's process is gone mid-stream.
@@ -71,12 +71,14 @@ def test_a_killed_worker_is_replaced_in_place_and_the_group_serves_the_same_toke
         assert [[t for out in outs for t in out.outputs[0].token_ids] for outs in got] == hf_greedy(model, prompts, 8)
         assert engine.engine.scheduler.stats()["kv_blocks_free"] == 64  # nothing held after the requests
 
-        # Again, then once more than the policy allows: the group is left failed for Serve.
-        os.kill(_pids(engine)[0], signal.SIGKILL)
-        asyncio.run(_generate(engine, prompts[1], LONG, "second"))
+        # A worker that dies while the group is idle: the probe finds it, no request needed.
+        idle_pids = _pids(engine)
+        os.kill(idle_pids[0], signal.SIGKILL)
         assert _wait(lambda: healer.num_rebuilds == 2 and engine.is_healthy, timeout_s=60)
+        assert not set(_pids(engine)) & set(idle_pids)
+        assert "worker pp_rank=0 tp_rank=0 died (found between steps)" in swapped[0].dead_error
+        # Once more than the policy allows: the group is left failed for Serve.
         os.kill(_pids(engine)[0], signal.SIGKILL)
-        asyncio.run(_generate(engine, prompts[1], LONG, "third"))
         assert _wait(lambda: healer.gave_up is not None, timeout_s=30)
         assert "after 2 rebuilds within 600 s" in healer.gave_up and not engine.is_healthy
         with pytest.raises(RuntimeError, match="after 2 rebuilds"):
@@ -92,6 +94,7 @@ class _FakeEngine:
     def __init__(self, error: str | None = None) -> None:
         self.dead_error = error
         self.num_kv_blocks = 8
+        self.executor = None  # nothing to probe
         self.shut = False
 
     def shutdown(self) -> None:
@@ -166,5 +169,6 @@ def test_a_rebuild_slower_than_the_timeout_fails_the_health_check_and_its_engine
 def test_heal_policy_refuses_nonsense() -> None:
     with pytest.raises(ValueError, match="max_rebuilds must be >= 0"):
         HealPolicy(max_rebuilds=-1)
-    with pytest.raises(ValueError, match="timeout_s > 0"):
-        HealPolicy(timeout_s=0)
+    for bad in ({"timeout_s": 0}, {"window_s": -1.0}, {"probe_interval_s": 0}):
+        with pytest.raises(ValueError, match="window_s, timeout_s and probe_interval_s > 0"):
+            HealPolicy(**bad)

@@ -216,7 +216,7 @@ class RayExecutor:
     def _fail(self, exc: BaseException) -> GroupFailedError:
         """Kill the whole group (peers may be blocked in a collective with the failed worker)."""
         self.dead_error = _describe(exc, self.workers, self.worker_info, self.tp)
-        dead = self._dead_ranks()
+        dead = self.dead_ranks()
         if dead and not self.dead_error.startswith(f"worker {dead[0]} "):
             # A survivor's collective broke first; name the worker whose death caused it.
             self.dead_error = f"worker {', '.join(dead)} died ({self.dead_error})"
@@ -224,12 +224,22 @@ class RayExecutor:
         self._teardown(failed=True)
         return GroupFailedError(self.dead_error)
 
-    def _dead_ranks(self, timeout_s: float = 2.0) -> list[str]:
-        """Workers that no longer answer because their process is gone."""
+    def fail(self, reason: str) -> None:
+        """Give the group up from outside a step (a watchdog found a worker dead): kill the
+        rest; every later step raises."""
+        if self.dead_error is None:
+            self.dead_error = reason
+            logger.error("replica group failed: %s", reason)
+            self._teardown(failed=True)
+
+    def dead_ranks(self, timeout_s: float = 2.0) -> list[str]:
+        """Workers that no longer answer because their process is gone. Cheap (Ray's built-in
+        no-op call, which runs beside the compiled graph's loop), so a watchdog may call it
+        between steps; a worker busy past `timeout_s` is not counted dead."""
         import ray
         from ray.exceptions import RayActorError
 
-        refs = [w.describe.remote() for w in self.workers]
+        refs = [w.__ray_ready__.remote() for w in self.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         dead = []
         for rank, ref in enumerate(refs):
