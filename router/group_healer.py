@@ -11,7 +11,7 @@ the workers. The healer does only the last part, in the replica that is already 
 
 An idle group's workers are checked every `probe_interval_s` (a built-in no-op call
 to each), so a worker that dies between requests is replaced before a request finds it.
-Meanwhile the group reports itself unhealthy to the request router (its load is infinite,
+While it rebuilds, the group reports itself unhealthy to the request router (its load is infinite,
 so requests go to other groups) but passes Serve's health check. A rebuild that fails, takes
 longer than `timeout_s`, or comes more than `max_rebuilds` times within `window_s` gives up:
 the group then fails its health check and Serve replaces the replica, as it does for a group
