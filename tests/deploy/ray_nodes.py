@@ -26,6 +26,8 @@ from tandem.cluster.net import free_port
 _RAY_CLI = ("import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True); "
             "from ray.scripts.scripts import main; main()")
 _SERVE_CLI = "from ray.serve.scripts import cli; cli()"
+# Ray's C++ log lines: "[time E pid tid] ..." (error) and "F" (fatal, a failed check).
+_SEVERE = re.compile(r"^\[[^\]]* [EF] \d+ \d+\]|Check failed|\*\*\* SIG")
 
 
 def ray_cmd(*args: str) -> list[str]:
@@ -74,12 +76,17 @@ class RayNode:
 
     def session_logs(self, names: tuple[str, ...] = ("raylet.out", "raylet.err", "gcs_server.out"),
                      tail: int = 2000) -> str:
-        """The ends of the node's own Ray logs, for a failure message."""
+        """The ends of the node's own Ray logs, for a failure message, each after its error
+        and fatal lines (a crash's own message comes before a stack trace longer than the tail)."""
         out = []
         for name in names:
             for path in sorted(self.temp_dir.glob(f"session_*/logs/{name}")):
-                text = path.read_text(errors="replace")[-tail:]
-                out.append(f"\n--- {path.relative_to(self.temp_dir)} ---\n{text}")
+                if path.parent.parent.is_symlink():  # session_latest: the same files again
+                    continue
+                text = path.read_text(errors="replace")
+                errors = [line for line in text.splitlines() if _SEVERE.search(line)][:40]
+                out.append(f"\n--- {path.relative_to(self.temp_dir)}: error lines ---\n" + "\n".join(errors)
+                           + f"\n--- {path.relative_to(self.temp_dir)}: end ---\n{text[-tail:]}")
         return "".join(out)
 
     def stop(self, timeout_s: float = 30.0) -> None:

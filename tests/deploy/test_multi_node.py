@@ -73,6 +73,15 @@ class Cluster:
     grpc_target: str = ""
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # the last probe
     served_by: dict[int, str] = field(default_factory=dict)  # prompt seed -> group id
+    started: list[RayNode] = field(default_factory=list)  # what the fixture stops at the end
+
+    def join(self, name: str) -> RayNode:
+        """A new worker node joined to the head (stopped with the cluster)."""
+        node = start_node(self.base, name, self.env, head_address=self.gcs, num_cpus=2, resources=WORKER_RESOURCES,
+                          diagnose=self.head)
+        self.started.append(node)
+        self.workers.append(node)
+        return node
 
     def run(self, *cmd: str, timeout_s: float = 120) -> str:
         out = subprocess.run(list(cmd), env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
@@ -110,15 +119,15 @@ def offline() -> dict[tuple[int, int], str]:
 def cluster(offline) -> Cluster:
     base = Path(tempfile.mkdtemp(prefix="tdm-", dir="/tmp"))  # short: Ray's socket paths live under it
     env = cluster_env()
-    nodes: list[RayNode] = []
+    nodes: list[RayNode] = []  # every node started, the tests' own included: all stopped at the end
     try:
         head, gcs, dashboard = start_head(base, env, num_cpus=6, resources=HEAD_RESOURCES)
         nodes.append(head)
         nodes.append(start_node(base, "worker1", env, head_address=gcs, num_cpus=2, resources=WORKER_RESOURCES))
-        yield Cluster(base, env, gcs, dashboard, head, nodes[1:])
+        yield Cluster(base, env, gcs, dashboard, head, nodes[1:], started=nodes)
     finally:
         for node in reversed(nodes):
-            node.stop()
+            node.stop()  # a no-op for a node a test stopped already
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -275,13 +284,10 @@ def test_a_node_that_joins_again_gets_a_new_group(cluster: Cluster, offline) -> 
     # Ray log line after "Local node IP"); an operator would start the node again, and what
     # is under test is Serve placing a group on it. A hang's stacks and logs are in the error.
     try:
-        node = start_node(cluster.base, "worker2", cluster.env, head_address=cluster.gcs,
-                          num_cpus=2, resources=WORKER_RESOURCES, diagnose=cluster.head)
+        cluster.join("worker2")
     except RuntimeError as first:
         print(first, file=sys.stderr)  # kept in the test's output if the second start fails too
-        node = start_node(cluster.base, "worker3", cluster.env, head_address=cluster.gcs,
-                          num_cpus=2, resources=WORKER_RESOURCES, diagnose=cluster.head)
-    cluster.workers.append(node)
+        cluster.join("worker3")
     groups = cluster.probe(num_groups=2, timeout_s=240)
     new = cluster.group_on(head=False)
     assert survivor in groups and new != survivor
