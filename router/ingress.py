@@ -101,14 +101,11 @@ async def _guard_stream(chunks):
 @serve.ingress(app)
 class OpenAIIngress(GrpcMethods):
     def __init__(self, group, config: dict[str, Any]) -> None:
+        from tandem.workers.model.demo_model import demo_model_path
         from tandem.workers.model.hf_config import HFModelConfig
         from tandem.workers.text.tokenizer import load_tokenizer
 
-        model_dir = config.get("model")
-        if not model_dir:  # the demo model's module imports torch and transformers' models
-            from tandem.workers.model.demo_model import demo_model_path
-
-            model_dir = demo_model_path()
+        model_dir = config.get("model") or demo_model_path()
         hf_config = HFModelConfig.from_dir(model_dir)
         self.client = EngineClient(
             group, tokenizer=load_tokenizer(model_dir), model_name=config["served_model_name"],

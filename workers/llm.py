@@ -17,15 +17,11 @@ from tandem.workers.text.tokenizer import apply_chat_template
 
 def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEngine:
     """Resolve the model, load tokenizer and weights, size the KV cache, and start a group."""
+    from tandem.workers.model.demo_model import demo_model_path
     from tandem.workers.model.hf_config import HFModelConfig
     from tandem.workers.text.tokenizer import load_tokenizer
 
-    if config.model.model:
-        model_dir = config.model.model
-    else:  # the demo model's module imports torch and transformers' models: only when it is asked for
-        from tandem.workers.model.demo_model import demo_model_path
-
-        model_dir = demo_model_path()
+    model_dir = config.model.model or demo_model_path()
     hf_config = HFModelConfig.from_dir(model_dir)
     max_len = config.model.max_model_len
     if max_len is not None and max_len > hf_config.max_position_embeddings:

@@ -228,3 +228,18 @@ def test_spec_pair_greedy_agrees_in_transformers(tmp_path: Path, tok) -> None:
 def test_spec_pair_needs_layers_to_mute(tmp_path: Path, tok) -> None:
     with pytest.raises(ValueError, match="num_draft_layers"):
         demo_model.create_spec_pair(tmp_path, num_draft_layers=2, tokenizer=tok, num_hidden_layers=2)
+
+
+def test_finding_the_built_demo_model_imports_neither_torch_nor_transformers() -> None:
+    """A group serving the demo model asks where it is at every start: that costs no imports."""
+    import subprocess
+    import sys
+
+    demo_model.demo_model_path()  # built (once per cache dir) here, not in the child
+    script = ("import sys\n"
+              "from tandem.workers.model.demo_model import demo_model_path\n"
+              "demo_model_path()\n"
+              "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

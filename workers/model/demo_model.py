@@ -14,22 +14,14 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import (
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PreTrainedConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
-from transformers.utils import logging as hf_logging
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedConfig, PreTrainedTokenizerFast
+
+# torch, tokenizers and transformers' model classes (~4 s of CPU to import) are imported by
+# the functions that build a model: a group serving the demo model, once it is built, only
+# asks `demo_model_path()` where it is.
 
 BOS, EOS, PAD, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0..4, in this order
@@ -58,12 +50,16 @@ _SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-_ARCHS: dict[str, tuple[type, type]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ARCHS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # transformers' class name prefixes
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _classes(architecture: str) -> tuple[type, type]:
+    """(config class, model class) of an architecture."""
+    import transformers
+
+    prefix = _ARCHS[architecture]
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
 
 def _corpus(vocab_size: int, seed: int) -> list[str]:
@@ -97,6 +93,9 @@ def _corpus(vocab_size: int, seed: int) -> list[str]:
 
 def build_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
     """Train a deterministic byte-level BPE tokenizer with `vocab_size` entries (specials included)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     # Qwen2's pipeline for every architecture: for model_type "qwen2", transformers 5 AutoTokenizer
     # rebuilds it as Qwen2Tokenizer whatever tokenizer.json says, so any other would diverge there.
@@ -150,8 +149,10 @@ def create_model_dir(
         rope_theta=rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=tie_word_embeddings,
         attention_bias=attention_bias, sliding_window=sliding_window, init_std=init_std)
 
+    import torch
+
     torch.manual_seed(seed)
-    model = _ARCHS[architecture][1](config)
+    model = _classes(architecture)[1](config)
     # Re-initialise with a wide spread: the HF default (std 0.02) makes logits nearly flat,
     # so greedy argmax would flip on float noise; tests compare greedy outputs across
     # implementations and need decisive winners. named_parameters() skips tied duplicates.
@@ -161,7 +162,7 @@ def create_model_dir(
                 param.normal_(0.0, 0.1).add_(1.0)
             else:
                 param.normal_(0.0, init_std)
-    model = model.to(_DTYPES[dtype])
+    model = model.to(getattr(torch, dtype))
     model.generation_config = generation_config(tokenizer)
     with _quiet_hf_progress():  # no "Writing model shards" bars on stderr
         # No safe_serialization argument: safetensors is the only format in transformers 5.
@@ -194,7 +195,7 @@ def model_config(
         hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
-        rope_parameters=rope, initializer_range=init_std, architectures=[_ARCHS[architecture][1].__name__],
+        rope_parameters=rope, initializer_range=init_std, architectures=[f"{_ARCHS[architecture]}ForCausalLM"],
         tie_word_embeddings=(architecture == "qwen2") if tie_word_embeddings is None else tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -218,11 +219,13 @@ def model_config(
         # max_window_layers=0 makes every layer use the window, matching mistral's behaviour.
         kwargs.update(use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
                       max_window_layers=0)
-    return _ARCHS[architecture][0](**kwargs)
+    return _classes(architecture)[0](**kwargs)
 
 
 def generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
     """Chat turns end with <|im_end|>, plain completions with <|eos|>: both must stop generation."""
+    from transformers import GenerationConfig
+
     return GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
                             eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)])
 
@@ -300,7 +303,9 @@ def create_spec_pair(path: str | os.PathLike[str], *, num_draft_layers: int = 1,
     target_dir, draft_dir = path / "target", path / "draft"
     create_model_dir(target_dir, **model_kwargs)
     with _quiet_hf_progress():
-        target = _ARCHS[model_kwargs.get("architecture", "llama")][1].from_pretrained(target_dir, dtype="auto")
+        import torch
+
+        target = _classes(model_kwargs.get("architecture", "llama"))[1].from_pretrained(target_dir, dtype="auto")
         with torch.no_grad():
             for layer in target.model.layers[num_draft_layers:]:
                 layer.self_attn.o_proj.weight.mul_(tail_scale)
@@ -325,6 +330,8 @@ def create_spec_pair(path: str | os.PathLike[str], *, num_draft_layers: int = 1,
 @contextlib.contextmanager
 def _quiet_hf_progress() -> Iterator[None]:
     """No "Loading weights" / "Writing model shards" bars on stderr."""
+    from transformers.utils import logging as hf_logging
+
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
