@@ -235,9 +235,10 @@ class RayExecutor:
     def dead_ranks(self, timeout_s: float = 2.0) -> list[str]:
         """Workers that no longer answer because their process is gone. Cheap (Ray's built-in
         no-op call, which runs beside the compiled graph's loop), so a watchdog may call it
-        between steps; a worker busy past `timeout_s` is not counted dead."""
+        between steps; a worker busy past `timeout_s`, or unreachable for a moment (Ray's
+        ActorUnavailableError), is not counted dead."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorDiedError
 
         refs = [w.__ray_ready__.remote() for w in self.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -246,8 +247,10 @@ class RayExecutor:
             if ref in ready:
                 try:
                     ray.get(ref)
-                except RayActorError:
+                except ActorDiedError:
                     dead.append(_rank_name(rank, self.tp))
+                except Exception:  # noqa: BLE001 - not known dead: the next probe or step tells
+                    pass
         return dead
 
     def measure_control_overhead(self, num_steps: int = 200) -> dict[str, float]:
