@@ -94,3 +94,31 @@ def test_worker_that_raises_fails_the_group(ray_local) -> None:
         engine.pool.check_all_free()
     finally:
         llm.shutdown()
+
+
+def test_a_worker_killed_before_the_first_step_fails_the_group_without_aborting_the_process(tmp_path) -> None:
+    """Ray aborts a process that tears down a compiled graph none of whose channels was ever
+    used (a reader registration fails a check): the executor runs one empty step at start.
+    In a subprocess, so a regression fails this test instead of killing the test run."""
+    import subprocess
+    import sys
+
+    script = f"""
+import os, signal, time, ray
+ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+from tandem.workers.config import EngineConfig
+from tandem.workers.llm import build_engine
+for i in range(4):
+    engine = build_engine(EngineConfig.from_options(model={tiny_model("llama")!r}, tensor_parallel_size=2,
+                                                    num_kv_blocks=32), show_progress=False)
+    os.kill(engine.executor.worker_info[0]["pid"], signal.SIGKILL)
+    time.sleep(0.5)
+    dead = engine.executor.dead_ranks()
+    engine.executor.fail("killed")
+    engine.shutdown()
+    print("round", i, dead, flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rounds = [line for line in done.stdout.splitlines() if line.startswith("round ")]  # not Ray's own lines
+    assert rounds == [f"round {i} ['pp_rank=0 tp_rank=0']" for i in range(4)]

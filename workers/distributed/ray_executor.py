@@ -73,6 +73,10 @@ class RayExecutor:
             self.worker_info = ray.get([w.describe.remote() for w in self.workers])
             if use_compiled_graph:
                 self._dag = self._compile()
+                # One empty step through the graph: each channel is set up at its first use, and
+                # a graph torn down (a worker died) before any step makes Ray abort this process
+                # (its reader registration fails a check: the channel was never written).
+                self._broadcast(SchedulerOutput(step_id=-1))
         except BaseException:
             self._teardown()
             raise
