@@ -5,7 +5,8 @@
 
 Set-up: validate and reserve a placement group (cluster/placement.py), start one actor
 per bundle, rendezvous torch.distributed at rank 0's node on a port chosen there at run
-time, load shards, then size the KV cache to what fits on every worker.
+time, load shards, size the KV cache to what fits on every worker, then run one empty
+step through the compiled graph (see __init__).
 
 Each step reaches all workers as one message through a Ray compiled graph (shared-memory
 channels): an empty step costs a third of what plain actor calls cost (figures in
