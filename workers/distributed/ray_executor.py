@@ -220,22 +220,24 @@ class RayExecutor:
 
     def _fail(self, exc: BaseException) -> GroupFailedError:
         """Kill the whole group (peers may be blocked in a collective with the failed worker)."""
-        self.dead_error = _describe(exc, self.workers, self.worker_info, self.tp)
+        error = _describe(exc, self.workers, self.worker_info, self.tp)
         dead = self.dead_ranks()
-        if dead and not self.dead_error.startswith(f"worker {dead[0]} "):
+        if dead and not error.startswith(f"worker {dead[0]} "):
             # A survivor's collective broke first; name the worker whose death caused it.
-            self.dead_error = f"worker {', '.join(dead)} died ({self.dead_error})"
-        logger.error("replica group failed: %s", self.dead_error)
-        self._teardown(failed=True)
-        return GroupFailedError(self.dead_error)
+            error = f"worker {', '.join(dead)} died ({error})"
+        self._give_up(error)
+        return GroupFailedError(error)
 
     def fail(self, reason: str) -> None:
         """Give the group up from outside a step (a watchdog found a worker dead): kill the
         rest; every later step raises."""
         if self.dead_error is None:
-            self.dead_error = reason
-            logger.error("replica group failed: %s", reason)
-            self._teardown(failed=True)
+            self._give_up(reason)
+
+    def _give_up(self, error: str) -> None:
+        self.dead_error = error
+        logger.error("replica group failed: %s", error)
+        self._teardown(failed=True)
 
     def dead_ranks(self, timeout_s: float = 2.0) -> list[str]:
         """Workers that no longer answer because their process is gone. Cheap (Ray's built-in
