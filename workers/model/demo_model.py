@@ -300,11 +300,11 @@ def create_spec_pair(path: str | os.PathLike[str], *, num_draft_layers: int = 1,
         raise ValueError(f"num_draft_layers must be in [1, {layers}), got {num_draft_layers}")
     if model_kwargs.get("tokenizer") is None:
         model_kwargs["tokenizer"] = build_tokenizer(model_kwargs.get("vocab_size", 512), model_kwargs.get("seed", 0))
+    import torch
+
     target_dir, draft_dir = path / "target", path / "draft"
     create_model_dir(target_dir, **model_kwargs)
     with _quiet_hf_progress():
-        import torch
-
         target = _classes(model_kwargs.get("architecture", "llama"))[1].from_pretrained(target_dir, dtype="auto")
         with torch.no_grad():
             for layer in target.model.layers[num_draft_layers:]:
