@@ -1,0 +1,130 @@
+"""The host's share of a decode step: the engine's step with the model's work taken away.
+
+`python -m tandem.bench.host_step MODEL_DIR [--batches 1,32,128,256] [--device cpu]`
+
+The model's forward returns a zero hidden state and its logits are a zero tensor, so
+what is left of a step is what the host does for it: scheduling, the scheduler's diff,
+the runner's input building and its one copy, sampling's bookkeeping, the scheduler's
+update and the outputs. With steps overlapped (as on CUDA), a device step can hide at
+most its own duration of this: host ms per step is the floor of the step time, and
+`1000 * batch / host ms` the most output tokens a second the engine can give at that
+batch, whatever the device. Medians over the decode steps of one `LLM.generate` per
+batch (prompts of 256 tokens, 129 output tokens each), best of `--repeats`.
+
+On CPU the engine is set up as on CUDA (the Triton backend's kernel tables, decode steps
+padded to graph buckets in the graph buffer, steps scheduled ahead of their tokens), so the
+host work measured is the work a CUDA step costs, on this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from tandem.workers import LLM, SamplingParams
+from tandem.workers.runner.model_runner import ModelRunner
+
+
+def null_model(llm: LLM) -> None:
+    """Replace the model's work with zeros of the right shapes (in place, on this process's runner)."""
+    runner = llm.engine.executor.runner
+    model = runner.model
+    hidden = torch.zeros(runner.config.scheduler.max_num_batched_tokens + 1024, runner.hf_config.hidden_size,
+                         dtype=runner.dtype, device=runner.device)
+    logits = torch.zeros(hidden.shape[0], runner.hf_config.vocab_size, dtype=runner.dtype, device=runner.device)
+    model.forward = lambda input_ids, positions, meta, hidden_in=None: hidden[:positions.shape[0]]
+    model.compute_logits = lambda h: logits[:h.shape[0]]
+
+
+def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: int = 256,
+            max_tokens: int = 129) -> float:
+    """Median host seconds per decode step at this batch (best of `repeats` runs)."""
+    engine = llm.engine
+    times: list[float] = []
+    step = engine.step
+
+    def timed() -> Any:
+        start = time.perf_counter()
+        out = step()
+        times.append(time.perf_counter() - start)
+        return out
+
+    engine.step = timed
+    prompts = [{"prompt_token_ids": list(range(10 + i % 7, 10 + prompt_len))} for i in range(batch)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=output_kind)
+    best = float("inf")
+    try:
+        for _ in range(repeats):
+            times.clear()
+            if output_kind == "final":
+                llm.generate(prompts, params, use_tqdm=False)
+            else:
+                _run_streaming(llm, prompts, params)
+            best = min(best, statistics.median(times[2:]))  # the prefill steps left out
+    finally:
+        engine.step = step
+    return best
+
+
+def _run_streaming(llm: LLM, prompts: list[dict], params: SamplingParams) -> None:
+    """As a server drives the engine: every step's outputs made (text included)."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"host-step-{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _cuda_like_llm(model: str, device: str, max_num_seqs: int) -> LLM:
+    options = dict(device=device, max_num_seqs=max_num_seqs, overlap_steps=True, attention_backend="triton",
+                   gpu_memory_utilization=0.5)
+    if device != "cpu":
+        return LLM(model=model, **options)
+    # The Triton backend's tables (its kernels never run: TRITON_INTERPRET only passes the
+    # backend's check) and graph buckets without capture.
+    graph_mode = ModelRunner._graph_mode
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    ModelRunner._graph_mode = lambda self: "eager"
+    try:
+        return LLM(model=model, **options)
+    finally:
+        ModelRunner._graph_mode = graph_mode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--batches", default="1,32,128,256")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output-kind", default="final", choices=("final", "delta"),
+                        help="final: LLM.generate (outputs when done); delta: a server's streaming outputs")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=129)
+    parser.add_argument("--output-json")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = _cuda_like_llm(args.model, args.device, max(batches))
+    null_model(llm)
+    results = []
+    for batch in batches:
+        seconds = measure(llm, batch, args.repeats, args.output_kind, args.prompt_len, args.max_tokens)
+        results.append({"batch": batch, "host_ms_per_step": round(seconds * 1e3, 4),
+                        "host_us_per_request": round(seconds * 1e6 / batch, 2),
+                        "max_tok_s": round(batch / seconds)})
+        print(f"batch {batch:4d}: {seconds * 1e3:7.3f} ms/step on the host, {seconds * 1e6 / batch:6.2f} us a request, "
+              f"at most {batch / seconds:9,.0f} tok/s", flush=True)
+    llm.shutdown()
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"device": args.device, "output_kind": args.output_kind, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
