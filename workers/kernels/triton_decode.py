@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.workers.kernels.decode_splits import default_num_splits
+
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima: exp2(-inf - NEG_BIG) is 0 and
 # exp2(NEG_BIG - NEG_BIG) is 1, so rows that have seen no key yet need no NaN guards.
@@ -58,17 +60,6 @@ def decode_tile(block_d: int, elem_size: int) -> tuple[int, int, int]:
     if row_bytes <= 512:
         return 64, 8, 3
     return 32, 4, 3
-
-
-def default_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, block_size: int,
-                       num_sms: int) -> int:
-    """Enough (row, kv_head, split) programs for ~2 waves over the SMs, but no split shorter
-    than ~256 keys (or one block) and at most 32 splits."""
-    programs = max(1, batch_size * num_kv_heads)
-    wanted = triton.cdiv(2 * max(1, num_sms), programs)
-    min_keys = max(256, block_size)
-    by_length = max(1, triton.cdiv(max(1, max_seq_len), min_keys))
-    return max(1, min(wanted, by_length, 32))
 
 
 @triton.jit

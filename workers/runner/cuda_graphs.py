@@ -63,7 +63,9 @@ class DecodeGraphs:
         self.scratch_block = layout.scratch_block
         self.max_context = layout.max_context
         self.device = device
-        self.num_splits = num_splits
+        # Each bucket's flash-decoding splits, fixed at capture for its longest context: an
+        # eager run of the bucket uses the same, so the two paths compute alike.
+        self.splits = {b: num_splits(b, layout.max_context) for b in self.buckets}
         top = self.buckets[-1]
         # ... then up to 2 x B indices of tokens scheduled ahead (StepInputs.pending_dst/src).
         self.buffer = torch.zeros(6 * top + top * self.width, dtype=torch.int32, device=device)
@@ -79,7 +81,7 @@ class DecodeGraphs:
         """The bucket a decode step of `num_decodes` rows pads to, or None if none holds it."""
         for b in self.buckets:
             if b >= num_decodes:
-                return GraphTarget(b, self.width, self.buffer)
+                return GraphTarget(b, self.width, self.buffer, self.splits[b])
         return None
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
@@ -132,7 +134,7 @@ class DecodeGraphs:
         ids, positions, slots, lens = (self.buffer[i * b:(i + 1) * b] for i in range(4))
         tables = self.buffer[4 * b:4 * b + b * w].view(b, w)
         gpu = KernelTables(decode_block_tables=tables, decode_seq_lens=lens,
-                           num_splits=self.num_splits(b, self.max_context), prefill_block_tables=None,
+                           num_splits=self.splits[b], prefill_block_tables=None,
                            prefill_seq_lens=None, prefill_query_start=None, prefill_max_query_len=0)
         meta = AttentionMetadata(slot_mapping=slots, num_decodes=b, decode_block_tables=None, decode_seq_lens=None,
                                  prefills=[], block_size=self.block_size, gpu=gpu)

@@ -21,6 +21,7 @@ from tandem.workers.core.request import PENDING_TOKEN, PositionLogprobs, Samplin
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
 from tandem.workers.distributed.parallel import ParallelContext
 from tandem.workers.kernels import cpu_kernels, gpu_kernels
+from tandem.workers.kernels.decode_splits import default_num_splits
 from tandem.workers.kernels.huge_pages import zeros_huge
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.model.layers import pack_cpu_weights, use_fast_gemm_layout
@@ -116,11 +117,12 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int, show_progress: bool = False) -> None:
         """num_blocks for the pool, plus the scratch block (id num_blocks) for padding rows."""
         self.num_blocks = num_blocks
+        self._kv_heads = self.model.attention_layers[0].num_kv_heads
         for attn in self.model.attention_layers:
             shape = ((num_blocks + 1) * self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.key_cache, attn.value_cache = (self._zeros(shape) for _ in range(2))
         self.builder = InputBuilder(self.block_size, self.device, num_blocks, self.use_gpu_kernels,
-                                    self._num_splits)
+                                    self._num_splits, host_lists=self.ctx.overlaps_comm)
         mode = self._graph_mode()
         if mode is not None:
             layout = GraphLayout(self.config.scheduler.max_num_seqs, self._max_blocks_per_seq(self._capture_len()),
@@ -149,10 +151,8 @@ class ModelRunner:
         return min(self.max_model_len, self.config.model.max_seq_len_to_capture)
 
     def _num_splits(self, batch: int, max_context: int) -> int:
-        from tandem.workers.kernels.triton_attention import default_num_splits
-
-        attn = self.model.attention_layers[0]
-        return default_num_splits(batch, attn.num_kv_heads, max_context, self.block_size, gpu_kernels.num_sms())
+        """Flash-decoding splits of a decode step (asked every eager step: kept cheap)."""
+        return default_num_splits(batch, self._kv_heads, max_context, self.block_size, gpu_kernels.num_sms())
 
     def release(self) -> None:
         """Drop the model, caches and graphs, and give their device memory back."""

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tandem.workers.core.request import PENDING_TOKEN, token_at, token_slice
+from tandem.workers.core.request import PENDING_TOKEN, token_slice
 from tandem.workers.core.scheduler_output import SchedulerOutput
 from tandem.workers.model.attention import AttentionMetadata, KernelTables, PrefillSeq
 from tandem.workers.runner.block_table import BlockTable
@@ -70,6 +70,7 @@ class GraphTarget:
     batch: int
     width: int
     buffer: torch.Tensor  # int32 device buffer the captured graph reads, laid out as above
+    num_splits: int  # flash-decoding splits captured into the bucket's graph
 
 
 class StagingBuffer:
@@ -109,135 +110,178 @@ class StagingBuffer:
 
 
 class InputBuilder:
-    """Scheduler output + per-request state -> StepInputs, with one host-to-device copy."""
+    """Scheduler output + per-request state -> StepInputs, with one host-to-device copy.
+
+    Runs on the host for every step, so its cost per request is kept to a few list appends:
+    decode rows (one token each, the bulk of a step at steady state) are built in plain
+    Python, since numpy's fixed cost per call exceeds a decode row's whole work; prefill
+    chunks (many tokens each) are vectorised with numpy.
+    """
 
     def __init__(self, block_size: int, device: torch.device, scratch_block: int, kernel_tables: bool,
-                 num_splits: Callable[[int, int], int]) -> None:
+                 num_splits: Callable[[int, int], int], host_lists: bool = True) -> None:
         self.block_size = block_size
         self.device = device
         self.scratch_block = scratch_block  # padding rows' KV goes here
         self.kernel_tables = kernel_tables  # build the GPU kernels' tables (the Triton backend)
         self.num_splits = num_splits  # (batch, max context) -> flash-decoding splits
+        # The decodes' block lists on the host (AttentionMetadata.decode_block_tables): the torch
+        # path and the overlapped TP chunks read them, the Triton kernels read the tables.
+        self.host_lists = host_lists or not kernel_tables
         self.staging = StagingBuffer(device)
 
     def build(self, out: SchedulerOutput, states: dict[str, RequestView], block_table: BlockTable,
               graph: GraphTarget | None = None, pending_source: dict[str, int] | None = None) -> StepInputs:
         """`pending_source`: request -> its token's index among the previous step's sampled
-        tokens, for requests scheduled ahead on a PENDING_TOKEN."""
+        tokens, for requests scheduled ahead on a PENDING_TOKEN. `graph`: a step of single-token
+        rows only, padded to the graph's bucket."""
         bs = self.block_size
         computed = {r.req_id: r.num_computed_tokens for r in out.new_requests}
         computed.update({r.req_id: r.num_computed_tokens for r in out.cached_requests})
         sched = out.num_scheduled_tokens
-        # Decodes (exactly one new token) first: they batch into one attention call.
-        order = sorted(sched, key=lambda r: sched[r] != 1)
-        num_reqs = len(order)
-        num_decodes = sum(1 for r in order if sched[r] == 1)
-        start_list = [computed[r] for r in order]
-        num_list = [sched[r] for r in order]
-        starts = np.array(start_list, dtype=np.int64)
-        nums = np.array(num_list, dtype=np.int64)
-        ends = starts + nums
-        num_blocks = ((ends + bs - 1) // bs).tolist()
-        rows = graph.batch if graph is not None else num_reqs
-        width = graph.width if graph is not None else max(num_blocks)
-        table_rows = np.array([states[r].row for r in order], dtype=np.int64)
-        if graph is None:
-            tables = block_table.rows(table_rows, width)
-        else:
-            tables = np.zeros((rows, width), dtype=np.int32)
-            tables[:num_reqs] = block_table.rows(table_rows, width)
-        input_ids: list[int] = []
-        logits_rows: list[list[int]] = []
-        drafts: list[list[int]] = []
-        prompt_rows: list[tuple[str, int, list[int], list[int]]] = []
-        block_lists: list[list[int]] = []
         spec = out.spec_token_ids
+        if out.total_num_scheduled_tokens == len(sched):  # every row a single token (no drafts then)
+            order = list(sched)
+            num_decodes = len(order)
+        else:  # decodes (exactly one new token) first: they batch into one attention call
+            order = sorted(sched, key=lambda r: sched[r] != 1)
+            num_decodes = sum(1 for r in order if sched[r] == 1)
+        num_reqs = len(order)
+        rows = graph.batch if graph is not None else num_reqs
+
+        # Decode rows, in plain Python.
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        table_rows: list[int] = []
+        logits_rows: list[list[int]] = []
+        decode_lists: list[list[int]] = []
+        prompt_rows: list[tuple[str, int, list[int], list[int]]] = []
         pending_dst: list[int] = []
         pending_src: list[int] = []
-        for req_id, start, num, blocks in zip(order, start_list, num_list, num_blocks):
+        host_lists = self.host_lists
+        for i, req_id in enumerate(order[:num_decodes]):
             state = states[req_id]
-            end = start + num
-            draft = spec.get(req_id, ()) if spec else ()
-            q_start = len(input_ids)
-            if num == 1:  # the hot path: one token (a draft always comes with its token)
-                token = token_at(state.prompt_token_ids, state.output_token_ids, start)
-                if token == PENDING_TOKEN:  # scheduled ahead: the token is on the device
-                    pending_dst.append(q_start)
-                    pending_src.append(pending_source[req_id])
-                input_ids.append(token)
-                # Reaches the last known token: sample.
-                logits_rows.append([q_start] if end >= state.num_tokens else [])
-            else:
-                input_ids.extend(token_slice(state.prompt_token_ids, state.output_token_ids, start,
-                                             start + num - len(draft)))
-                input_ids.extend(draft)
-                # Reaches the last known token: sample (at each draft position too).
-                logits_rows.append(list(range(q_start + num - 1 - len(draft), q_start + num))
-                                   if end - len(draft) >= state.num_tokens else [])
-            drafts.append(list(draft))
-            block_lists.append(state.block_ids[:blocks])
-            num_prompt = len(state.prompt_token_ids)
+            start = computed[req_id]
+            prompt, outputs = state.prompt_token_ids, state.output_token_ids
+            num_prompt = len(prompt)
+            token = prompt[start] if start < num_prompt else outputs[start - num_prompt]
+            if token == PENDING_TOKEN:  # scheduled ahead: the token is on the device
+                pending_dst.append(i)
+                pending_src.append(pending_source[req_id])
+            input_ids.append(token)
+            positions.append(start)
+            slots.append(state.block_ids[start // bs] * bs + start % bs)
+            seq_lens.append(start + 1)
+            table_rows.append(state.row)
+            # Reaches the last known token: sample (a 1-token prefill chunk short of it does not).
+            logits_rows.append([i] if start + 1 >= num_prompt + len(outputs) else [])
+            if host_lists:
+                decode_lists.append(state.block_ids[:start // bs + 1])
             if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
                 # Position p's logits score prompt token p + 1.
-                last = min(end, num_prompt - 1)
+                prompt_rows.append((req_id, start + 1, [i], prompt[start + 1:start + 2]))
+        drafts: list[list[int]] = [[] for _ in range(num_decodes)]
+
+        # Prefill chunks (and decodes carrying drafts), vectorised.
+        prefill_lists: list[list[int]] = []
+        prefill_starts: list[int] = []
+        prefill_nums: list[int] = []
+        for req_id in order[num_decodes:]:
+            state = states[req_id]
+            start, num = computed[req_id], sched[req_id]
+            draft = spec.get(req_id, []) if spec else []
+            q_start = len(input_ids)
+            input_ids.extend(token_slice(state.prompt_token_ids, state.output_token_ids, start,
+                                         start + num - len(draft)))
+            input_ids.extend(draft)
+            # Reaches the last known token: sample (at each draft position too).
+            logits_rows.append(list(range(q_start + num - 1 - len(draft), q_start + num))
+                               if start + num - len(draft) >= state.num_tokens else [])
+            drafts.append(list(draft))
+            prefill_lists.append(state.block_ids[:(start + num + bs - 1) // bs])
+            table_rows.append(state.row)
+            prefill_starts.append(start)
+            prefill_nums.append(num)
+            num_prompt = len(state.prompt_token_ids)
+            if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
+                last = min(start + num, num_prompt - 1)
                 prompt_rows.append((req_id, start + 1, list(range(q_start, q_start + last - start)),
                                     state.prompt_token_ids[start + 1:last + 1]))
+
+        all_ends = seq_lens + [s + n for s, n in zip(prefill_starts, prefill_nums)]
+        width = graph.width if graph is not None else -(-max(all_ends) // bs)
+        if graph is None:
+            tables = block_table.rows(np.asarray(table_rows, dtype=np.int64), width)
+        else:
+            tables = np.zeros((rows, width), dtype=np.int32)
+            tables[:num_reqs] = block_table.rows(np.asarray(table_rows, dtype=np.int64), width)
+        nums = np.asarray(prefill_nums, dtype=np.int64)
+        query_start = np.zeros(len(prefill_nums) + 1, dtype=np.int32)
+        np.cumsum(nums, out=query_start[1:])
+        if prefill_nums:
+            starts = np.asarray(prefill_starts, dtype=np.int64)
+            chunk_req = np.repeat(np.arange(num_decodes, num_reqs), nums)
+            chunk_pos = np.repeat(starts - query_start[:-1], nums) + np.arange(int(query_start[-1]))
+            chunk_slots = tables[chunk_req, chunk_pos // bs].astype(np.int64) * bs + chunk_pos % bs
+            positions_np = np.concatenate([np.asarray(positions, dtype=np.int64), chunk_pos])
+            slots_np = np.concatenate([np.asarray(slots, dtype=np.int64), chunk_slots])
+        else:
+            positions_np, slots_np = positions, slots
         num_tokens = len(input_ids)
-        token_req = np.repeat(np.arange(num_reqs), nums)
-        q_starts = np.cumsum(nums) - nums
-        positions = (np.repeat(starts - q_starts, nums) + np.arange(num_tokens)).astype(np.int32)
-        slots = (tables[token_req, positions // bs].astype(np.int64) * bs + positions % bs).astype(np.int32)
-        seq_lens = ends.astype(np.int32)
-        ids = np.asarray(input_ids, dtype=np.int32)
+        pending = pending_dst + pending_src
         if graph is not None:  # pad the decode batch to its bucket: rows read the scratch block only
             pad = rows - num_reqs
             tables[num_reqs:, 0] = self.scratch_block
-            ids = np.concatenate([ids, np.zeros(pad, np.int32)])
-            positions = np.concatenate([positions, np.zeros(pad, np.int32)])
-            slots = np.concatenate([slots, np.full(pad, self.scratch_block * bs, np.int32)])
-            seq_lens = np.concatenate([seq_lens, np.ones(pad, np.int32)])
-            block_lists += [[self.scratch_block]] * pad
-            num_decodes = rows
-            dev = self.staging.upload([ids, positions, slots, seq_lens, tables.reshape(-1),
-                                       np.array(pending_dst + pending_src, dtype=np.int32)], graph.buffer)
-            views = _split(dev, [rows, rows, rows, rows, rows * width, len(pending_dst), len(pending_src)])
-            d_ids, d_pos, d_slots, d_lens, d_tables, d_dst, d_src = views
+            head = (input_ids + [0] * pad + positions + [0] * pad + slots + [self.scratch_block * bs] * pad
+                    + seq_lens + [1] * pad)
+            if host_lists:
+                decode_lists += [[self.scratch_block]] * pad
+            dev = self.staging.upload([np.asarray(head, dtype=np.int32), tables.reshape(-1),
+                                       np.asarray(pending, dtype=np.int32)], graph.buffer)
+            d_ids, d_pos, d_slots, d_lens, d_tables, d_dst, d_src = _split(
+                dev, [rows, rows, rows, rows, rows * width, len(pending_dst), len(pending_src)])
             d_scored = d_ids[:0]  # a graph step scores its first len(order) rows, in order
+            d_qstart = None
+            decode_lens = seq_lens + [1] * pad
+            num_decodes = rows
         else:
-            scored = np.asarray([r for req_rows in logits_rows for r in req_rows], dtype=np.int32)
-            prefill_lens = nums[num_decodes:]
-            query_start = np.concatenate([[0], np.cumsum(prefill_lens)]).astype(np.int32)
-            dev = self.staging.upload([ids, positions, slots, scored, seq_lens, query_start, tables.reshape(-1),
-                                       np.array(pending_dst + pending_src, dtype=np.int32)])
+            scored = [r for req_rows in logits_rows for r in req_rows]
+            dev = self.staging.upload([np.asarray(input_ids, dtype=np.int32), np.asarray(positions_np, dtype=np.int32),
+                                       np.asarray(slots_np, dtype=np.int32),
+                                       np.asarray(scored + all_ends, dtype=np.int32), query_start,
+                                       tables.reshape(-1), np.asarray(pending, dtype=np.int32)])
             d_ids, d_pos, d_slots, d_scored, d_lens, d_qstart, d_tables, d_dst, d_src = _split(
                 dev, [num_tokens, num_tokens, num_tokens, len(scored), rows, len(query_start), rows * width,
                       len(pending_dst), len(pending_src)])
+            decode_lens = seq_lens
         if self.device.type == "cpu":
             d_pos = d_pos.long()  # the CPU RoPE kernel indexes its tables with int64
-        meta = self._metadata(order, num_decodes, seq_lens, block_lists, starts, nums, q_starts, d_slots,
-                              d_lens, d_tables.view(rows, width),
-                              None if graph is not None else d_qstart, int(nums[num_decodes:].max(initial=0)))
+        prefills = [PrefillSeq(len(seq_lens) + int(q), n, s + n, blocks)
+                    for q, n, s, blocks in zip(query_start[:-1], prefill_nums, prefill_starts, prefill_lists)]
+        meta = self._metadata(num_decodes, decode_lens, decode_lists if host_lists else None, prefills,
+                              d_slots, d_lens, d_tables.view(rows, width), d_qstart, max(prefill_nums, default=0),
+                              graph)
         inputs = StepInputs(d_ids, d_pos, meta, order, logits_rows, d_scored, drafts, prompt_rows,
                             graph.batch if graph is not None else None, dev)
         if pending_dst:
             inputs.pending_dst, inputs.pending_src = d_dst, d_src
         return inputs
 
-    def _metadata(self, order: list[str], num_decodes: int, seq_lens: np.ndarray, block_lists: list[list[int]],
-                  starts: np.ndarray, nums: np.ndarray, q_starts: np.ndarray, slots: torch.Tensor,
-                  d_lens: torch.Tensor, d_tables: torch.Tensor, d_qstart: torch.Tensor | None,
-                  max_query_len: int) -> AttentionMetadata:
-        # Host lists for the torch path and the CPU kernel (padding rows included for graphs).
-        decode_lens = seq_lens[:num_decodes].tolist()
-        prefills = [PrefillSeq(int(q_starts[i]), int(nums[i]), int(starts[i] + nums[i]), block_lists[i])
-                    for i in range(num_decodes, len(order))]
+    def _metadata(self, num_decodes: int, decode_lens: list[int], decode_lists: list[list[int]] | None,
+                  prefills: list[PrefillSeq], slots: torch.Tensor, d_lens: torch.Tensor, d_tables: torch.Tensor,
+                  d_qstart: torch.Tensor | None, max_query_len: int, graph: GraphTarget | None) -> AttentionMetadata:
         gpu = None
         if self.kernel_tables:
-            max_ctx = max(decode_lens, default=1)
+            if graph is not None:
+                splits = graph.num_splits
+            else:
+                splits = self.num_splits(num_decodes, max(decode_lens)) if num_decodes else 1
             gpu = KernelTables(
                 decode_block_tables=d_tables[:num_decodes] if num_decodes else None,
                 decode_seq_lens=d_lens[:num_decodes] if num_decodes else None,
-                num_splits=self.num_splits(num_decodes, max_ctx) if num_decodes else 1,
+                num_splits=splits,
                 prefill_block_tables=d_tables[num_decodes:] if prefills else None,
                 prefill_seq_lens=d_lens[num_decodes:] if prefills else None,
                 prefill_query_start=d_qstart if prefills else None,
@@ -245,7 +289,7 @@ class InputBuilder:
         return AttentionMetadata(
             slot_mapping=slots,
             num_decodes=num_decodes,
-            decode_block_tables=block_lists[:num_decodes] or None,
+            decode_block_tables=decode_lists or None,
             decode_seq_lens=decode_lens or None,
             prefills=prefills,
             block_size=self.block_size,

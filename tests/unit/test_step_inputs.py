@@ -1,0 +1,109 @@
+"""InputBuilder: a step's packed tensors, checked value by value (block size 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.workers.core.request import PENDING_TOKEN, SamplingParams
+from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tandem.workers.runner.block_table import BlockTable
+from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+SCRATCH = 50
+
+
+@dataclass
+class State:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=lambda: GREEDY)
+    row: int = -1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+def _step() -> tuple[SchedulerOutput, dict[str, State], BlockTable]:
+    """a: decoding at position 9 (its token still on the device); b: a new 6-token prompt with
+    4 cached; c: decoding at position 5; d: the first 3 tokens of a 7-token prompt."""
+    states = {
+        "a": State(list(range(100, 109)), [PENDING_TOKEN], [7, 8, 9]),
+        "b": State([1, 2, 3, 4, 5, 6], [], [20, 21]),
+        "c": State([30, 31, 32, 33, 34], [35], [11, 12]),
+        "d": State([40, 41, 42, 43, 44, 45, 46], [], [3, 4]),
+    }
+    table = BlockTable(8)
+    for state in states.values():
+        state.row = table.add(state.block_ids)
+    out = SchedulerOutput(step_id=0)
+    out.num_scheduled_tokens = {"b": 2, "a": 1, "d": 3, "c": 1}
+    out.new_requests = [NewRequestData("b", [], [], GREEDY, [], 4), NewRequestData("d", [], [], GREEDY, [], 0)]
+    out.cached_requests = [CachedRequestData("a", [], [], 9, 3), CachedRequestData("c", [], [], 5, 2)]
+    return out, states, table
+
+
+def _builder(kernel_tables: bool, host_lists: bool = True) -> InputBuilder:
+    return InputBuilder(4, torch.device("cpu"), SCRATCH, kernel_tables, lambda batch, context: 3, host_lists)
+
+
+def test_mixed_step_packs_decodes_first() -> None:
+    out, states, table = _step()
+    inputs = _builder(kernel_tables=False).build(out, states, table, pending_source={"a": 5})
+    assert inputs.req_ids == ["a", "c", "b", "d"]
+    assert inputs.input_ids.tolist() == [PENDING_TOKEN, 35, 5, 6, 40, 41, 42]
+    assert inputs.positions.tolist() == [9, 5, 4, 5, 0, 1, 2]
+    # block_ids[p // 4] * 4 + p % 4
+    assert inputs.meta.slot_mapping.tolist() == [37, 49, 84, 85, 12, 13, 14]
+    assert inputs.logits_rows == [[0], [1], [3], []]  # d's chunk stops short of its prompt's end
+    assert inputs.logits_index.tolist() == [0, 1, 3]
+    assert inputs.drafts == [[], [], [], []]
+    assert inputs.pending_dst.tolist() == [0] and inputs.pending_src.tolist() == [5]
+    meta = inputs.meta
+    assert meta.num_decodes == 2
+    assert meta.decode_seq_lens == [10, 6]
+    assert meta.decode_block_tables == [[7, 8, 9], [11, 12]]
+    assert [(p.q_start, p.q_len, p.ctx_len, p.block_ids) for p in meta.prefills] == [(2, 2, 6, [20, 21]),
+                                                                                    (4, 3, 3, [3])]
+    assert meta.gpu is None
+
+
+def test_kernel_tables_without_host_lists() -> None:
+    out, states, table = _step()
+    inputs = _builder(kernel_tables=True, host_lists=False).build(out, states, table, pending_source={"a": 5})
+    meta = inputs.meta
+    assert meta.decode_block_tables is None and meta.decode_seq_lens == [10, 6]
+    gpu = meta.gpu
+    assert gpu.decode_block_tables.tolist() == [[7, 8, 9], [11, 12, 0]]
+    assert gpu.decode_seq_lens.tolist() == [10, 6]
+    assert gpu.num_splits == 3
+    assert gpu.prefill_block_tables.tolist() == [[20, 21, 0], [3, 4, 0]]
+    assert gpu.prefill_seq_lens.tolist() == [6, 3]
+    assert gpu.prefill_query_start.tolist() == [0, 2, 5]
+    assert gpu.prefill_max_query_len == 3
+
+
+def test_decode_step_padded_to_its_graph_bucket() -> None:
+    out, states, table = _step()
+    out.num_scheduled_tokens = {"a": 1, "c": 1}
+    out.new_requests = []
+    buffer = torch.full((64,), -1, dtype=torch.int32)
+    graph = GraphTarget(batch=4, width=3, buffer=buffer, num_splits=7)
+    inputs = _builder(kernel_tables=True, host_lists=True).build(out, states, table, graph, {"a": 1})
+    assert inputs.graph_batch == 4
+    assert inputs.input_ids.tolist() == [PENDING_TOKEN, 35, 0, 0]
+    assert inputs.positions.tolist() == [9, 5, 0, 0]
+    assert inputs.meta.slot_mapping.tolist() == [37, 49, 200, 200]  # padding rows: the scratch block
+    meta = inputs.meta
+    assert meta.num_decodes == 4 and meta.decode_seq_lens == [10, 6, 1, 1]
+    assert meta.decode_block_tables == [[7, 8, 9], [11, 12], [SCRATCH], [SCRATCH]]
+    assert meta.gpu.decode_block_tables.tolist() == [[7, 8, 9], [11, 12, 0], [SCRATCH, 0, 0], [SCRATCH, 0, 0]]
+    assert meta.gpu.num_splits == 7  # the bucket's, as captured
+    assert inputs.pending_dst.tolist() == [0] and inputs.pending_src.tolist() == [1]
+    # Everything landed in the graph's own buffer: ids, positions, slots, lengths, tables, pending.
+    assert buffer[:16].tolist() == [PENDING_TOKEN, 35, 0, 0, 9, 5, 0, 0, 37, 49, 200, 200, 10, 6, 1, 1]
+    assert buffer[28:30].tolist() == [0, 1]
