@@ -2,7 +2,7 @@
 
 `python -m tandem.bench.host_step MODEL_DIR [--batches 1,32,128,256] [--device cpu]`
 
-The model's forward returns a zero hidden state and its logits are a zero tensor, so
+The model's forward returns a zero hidden state and its logits one zero a row, so
 what is left of a step is what the host does for it: scheduling, the scheduler's diff,
 the runner's input building and its one copy, sampling's bookkeeping, the scheduler's
 update and the outputs. With steps overlapped (as on CUDA), a device step can hide at
@@ -37,7 +37,9 @@ def null_model(llm: LLM) -> None:
     model = runner.model
     hidden = torch.zeros(runner.config.scheduler.max_num_batched_tokens + 1024, runner.hf_config.hidden_size,
                          dtype=runner.dtype, device=runner.device)
-    logits = torch.zeros(hidden.shape[0], runner.hf_config.vocab_size, dtype=runner.dtype, device=runner.device)
+    # One logit a row: greedy picks token 0 at once, so sampling costs only its host part
+    # (on CPU an argmax over the whole vocabulary is the device's work done by the host).
+    logits = torch.zeros(hidden.shape[0], 1, dtype=runner.dtype, device=runner.device)
     model.forward = lambda input_ids, positions, meta, hidden_in=None: hidden[:positions.shape[0]]
     model.compute_logits = lambda h: logits[:h.shape[0]]
 

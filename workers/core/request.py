@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -99,7 +100,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        # _value_, not value: the latter goes through Enum's descriptor, and this is asked
+        # for every request every step.
+        return self._value_ in _FINISHED_VALUES
+
+
+_FINISHED_VALUES = frozenset(("stop", "length", "abort", "error"))
 
 
 @dataclass
@@ -150,6 +156,9 @@ class Request:
 
     def tokens_from(self, start: int) -> list[int]:
         """all_token_ids[start:] without copying the whole sequence (a step sends a token or two)."""
+        outputs = self.output_token_ids
+        if outputs and start == len(self.prompt_token_ids) + len(outputs) - 1:
+            return [outputs[-1]]  # a decode's one new token: the common case
         return token_slice(self.prompt_token_ids, self.output_token_ids, start, self.num_tokens)
 
     @property
@@ -168,9 +177,9 @@ class Request:
     def is_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
 
-    @property
+    @functools.cached_property
     def max_total_tokens(self) -> int:
-        """Prompt plus the most output tokens this request may produce."""
+        """Prompt plus the most output tokens this request may produce (fixed at creation)."""
         limit = self.max_model_len
         if self.sampling_params.max_tokens is not None:
             limit = min(limit, self.num_prompt_tokens + self.sampling_params.max_tokens)

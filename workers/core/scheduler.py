@@ -99,12 +99,15 @@ class Scheduler:
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
         preempted = False
-        placeholders = [r for r in self.running if r.request_id in ahead and r.num_tokens + 1 < r.max_total_tokens]
+        placeholders = [r for r in self.running if r.request_id in ahead and r.num_tokens + 1 < r.max_total_tokens] \
+            if ahead else []
         for req in placeholders:
             req.output_token_ids.append(PENDING_TOKEN)
             req.num_pending = 1
-        decoding = [r for r in self.running if not r.is_prefill]
-        prefilling = [r for r in self.running if r.is_prefill]
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for req in self.running:
+            (prefilling if req.is_prefill else decoding).append(req)
         scheduled: list[Request] = []
         for req in decoding + prefilling:
             if budget <= 0:
@@ -153,6 +156,7 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, scheduled: list[Request], budget: int) -> int:
         skipped: list[Request] = []
+        num_running = len(self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
             req.spec_token_ids = []  # drafts ride only with decodes, never with admission
@@ -185,7 +189,8 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = num_new
         # Keep FCFS order for the requests passed over.
         self.waiting.extendleft(reversed(skipped))
-        self.running.sort(key=lambda r: r.arrival_seq)
+        if len(self.running) > num_running:  # a resumed request goes back to its place
+            self.running.sort(key=lambda r: r.arrival_seq)
         return budget
 
     def _must_wait_for_leader(self, req: Request) -> bool:
@@ -247,11 +252,12 @@ class Scheduler:
         """Apply a step's sampled tokens; token-level stop checks (EOS, stop ids, length)."""
         updates: list[StepUpdate] = []
         num_generated = 0
+        spec = sched_out.spec_token_ids
         for req_id, tokens, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            num_drafts = len(sched_out.spec_token_ids.get(req_id, ()))
+            num_drafts = len(spec.get(req_id, ())) if spec else 0
             if num_drafts:
                 # Drafts accepted = tokens - 1 (the bonus/corrected token); roll back the rest.
                 num_rejected = num_drafts - (len(tokens) - 1)

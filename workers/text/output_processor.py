@@ -55,7 +55,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        for seq in self.seqs:  # a loop, not all(...): asked for every request every step
+            if seq.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
