@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from tandem.workers.core.block_pool import BlockPool, hash_block
 from tandem.workers.core.host_tier import HostKVTier
-from tandem.workers.core.request import Request
+from tandem.workers.core.request import Request, token_slice
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -53,7 +53,7 @@ class KVCacheManager:
         hashes = req.block_hashes
         while (len(hashes) + 1) * bs <= num_tokens:
             start = len(hashes) * bs
-            tokens = [req.token_at(p) for p in range(start, start + bs)]
+            tokens = token_slice(req.prompt_token_ids, req.output_token_ids, start, start + bs)
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
 
     def get_computed_blocks(self, req: Request) -> list[int]:
