@@ -31,6 +31,9 @@ timeout 150 tandem_cli bench offline --bench-model llama-1b --device cuda --repe
 log "step breakdown"
 timeout 40 python3 -m tandem.bench.step_breakdown "$(ls -d "$TANDEM_CACHE_DIR"/bench-llama-1b-* | head -1)" \
   > "$OUT/breakdown.log" 2>&1; log "breakdown rc $?"
+log "host step"
+timeout 60 python3 -m tandem.bench.host_step "$(ls -d "$TANDEM_CACHE_DIR"/bench-llama-1b-* | head -1)" --device cuda \
+  --batches 1,32,128 --repeats 2 --output-json "$OUT/host_step.json" > "$OUT/host_step.log" 2>&1; log "host step rc $?"
 log "latency llama-8b"
 timeout 200 tandem_cli bench latency --bench-model llama-8b --device cuda --quick --repeats 2 \
   --sweep-batches 1,32 --output-json "$OUT/latency_8b.json" > "$OUT/latency_8b.log" 2>&1; log "latency 8b rc $?"

@@ -11,9 +11,9 @@ most its own duration of this: host ms per step is the floor of the step time, a
 batch, whatever the device. Medians over the decode steps of one `LLM.generate` per
 batch (prompts of 256 tokens, 129 output tokens each), best of `--repeats`.
 
-On CPU the engine is set up as on CUDA (the Triton backend's kernel tables, decode steps
-padded to graph buckets in the graph buffer, steps scheduled ahead of their tokens), so the
-host work measured is the work a CUDA step costs, on this machine's cores.
+The engine is set up as on CUDA on every device (the Triton backend's kernel tables, decode
+steps padded to graph buckets in the graph buffer, steps scheduled ahead of their tokens), so
+on CPU the host work measured is the work a CUDA step costs, on this machine's cores.
 """
 
 from __future__ import annotations
@@ -84,14 +84,14 @@ def _run_streaming(llm: LLM, prompts: list[dict], params: SamplingParams) -> Non
 
 
 def _cuda_like_llm(model: str, device: str, max_num_seqs: int) -> LLM:
+    """An engine that takes CUDA's host path on any device: the Triton backend's tables and
+    decode steps padded to graph buckets, but nothing captured, so the null model's forward
+    is what runs (on CUDA a captured graph would replay the real one)."""
     options = dict(device=device, max_num_seqs=max_num_seqs, overlap_steps=True, attention_backend="triton",
                    gpu_memory_utilization=0.5)
-    if device != "cpu":
-        return LLM(model=model, **options)
-    # The Triton backend's tables (its kernels never run: TRITON_INTERPRET only passes the
-    # backend's check) and graph buckets without capture.
+    if device == "cpu":  # its kernels never run: TRITON_INTERPRET only passes the backend's check
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     graph_mode = ModelRunner._graph_mode
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     ModelRunner._graph_mode = lambda self: "eager"
     try:
         return LLM(model=model, **options)
