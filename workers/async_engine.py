@@ -231,10 +231,7 @@ class AsyncEngine:
     def _fail_now(self, error: str) -> None:
         if self.engine.dead_error is not None:  # a step found it first
             return
-        fail_executor = getattr(self.engine.executor, "fail", None)
-        if fail_executor is not None:
-            fail_executor(error)
-        self._deliver(self.engine.fail(error))
+        self._deliver(self.engine.give_up(error))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

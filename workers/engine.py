@@ -295,6 +295,12 @@ class GroupEngine:
             self.prefill_tokens_per_s = speed if self.prefill_tokens_per_s is None else (
                 0.8 * self.prefill_tokens_per_s + 0.2 * speed)
 
+    def give_up(self, error: str) -> list[RequestOutput]:
+        """Fail the group from outside a step (a watchdog found a worker dead): the executor
+        stops what is left of its workers, then every in-flight request ends as in `fail`."""
+        self.executor.fail(error)
+        return self.fail(error)
+
     def fail(self, error: str) -> list[RequestOutput]:
         """End every in-flight request with finish reason 'error'; refuse new ones."""
         logger.error("replica group failed: %s", error)

@@ -44,6 +44,11 @@ class Executor(Protocol):
         """Each rank's node and GPUs, in rank order (a draft model may share them); [] outside Ray."""
         ...
 
+    def fail(self, reason: str) -> None:
+        """Give the group up from outside a step (a watchdog found a worker dead): stop what is
+        left of it; every later step raises."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -99,6 +104,9 @@ class UniProcExecutor:
         if not gpus and self.runner.device.type == "cuda":  # a driver: it sees every GPU
             gpus = [self.runner.device.index or 0]
         return [DevicePin(ray.get_runtime_context().get_node_id(), tuple(gpus))]
+
+    def fail(self, reason: str) -> None:
+        """Nothing to stop: the model runs in this process, which a watchdog never finds dead."""
 
     def shutdown(self) -> None:
         if self.runner is not None:
