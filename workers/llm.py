@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -98,6 +99,11 @@ class LLM:
         self.engine = build_engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # The engine's insides hold reference cycles, so without this a dropped LLM kept its
+        # weights and KV cache (device memory, workers) until some later garbage collection:
+        # its last reference going away shuts the engine down at once, as shutdown() does.
+        self._shutdown = weakref.finalize(self, self.engine.shutdown)
+        self._shutdown.atexit = False  # at exit the process's end frees it all anyway
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -145,4 +151,5 @@ class LLM:
         return [finished[i] for i in ids]
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Give back the device memory and the workers now (idempotent)."""
+        self._shutdown()
