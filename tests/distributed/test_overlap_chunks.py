@@ -39,11 +39,16 @@ def test_chunk_bounds() -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 @pytest.mark.parametrize("num_chunks", [2, 3])
-def test_chunked_layers_match_transformers(chunked_everywhere, arch: str, num_chunks: int) -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunked_layers_match_transformers(chunked_everywhere, arch: str, num_chunks: int, backend: str) -> None:
+    """On the Triton backend each chunk carries its own cut of the kernel tables (interpreted
+    kernels on CPU)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     model = tiny_model(arch, **({"sliding_window": 8} if arch == "mistral" else {}))
     prompts = mixed_prompts(seed=6)
     # A 24-token budget mixes decodes with prefill pieces, so chunk edges fall everywhere.
-    llm = LLM(model, max_num_batched_tokens=24, max_num_seqs=4, block_size=4)
+    llm = LLM(model, max_num_batched_tokens=24, max_num_seqs=4, block_size=4, attention_backend=backend)
     ctx = llm.engine.executor.runner.ctx
     ctx.num_overlap_chunks, ctx.min_chunk_tokens = num_chunks, 1  # chunk even one-token decode steps
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -87,3 +92,37 @@ def test_chunked_hidden_states_equal_serial(chunked_everywhere) -> None:
     assert chunked_everywhere == [2, 3, 5]
     for n in (2, 3, 5):
         torch.testing.assert_close(results[n], results[1], rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_cut_the_kernel_tables() -> None:
+    """A step of 2 decodes, then prefills of 4 and 3 tokens (contexts ending at 12 and 3), cut
+    at tokens 3 and 6: every chunk's tables hold its own rows, lengths and query offsets."""
+    from tandem.workers.model.attention import AttentionMetadata, KernelTables, PrefillSeq
+
+    i32 = torch.int32
+    tables = KernelTables(
+        decode_block_tables=torch.tensor([[1, 2], [3, 0]], dtype=i32), decode_seq_lens=torch.tensor([7, 2], dtype=i32),
+        num_splits=2, prefill_block_tables=torch.tensor([[4, 5, 6], [7, 0, 0]], dtype=i32),
+        prefill_seq_lens=torch.tensor([12, 3], dtype=i32), prefill_query_start=torch.tensor([0, 4, 7], dtype=i32),
+        prefill_max_query_len=4)
+    meta = AttentionMetadata(slot_mapping=torch.arange(9), num_decodes=2, decode_block_tables=None,
+                             decode_seq_lens=None, prefills=[PrefillSeq(2, 4, 12, [4, 5, 6]), PrefillSeq(6, 3, 3, [7])],
+                             block_size=4, gpu=tables)
+    first, second, third = split_metadata(meta, [(0, 3), (3, 6), (6, 9)])
+    g = first.gpu  # both decodes, then the prefill's first token (its context ends at 9)
+    assert first.num_decodes == 2 and g.decode_block_tables.tolist() == [[1, 2], [3, 0]]
+    assert g.decode_seq_lens.tolist() == [7, 2] and g.num_splits == 2
+    assert g.prefill_block_tables.tolist() == [[4, 5, 6]] and g.prefill_seq_lens.tolist() == [9]
+    assert g.prefill_query_start.tolist() == [0, 1] and g.prefill_max_query_len == 1
+    g = second.gpu  # the first prefill's other 3 tokens
+    assert second.num_decodes == 0 and g.decode_block_tables is None and g.decode_seq_lens is None
+    assert g.prefill_block_tables.tolist() == [[4, 5, 6]] and g.prefill_seq_lens.tolist() == [12]
+    assert g.prefill_query_start.tolist() == [0, 3] and g.prefill_max_query_len == 3
+    g = third.gpu  # the second prefill, whole
+    assert g.prefill_block_tables.tolist() == [[7, 0, 0]] and g.prefill_seq_lens.tolist() == [3]
+    assert g.prefill_query_start.tolist() == [0, 3]
+    decodes_only = split_metadata(AttentionMetadata(slot_mapping=torch.arange(2), num_decodes=2,
+                                                    decode_block_tables=None, decode_seq_lens=None, block_size=4,
+                                                    gpu=tables), [(0, 1), (1, 2)])
+    assert [m.gpu.decode_block_tables.tolist() for m in decodes_only] == [[[1, 2]], [[3, 0]]]
+    assert all(m.gpu.prefill_block_tables is None for m in decodes_only)
