@@ -54,8 +54,10 @@ def test_the_engine_packs_its_weights_by_default(module) -> None:
     from tandem.workers.llm import LLM
     from tests.conftest import tiny_model
 
-    packed = LLM(tiny_model("llama")).engine.executor.runner.model
-    plain = LLM(tiny_model("llama"), cpu_packed_weights=False).engine.executor.runner.model
+    packed_llm = LLM(tiny_model("llama"))  # held: an LLM dropped shuts its engine down at once
+    plain_llm = LLM(tiny_model("llama"), cpu_packed_weights=False)
+    packed = packed_llm.engine.executor.runner.model
+    plain = plain_llm.engine.executor.runner.model
     layer = packed.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
                    packed.lm_head):
