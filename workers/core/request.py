@@ -156,9 +156,6 @@ class Request:
 
     def tokens_from(self, start: int) -> list[int]:
         """all_token_ids[start:] without copying the whole sequence (a step sends a token or two)."""
-        outputs = self.output_token_ids
-        if outputs and start == len(self.prompt_token_ids) + len(outputs) - 1:
-            return [outputs[-1]]  # a decode's one new token: the common case
         return token_slice(self.prompt_token_ids, self.output_token_ids, start, self.num_tokens)
 
     @property

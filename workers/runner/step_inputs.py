@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tandem.workers.core.request import PENDING_TOKEN, token_slice
+from tandem.workers.core.request import PENDING_TOKEN, token_at, token_slice
 from tandem.workers.core.scheduler_output import SchedulerOutput
 from tandem.workers.model.attention import AttentionMetadata, KernelTables, PrefillSeq
 from tandem.workers.runner.block_table import BlockTable
@@ -166,7 +166,7 @@ class InputBuilder:
             start = computed[req_id]
             prompt, outputs = state.prompt_token_ids, state.output_token_ids
             num_prompt = len(prompt)
-            token = prompt[start] if start < num_prompt else outputs[start - num_prompt]
+            token = token_at(prompt, outputs, start)
             if token == PENDING_TOKEN:  # scheduled ahead: the token is on the device
                 pending_dst.append(i)
                 pending_src.append(pending_source[req_id])
@@ -260,7 +260,7 @@ class InputBuilder:
             d_pos = d_pos.long()  # the CPU RoPE kernel indexes its tables with int64
         prefills = [PrefillSeq(len(seq_lens) + int(q), n, s + n, blocks)
                     for q, n, s, blocks in zip(query_start[:-1], prefill_nums, prefill_starts, prefill_lists)]
-        meta = self._metadata(num_decodes, decode_lens, decode_lists if host_lists else None, prefills,
+        meta = self._metadata(num_decodes, decode_lens, decode_lists, prefills,
                               d_slots, d_lens, d_tables.view(rows, width), d_qstart, max(prefill_nums, default=0),
                               graph)
         inputs = StepInputs(d_ids, d_pos, meta, order, logits_rows, d_scored, drafts, prompt_rows,
@@ -269,7 +269,7 @@ class InputBuilder:
             inputs.pending_dst, inputs.pending_src = d_dst, d_src
         return inputs
 
-    def _metadata(self, num_decodes: int, decode_lens: list[int], decode_lists: list[list[int]] | None,
+    def _metadata(self, num_decodes: int, decode_lens: list[int], decode_lists: list[list[int]],
                   prefills: list[PrefillSeq], slots: torch.Tensor, d_lens: torch.Tensor, d_tables: torch.Tensor,
                   d_qstart: torch.Tensor | None, max_query_len: int, graph: GraphTarget | None) -> AttentionMetadata:
         gpu = None
