@@ -99,9 +99,9 @@ class LLM:
         self.engine = build_engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
-        # The engine's insides hold reference cycles, so without this a dropped LLM kept its
-        # weights and KV cache (device memory, workers) until some later garbage collection:
-        # its last reference going away shuts the engine down at once, as shutdown() does.
+        # The engine's insides hold reference cycles, which would keep its weights and KV cache
+        # (device memory, workers) until some later garbage collection: the LLM's last
+        # reference going away shuts the engine down at once, as shutdown() does.
         self._shutdown = weakref.finalize(self, self.engine.shutdown)
         self._shutdown.atexit = False  # at exit the process's end frees it all anyway
 

@@ -122,9 +122,9 @@ def start_node(base: Path, name: str, env: dict[str, str], *, head_address: str 
             f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
             f"--dashboard-agent-listen-port={free_port()}",
             # Given agent ports: with port 0 the raylet waits ~15 s for each agent to write the
-            # port it took to a file, and on a loaded 2-core machine it has timed out and
-            # crashed ("Timed out waiting for file .../metrics_agent_port_*", then
-            # ".../metrics_export_port_*"), which left `ray start` hanging in get_node.
+            # port it took to a file, and on a loaded 2-core machine that wait times out and
+            # the raylet crashes ("Timed out waiting for file .../metrics_agent_port_*", then
+            # ".../metrics_export_port_*"), leaving `ray start` hanging in get_node.
             f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
             f"--runtime-env-agent-port={free_port()}", *extra]
     args += ["--head"] if head_address is None else [f"--address={head_address}"]
