@@ -30,6 +30,12 @@ DEFAULT_CONFIG = "deploy/serve_config.yaml"
 DEFAULT_IMAGE = "registry.example.com/tandem:0.1.0"  # built from deploy/Dockerfile
 SERVE_PORT, GRPC_PORT = 8000, 9000
 METRICS_PORT = 8080  # each Ray node's Prometheus endpoint (tandem_*, ray_serve_*): deploy/prometheus.yml
+# Every node's agents get fixed ports: with port 0 the raylet waits ~15 s for each agent to
+# write the port it took to a file, and on a loaded node that wait times out and the raylet
+# crashes. 52365 is Ray's own default, which KubeRay's health probes read from rayStartParams;
+# 8078 and 8079 sit beside the metrics port, outside Ray's worker ports (10002-19999) and the
+# kernel's ephemeral range. deploy/ray-cluster.yaml passes the same ports (a test holds them equal).
+DASHBOARD_AGENT_LISTEN_PORT, DASHBOARD_AGENT_GRPC_PORT, RUNTIME_ENV_AGENT_PORT = 52365, 8078, 8079
 
 
 def pinned_ray_version() -> str:
@@ -111,6 +117,16 @@ def _pod(container: dict[str, Any]) -> dict[str, Any]:
                      "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
 
 
+def node_port_params() -> dict[str, str]:
+    """The rayStartParams (strings, as the CRD wants) that fix every node's agent and metrics ports.
+    The pods declare none of the agents' ports: Kubernetes does not gate traffic on a
+    containerPort, and KubeRay's probes take the agent's port from these parameters."""
+    return {"metrics-export-port": str(METRICS_PORT),
+            "dashboard-agent-listen-port": str(DASHBOARD_AGENT_LISTEN_PORT),
+            "dashboard-agent-grpc-port": str(DASHBOARD_AGENT_GRPC_PORT),
+            "runtime-env-agent-port": str(RUNTIME_ENV_AGENT_PORT)}
+
+
 def ray_cluster_spec(layout: Layout, image: str, ray_version: str) -> dict[str, Any]:
     """A RayCluster spec: a CPU head (GCS, dashboard, Serve controller and proxy, ingress)
     and one GPU worker group sized for the layout."""
@@ -130,14 +146,13 @@ def ray_cluster_spec(layout: Layout, image: str, ray_version: str) -> dict[str, 
         "authOptions": {"mode": "token"},  # Ray's own RPCs and dashboard; not Serve's HTTP/gRPC
         "headGroupSpec": {
             # num-cpus 0: no replica group lands on the head; it has no GPUs anyway.
-            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0",
-                               "metrics-export-port": str(METRICS_PORT)},
+            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", **node_port_params()},
             "template": _pod(head),
         },
         "workerGroupSpecs": [{
             "groupName": "gpu",
             "replicas": pods, "minReplicas": pods, "maxReplicas": pods,
-            "rayStartParams": {"num-gpus": str(layout.gpus_per_node), "metrics-export-port": str(METRICS_PORT)},
+            "rayStartParams": {"num-gpus": str(layout.gpus_per_node), **node_port_params()},
             "template": _pod(worker),
         }],
     }

@@ -224,7 +224,9 @@ def test_layout_sizes_the_gpu_worker_group() -> None:
     assert (layout.num_gpus, layout.num_worker_pods) == (13, 4)
     spec = deploy_cli.ray_cluster_spec(layout, "img", "2.60.0")
     [worker] = spec["workerGroupSpecs"]
-    assert (worker["replicas"], worker["rayStartParams"]) == (4, {"num-gpus": "4", "metrics-export-port": "8080"})
+    assert (worker["replicas"], worker["rayStartParams"]) == (4, {
+        "num-gpus": "4", "metrics-export-port": "8080", "dashboard-agent-listen-port": "52365",
+        "dashboard-agent-grpc-port": "8078", "runtime-env-agent-port": "8079"})
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     with pytest.raises(ValueError, match="tensor_parallel_size=8 needs that many GPUs on one node"):
         deploy_cli.Layout(tensor_parallel_size=8, gpus_per_node=4)
@@ -248,6 +250,120 @@ def test_deploy_kuberay_command_writes_a_valid_manifest(tmp_path, monkeypatch) -
     if CRDS.is_dir():
         assert _errors(_crd_validator(MANIFESTS["rayservice.yaml"]), manifest) == []
     assert main(["deploy", "kuberay", "-tp", "4", "--gpus-per-node", "2"]) == 2  # refused, with the reason
+
+
+# ---- the ports every node opens ------------------------------------------------------------------------
+# Every node's agents on fixed ports: with port 0 the raylet waits ~15 s for each agent to write
+# the port it took to a file, and on a loaded node that wait times out and the raylet crashes.
+AGENT_PORTS = {"dashboard_agent_listen_port": 52365, "dashboard_agent_grpc_port": 8078,
+               "runtime_env_agent_port": 8079, "metrics_export_port": 8080}
+
+
+def _ray_start(args: list[str]) -> dict[str, Any]:
+    """`ray start` arguments as Ray's own command parses them: an unknown flag or a bad value raises."""
+    from ray.scripts.scripts import start
+
+    return start.make_context("start", list(args)).params
+
+
+def _launcher_ray_starts() -> list[tuple[str, dict[str, Any]]]:
+    """(head_start_ray_commands or worker_start_ray_commands, its `ray start` parsed) in ray-cluster.yaml."""
+    config = load("ray-cluster.yaml")
+    starts = []
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        for command in config[key]:
+            for part in command.split(";"):
+                words = shlex.split(part)
+                at = [i for i in range(len(words) - 1) if words[i:i + 2] == ["ray", "start"]]
+                starts += [(key, _ray_start(words[i + 2:])) for i in at]
+    return starts
+
+
+def _kuberay_ray_start(params: dict[str, str], head: bool) -> dict[str, Any]:
+    """A group's rayStartParams as the `ray start` KubeRay runs: `--key=value`, "true" a bare flag."""
+    args = ["--head"] if head else ["--address=tandem-head-svc:6379"]
+    args += [f"--{key}" if value.lower() == "true" else f"--{key}={value}" for key, value in params.items()]
+    return _ray_start(args)
+
+
+def _kuberay_groups(manifest: dict[str, Any]) -> list[tuple[bool, dict[str, Any]]]:
+    """(is the head, the group) of a RayService's or RayCluster's spec."""
+    spec = manifest["spec"].get("rayClusterConfig", manifest["spec"])
+    return [(True, spec["headGroupSpec"]), *[(False, group) for group in spec["workerGroupSpecs"]]]
+
+
+def _node_ports(params: dict[str, Any], head: bool) -> dict[str, int]:
+    """What a node listens on, by listener: Ray's components (given or `ray start`'s defaults; 0 or
+    None is a free port Ray picks) and Serve's proxies (proxy_location EveryNode: on every node)."""
+    serve = load("serve_config.yaml")
+    assert serve["proxy_location"] == "EveryNode"
+    ports = {name: params[name] for name in (*AGENT_PORTS, "object_manager_port", "node_manager_port")}
+    if head:  # the GCS, the dashboard and the Ray client server run on the head only
+        ports |= {"port": params["port"] or 6379, "dashboard_port": params["dashboard_port"],
+                  "ray_client_server_port": params["ray_client_server_port"] or 10001}
+    ports |= {"serve_http": serve["http_options"]["port"], "serve_grpc": serve["grpc_options"]["port"]}
+    return {name: port for name, port in ports.items() if port}
+
+
+def _assert_ports_fixed_and_apart(params: dict[str, Any], head: bool, where: str) -> None:
+    assert {name: params[name] for name in AGENT_PORTS} == AGENT_PORTS, where
+    ports = _node_ports(params, head)
+    assert len(set(ports.values())) == len(ports), f"{where}: two listeners share a port: {ports}"
+    workers = range(params["min_worker_port"], params["max_worker_port"] + 1)  # Ray's workers bind these
+    assert [name for name, port in ports.items() if port in workers] == [], f"{where}: among Ray's worker ports"
+
+
+def test_every_ray_start_of_the_launcher_fixes_the_agent_ports() -> None:
+    starts = _launcher_ray_starts()
+    assert [(key, params["head"]) for key, params in starts] == [("head_start_ray_commands", True),
+                                                                ("worker_start_ray_commands", False)]
+    for key, params in starts:
+        _assert_ports_fixed_and_apart(params, params["head"], key)
+        assert params["object_manager_port"] == 8076
+    [(_, head)] = [start for start in starts if start[1]["head"]]
+    assert (head["port"], head["dashboard_port"]) == (6379, 8265)
+
+
+def test_the_readmes_ray_start_commands_fix_the_agent_ports() -> None:
+    text = (DEPLOY / "README.md").read_text()
+    [flags] = re.findall(r'(?m)^PORTS="([^"]*)"$', text)
+    assert "ray start --head --port=6379 --dashboard-host=0.0.0.0 $PORTS" in text
+    assert "ray start --address=HEAD_IP:6379 $PORTS" in text
+    _assert_ports_fixed_and_apart(_ray_start(["--head", *shlex.split(flags)]), True, "deploy/README.md")
+
+
+def test_every_kuberay_group_fixes_the_agent_ports() -> None:
+    generated = deploy_cli.render("rayservice", deploy_cli.Layout(3, 4, 2, gpus_per_node=8, spare_gpus=1),
+                                  config_path=str(DEPLOY / "serve_config.yaml"))
+    manifests = {name: load(f"kuberay/{name}") for name in MANIFESTS} | {"generated": yaml.safe_load(generated)}
+    assert deploy_cli.node_port_params() == {"metrics-export-port": "8080", "dashboard-agent-listen-port": "52365",
+                                             "dashboard-agent-grpc-port": "8078", "runtime-env-agent-port": "8079"}
+    for name, manifest in manifests.items():
+        for head, group in _kuberay_groups(manifest):
+            where = f"{name}: {'head' if head else group['groupName']}"
+            assert group["rayStartParams"].items() >= deploy_cli.node_port_params().items(), where
+            params = _kuberay_ray_start(group["rayStartParams"], head)
+            _assert_ports_fixed_and_apart(params, head, where)
+            # The pod declares only ports its node opens, each once (the agents' need no declaring).
+            [container] = group["template"]["spec"]["containers"]
+            declared = [port["containerPort"] for port in container["ports"]]
+            assert len(set(declared)) == len(declared), where
+            assert set(declared) <= set(_node_ports(params, head).values()), where
+
+
+def test_the_port_checks_catch_a_clash_and_a_misspelt_flag() -> None:
+    import click
+
+    fixed = ["--dashboard-agent-listen-port=52365", "--dashboard-agent-grpc-port=8078",
+             "--runtime-env-agent-port=8079", "--metrics-export-port=8080"]
+    _assert_ports_fixed_and_apart(_ray_start(["--head", *fixed]), True, "the fixed ports alone")
+    with pytest.raises(AssertionError, match="two listeners share a port"):
+        _assert_ports_fixed_and_apart(_ray_start(["--head", *fixed, "--dashboard-port=8078"]), True, "dashboard")
+    with pytest.raises(AssertionError, match="among Ray's worker ports"):
+        _assert_ports_fixed_and_apart(_ray_start([*fixed, "--min-worker-port=8000", "--max-worker-port=8100"]),
+                                      False, "a worker")
+    with pytest.raises(click.NoSuchOption):
+        _kuberay_ray_start({"dashboard-agent-port": "8078"}, head=False)
 
 
 def test_try_multi_node_script_parses() -> None:
