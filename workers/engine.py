@@ -183,9 +183,17 @@ class GroupEngine:
         """Requests of the one step in flight whose sampled token is still on the device, when
         the next step may be scheduled on them (no drafts to propose, model in this process)."""
         if not self.overlap_steps or self.proposer is not None or len(self._in_flight) != 1 \
-                or not self.model_in_process:
-            return None
+                or not self.model_in_process or self._max_steps() > 1:
+            return None  # multi-step: a step scheduled ahead could not run several passes
         return self._in_flight[0][1].on_device
+
+    def _max_steps(self) -> int:
+        """Forward passes a step of plain-greedy decodes may run (multi-step decoding): the
+        runner feeds each pass the last one's tokens itself, so the model must be in this
+        process, and drafts need the host between passes."""
+        if self.proposer is not None or not self.model_in_process:
+            return 1
+        return self.config.scheduler.num_scheduler_steps
 
     def _launch(self, ahead: frozenset[str] = frozenset()) -> None:
         if self.proposer is not None:
@@ -194,7 +202,7 @@ class GroupEngine:
             if candidates:
                 self.proposer.propose(candidates)
                 self.spec_policy.stats.num_steps_with_drafts += 1
-        sched_out = self.scheduler.schedule(ahead)
+        sched_out = self.scheduler.schedule(ahead, self._max_steps())
         if not sched_out.has_work:
             return
         started = time.perf_counter()
@@ -218,8 +226,9 @@ class GroupEngine:
         seconds = time.perf_counter() - started
         num_tokens = sched_out.total_num_scheduled_tokens
         self._note_prefill_speed(num_tokens, len(sched_out.num_scheduled_tokens), seconds)
-        self.counters.record_step(num_tokens, sched_out.num_context_tokens, sched_out.num_attention_pairs,
-                               len(result.req_ids), seconds)
+        passes = sched_out.num_steps
+        self.counters.record_step(num_tokens * passes, sched_out.num_context_tokens, sched_out.num_attention_pairs,
+                                  len(result.req_ids) * passes, seconds, num_passes=passes)
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             drafts = sched_out.spec_token_ids.get(req_id)
             if drafts and tokens:

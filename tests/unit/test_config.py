@@ -28,6 +28,7 @@ BAD = [
     (SchedulerConfig, dict(max_num_seqs=0), "max_num_seqs"),
     (SchedulerConfig, dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (SchedulerConfig, dict(num_lookahead_slots=-1), "num_lookahead_slots"),
+    (SchedulerConfig, dict(num_scheduler_steps=0), "num_scheduler_steps"),
     # Every running request must fit its decode (+ lookahead) in one step.
     (SchedulerConfig, dict(max_num_seqs=8, max_num_batched_tokens=7), "max_num_batched_tokens"),
     (SchedulerConfig, dict(max_num_seqs=4, max_num_batched_tokens=15, num_lookahead_slots=3),

@@ -733,3 +733,103 @@ def test_blocks_holding_a_pending_token_are_not_hashed() -> None:
     assert s.kv.pool.num_cached_blocks == 0
     s.update(first, RunnerOutput(["a"], [[42]], [None]))
     assert s.kv.pool.num_cached_blocks == 1  # hashed once its token is known
+
+
+# --- multi-step decoding --------------------------------------------------------------------------
+
+def greedy_req(req_id: str, prompt_ids: list[int], arrival: int, **params: object) -> Request:
+    return make_req(req_id, prompt_ids, arrival, **{"temperature": 0.0, **params})
+
+
+def multi_step(s: Scheduler, workers: FakeWorkers, max_steps: int,
+               tokens: dict[str, list[int]] | None = None) -> tuple[SchedulerOutput, list[StepUpdate]]:
+    """schedule(max_steps) -> workers -> every request samples a token per pass (default 100 +
+    its number of outputs so far, counting up) -> update."""
+    out = s.schedule(max_steps=max_steps)
+    workers.apply(out)
+    req_ids = list(out.num_scheduled_tokens)
+    for req_id in req_ids:
+        assert workers.states[req_id].block_ids == s.requests[req_id].block_ids, req_id
+    sampled = []
+    for req_id in req_ids:
+        first = 100 + len(s.requests[req_id].output_token_ids)
+        sampled.append((tokens or {}).get(req_id, list(range(first, first + out.num_steps))))
+    return out, s.update(out, RunnerOutput(req_ids, sampled, [None] * len(req_ids)))
+
+
+def test_multi_step_decodes_run_several_passes_on_slots_allocated_ahead() -> None:
+    s, w = make_scheduler(), FakeWorkers()
+    a, b = greedy_req("a", prompt(5), 0, max_tokens=10), greedy_req("b", prompt(3), 1, max_tokens=10)
+    s.add_request(a)
+    s.add_request(b)
+    out, _ = multi_step(s, w, 4)
+    assert out.num_steps == 1  # an admission: one pass
+    assert (a.block_ids, b.block_ids) == ([0, 1], [2])
+
+    out, updates = multi_step(s, w, 4)
+    assert out.num_steps == 4
+    # Slots for four tokens each: a (6 tokens, computed 5) needs ceil(9 / 4) = 3 blocks, b ceil(7 / 4) = 2.
+    assert out.cached_requests == [CachedRequestData("a", [100], [3], 5, 2), CachedRequestData("b", [100], [4], 3, 1)]
+    assert out.num_context_tokens == (6 + 7 + 8 + 9) + (4 + 5 + 6 + 7)
+    assert out.num_attention_pairs == out.num_context_tokens
+    assert [(u.request.request_id, u.new_token_ids) for u in updates] == [("a", [101, 102, 103, 104]),
+                                                                          ("b", [101, 102, 103, 104])]
+    assert (a.num_computed_tokens, a.num_tokens) == (9, 10)
+    assert (b.num_computed_tokens, b.num_tokens) == (7, 8)
+
+    out, _ = multi_step(s, w, 4)  # the next diff carries the four tokens, and the workers' view is exact
+    assert out.num_steps == 4
+    assert out.cached_requests == [CachedRequestData("a", [101, 102, 103, 104], [5], 9, 3),
+                                   CachedRequestData("b", [101, 102, 103, 104], [6], 7, 2)]
+    assert w.states["a"].token_ids == prompt(5) + [100, 101, 102, 103, 104]
+    finish_all(s)
+
+
+def test_multi_step_passes_stop_at_the_shortest_length_limit() -> None:
+    s, w = make_scheduler(), FakeWorkers()
+    a, b = greedy_req("a", prompt(5), 0, max_tokens=3), greedy_req("b", prompt(3), 1, max_tokens=10)
+    s.add_request(a)
+    s.add_request(b)
+    multi_step(s, w, 4)
+    out, updates = multi_step(s, w, 4)
+    assert out.num_steps == 2  # a has room for two more tokens
+    assert [u.new_token_ids for u in updates] == [[101, 102], [101, 102]]
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [100, 101, 102]
+    out, _ = multi_step(s, w, 4)
+    assert out.num_steps == 4 and list(out.num_scheduled_tokens) == ["b"]
+    finish_all(s)
+
+
+def test_a_stop_token_inside_a_multi_step_step_drops_the_tokens_after_it() -> None:
+    s, w = make_scheduler(), FakeWorkers()
+    a = greedy_req("a", prompt(5), 0, max_tokens=10)
+    s.add_request(a)
+    multi_step(s, w, 4)
+    out, updates = multi_step(s, w, 4, tokens={"a": [101, EOS, 103, 104]})
+    assert out.num_steps == 4
+    assert updates[0].new_token_ids == [101, EOS]
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.output_token_ids == [100, 101, EOS]
+    assert a.block_ids == [] and s.running == []
+    s.kv.pool.check_all_free()
+
+
+def test_multi_step_only_for_running_plain_greedy_decodes_with_room() -> None:
+    def second_step(*reqs: Request, num_blocks: int = 16, ahead: bool = False, late: Request | None = None) -> int:
+        s, w = make_scheduler(num_blocks), FakeWorkers()
+        for req in reqs:
+            s.add_request(req)
+        multi_step(s, w, 4)
+        if late is not None:
+            s.add_request(late)
+        out = s.schedule(frozenset(s.requests) if ahead else frozenset(), max_steps=4)
+        return out.num_steps
+
+    assert second_step(greedy_req("a", prompt(5), 0)) == 4
+    assert second_step(greedy_req("a", prompt(5), 0), late=greedy_req("b", prompt(3), 1)) == 1  # an admission
+    assert second_step(greedy_req("a", prompt(5), 0), greedy_req("b", prompt(3), 1, temperature=0.8)) == 1
+    assert second_step(greedy_req("a", prompt(5), 0, logprobs=2)) == 1
+    assert second_step(greedy_req("a", prompt(5), 0, repetition_penalty=1.2)) == 1
+    assert second_step(greedy_req("a", prompt(5), 0, min_tokens=3)) == 1  # EOS is still suppressed
+    assert second_step(greedy_req("a", prompt(5), 0), ahead=True) == 1
+    assert second_step(greedy_req("a", prompt(30), 0, max_tokens=8), num_blocks=8) == 1  # no block for 3 more slots
+    assert second_step(greedy_req("a", prompt(30), 0, max_tokens=8), num_blocks=9) == 4

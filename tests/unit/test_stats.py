@@ -59,6 +59,11 @@ def test_engine_stats_step_cost_and_intervals() -> None:
     assert stats.bytes_read == 1100 * 4 + 10 * (2 * 2 * 2 * 4 * 4)
     assert stats.flops == 2 * 1000 * 3 + 2 * 2 * 2 * 8 * 12 + 2 * 100 * 2
     assert (stats.num_steps, stats.step_seconds) == (1, 0.5)
+    # A multi-step step of 3 passes reads the weights three times.
+    stats.record_step(num_tokens=3, num_context_tokens=6, num_attention_pairs=6, num_logit_rows=3, seconds=0.5,
+                      num_passes=3)
+    assert stats.bytes_read == 1100 * 4 + 10 * 128 + 3 * 1100 * 4 + 6 * 128
+    assert stats.num_steps == 2
     stats.record_emit(10.0, had_decode=False)  # a first token: no interval
     stats.record_emit(10.25, had_decode=True)
     stats.record_emit(10.75, had_decode=True)

@@ -90,11 +90,13 @@ class Scheduler:
         return len(self.requests)
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self, ahead: frozenset[str] = frozenset()) -> SchedulerOutput:
+    def schedule(self, ahead: frozenset[str] = frozenset(), max_steps: int = 1) -> SchedulerOutput:
         """The next step. `ahead`: requests whose next token a step still on the device has
         sampled; each gets a PENDING_TOKEN in its place (unless that token must be its last)
         and is scheduled on it, so this step can be launched before that one's tokens are
-        back. Scheduling ahead never preempts: a request that finds no room waits a step."""
+        back. Scheduling ahead never preempts: a request that finds no room waits a step.
+        `max_steps` > 1: a step of running plain-greedy decodes alone may run up to that many
+        forward passes (multi-step decoding, `SchedulerOutput.num_steps`)."""
         out = SchedulerOutput(step_id=self._step_id)
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
@@ -146,8 +148,11 @@ class Scheduler:
             if req.request_id not in out.num_scheduled_tokens:
                 req.output_token_ids.pop()
                 req.num_pending = 0
+        num_running = len(scheduled)
         if not preempted:
             budget = self._admit_waiting(out, scheduled, budget)
+        if max_steps > 1 and scheduled and not ahead and not preempted and len(scheduled) == num_running:
+            out.num_steps = self._num_steps(out, scheduled, max_steps)
         for req in scheduled:
             self._add_to_output(out, req)
         out.finished_req_ids, self._finished_since_last_step = self._finished_since_last_step, set()
@@ -193,6 +198,29 @@ class Scheduler:
             self.running.sort(key=lambda r: r.arrival_seq)
         return budget
 
+    def _num_steps(self, out: SchedulerOutput, scheduled: list[Request], max_steps: int) -> int:
+        """Forward passes this step may run back to back: up to `max_steps` when every request is
+        a plain-greedy decode of one token (the device picks its next token by argmax alone),
+        none would pass its length limit within them, and the pool has the extra KV slots, which
+        are allocated here. Otherwise 1."""
+        steps = max_steps
+        for req in scheduled:
+            params = req.sampling_params
+            if out.num_scheduled_tokens[req.request_id] != 1 or req.spec_token_ids or req.is_prefill \
+                    or not params.is_greedy or params.needs_penalties or params.logprobs is not None \
+                    or params.prompt_logprobs is not None or req.num_output_tokens < params.min_tokens:
+                return 1
+            steps = min(steps, req.max_total_tokens - req.num_tokens)
+        if steps <= 1:
+            return 1
+        bs = self.block_size
+        num_blocks = sum(max(0, -(-(req.num_computed_tokens + steps) // bs) - len(req.block_ids)) for req in scheduled)
+        if num_blocks > self.kv.pool.num_free_blocks:
+            return 1
+        for req in scheduled:
+            self.kv.allocate_slots(req, steps)
+        return steps
+
     def _must_wait_for_leader(self, req: Request) -> bool:
         """n > 1: siblings wait until the first one's prompt KV is cached, then share it."""
         if req.leader_id is None or not self.kv.enable_prefix_caching:
@@ -225,9 +253,16 @@ class Scheduler:
         if computed < req.num_prompt_tokens:
             req.num_prefill_chunks += 1
         # Model cost figures: the KV this step reads, and its (query, key) pairs.
-        out.num_context_tokens += computed + num_new
-        out.num_attention_pairs += num_new * computed + num_new * (num_new + 1) // 2
-        req.num_computed_tokens = computed + num_new
+        steps = out.num_steps
+        if steps == 1:
+            out.num_context_tokens += computed + num_new
+            out.num_attention_pairs += num_new * computed + num_new * (num_new + 1) // 2
+            req.num_computed_tokens = computed + num_new
+        else:  # one token a pass, each attending to the keys before it and itself
+            keys = steps * (computed + 1) + steps * (steps - 1) // 2
+            out.num_context_tokens += keys
+            out.num_attention_pairs += keys
+            req.num_computed_tokens = computed + steps
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -49,9 +49,14 @@ class SchedulerOutput:
     # attends n * c + n (n + 1) / 2.
     num_context_tokens: int = 0
     num_attention_pairs: int = 0
+    # Multi-step decoding (SchedulerConfig.num_scheduler_steps): every request is a plain-greedy
+    # decode of one token, and the runner runs this many forward passes, each on the tokens the
+    # one before sampled; each request gets this many tokens back. Its KV slots are allocated.
+    num_steps: int = 1
 
     @property
     def total_num_scheduled_tokens(self) -> int:
+        """Tokens of the first forward pass (a multi-step step runs `num_steps` of them)."""
         return sum(self.num_scheduled_tokens.values())
 
     @property

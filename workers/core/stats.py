@@ -95,11 +95,12 @@ class EngineStats:
     _last_emit: float = 0.0
 
     def record_step(self, num_tokens: int, num_context_tokens: int, num_attention_pairs: int,
-                    num_logit_rows: int, seconds: float) -> None:
+                    num_logit_rows: int, seconds: float, num_passes: int = 1) -> None:
+        """A step's totals over its forward passes (several in multi-step decoding)."""
         self.num_steps += 1
         self.step_seconds += seconds
         if self.cost is not None:
-            self.bytes_read += self.cost.step_bytes(num_context_tokens)
+            self.bytes_read += self.cost.step_bytes(num_context_tokens, num_passes)
             self.flops += self.cost.step_flops(num_tokens, num_attention_pairs, num_logit_rows)
 
     def record_emit(self, now: float, had_decode: bool) -> None:

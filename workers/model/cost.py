@@ -110,9 +110,10 @@ class ModelCost:
     def decode_step_bytes(self, batch: int, context_len: int) -> int:
         return self.weight_bytes + batch * context_len * self.kv_bytes_per_token
 
-    def step_bytes(self, num_context_tokens: int) -> int:
-        """Any step: the weights once, plus the KV of every token its requests attend to."""
-        return self.weight_bytes + num_context_tokens * self.kv_bytes_per_token
+    def step_bytes(self, num_context_tokens: int, num_passes: int = 1) -> int:
+        """Any step: the weights once a forward pass, plus the KV of every token its requests
+        attend to (over all its passes)."""
+        return num_passes * self.weight_bytes + num_context_tokens * self.kv_bytes_per_token
 
     def roofline_crossover_batch(self, context_len: int, peak_flops: float, peak_bytes_per_s: float,
                                  max_batch: int = 4096) -> float:
