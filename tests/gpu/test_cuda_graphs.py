@@ -48,6 +48,18 @@ def test_overlapped_steps_with_graphs_match(llama_dir: str) -> None:
     llm.shutdown()
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_multi_step_decoding_with_graphs_on_and_off_matches(llama_dir: str, enforce_eager: bool) -> None:
+    # Every pass of a step launched before any token comes back: replays read their inputs from
+    # the graph's buffer, each written by a copy queued behind the replay before it.
+    prompts = mixed_prompts(seed=5)
+    llm = LLM(llama_dir, device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3,
+              num_scheduler_steps=8, enforce_eager=enforce_eager)
+    assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
 def test_kv_cache_sized_by_profiling_and_given_back(llama_dir: str) -> None:
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]

@@ -11,7 +11,9 @@ pytest.importorskip("triton")
 
 from tandem.workers.core.request import SamplingParams  # noqa: E402
 from tandem.workers.llm import LLM  # noqa: E402
+from tandem.workers.runner import model_runner  # noqa: E402
 from tandem.workers.runner.model_runner import ModelRunner  # noqa: E402
+from tandem.workers.runner.step_inputs import advance_decodes  # noqa: E402
 from tests.conftest import ARCHITECTURES, hf_greedy, mixed_prompts, tiny_model  # noqa: E402
 
 MAX_TOKENS = 12
@@ -111,4 +113,36 @@ def test_ngram_speculation_through_the_varlen_kernel(llama_dir: str) -> None:
     llm = _llm(llama_dir, speculative_model="ngram", num_speculative_tokens=3, block_size=4)
     assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
     assert llm.engine.num_draft_tokens > 0
+    llm.shutdown()
+
+
+def test_multi_step_passes_through_padded_graphs_equal_transformers(llama_dir: str, padded_graphs,
+                                                                   monkeypatch) -> None:
+    # Three decodes pad to the bucket of 4; the 17-token prompt's passes cross the capture
+    # length (20) inside a step, so that step's last pass leaves the graphs and runs eagerly.
+    prompts = mixed_prompts(seed=14, lengths=(5, 9, 17))
+    llm = _llm(llama_dir, max_num_seqs=8, block_size=4, num_scheduler_steps=4, overlap_steps=True,
+               max_seq_len_to_capture=20)
+    runner = llm.engine.executor.runner
+    seen: list[tuple[str, int | None, int]] = []
+    build = runner.builder.build
+
+    def record(out, states, table, graph=None, source=None, advance=0, passes_after=0):
+        inputs = build(out, states, table, graph, source, advance, passes_after)
+        seen.append(("build", inputs.graph_batch, advance))
+        return inputs
+
+    def moved(inputs, tokens, block_size):
+        seen.append(("advance", inputs.graph_batch, None))
+        advance_decodes(inputs, tokens, block_size)
+
+    runner.builder.build = record
+    monkeypatch.setattr(model_runner, "advance_decodes", moved)
+    assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    # The first multi-step step: passes 1-3 replay the bucket of four, their inputs moved on in
+    # place; the 4th (context 20) is built again, eagerly.
+    assert seen[1:5] == [("build", 4, 0), ("advance", 4, None), ("advance", 4, None), ("build", None, 3)]
+    # Later steps run eagerly from their first pass, moved on in place.
+    assert seen[5:9] == [("build", None, 0)] + [("advance", None, None)] * 3
+    llm.engine.pool.check_all_free()
     llm.shutdown()

@@ -23,6 +23,10 @@ LAYOUTS = {
     "overlapped": {"overlap_steps": True},
     "overlapped_chunked": {"overlap_steps": True, "max_num_batched_tokens": 16, "max_num_seqs": 4},
     "overlapped_preemption": {"overlap_steps": True, "num_kv_blocks": 30, "block_size": 4},
+    # Multi-step decoding: up to 4 forward passes a step, each fed the last one's tokens on the device.
+    "multi_step": {"num_scheduler_steps": 4},
+    "multi_step_chunked": {"num_scheduler_steps": 4, "max_num_batched_tokens": 16, "max_num_seqs": 4},
+    "multi_step_preemption": {"num_scheduler_steps": 3, "num_kv_blocks": 30, "block_size": 4},
 }
 
 
@@ -36,9 +40,16 @@ def test_greedy_equals_transformers(arch: str, layout: str) -> None:
     model = tiny_model(arch)
     prompts = mixed_prompts()
     llm = LLM(model, **LAYOUTS[layout])
-    scheduler, ahead = llm.engine.scheduler, []
+    scheduler, ahead, passes = llm.engine.scheduler, [], []
     schedule = scheduler.schedule
-    scheduler.schedule = lambda pending=frozenset(): ahead.append(bool(pending)) or schedule(pending)
+
+    def record(pending=frozenset(), max_steps=1):
+        ahead.append(bool(pending))
+        out = schedule(pending, max_steps)
+        passes.append(out.num_steps)
+        return out
+
+    scheduler.schedule = record
     outs = _generate(llm, prompts)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, MAX_TOKENS)
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
@@ -46,6 +57,8 @@ def test_greedy_equals_transformers(arch: str, layout: str) -> None:
         assert llm.engine.scheduler.num_preemptions > 0
     # Overlapped: most steps were scheduled ahead, on tokens still in flight; never otherwise.
     assert (sum(ahead) > len(ahead) // 2) if layout.startswith("overlapped") else not any(ahead)
+    # Multi-step: some steps ran as many passes as allowed; without it, every step ran one.
+    assert max(passes) == (LAYOUTS[layout].get("num_scheduler_steps", 1))
     llm.engine.pool.check_all_free()
 
 

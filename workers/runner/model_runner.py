@@ -30,9 +30,9 @@ from tandem.workers.model.loader import load_weights
 from tandem.workers.runner import gpu_memory
 from tandem.workers.runner.block_table import BlockTable
 from tandem.workers.runner.cuda_graphs import DecodeGraphs, GraphLayout
-from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, StepInputs
+from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, StepInputs, advance_decodes
 from tandem.workers.runner.step_sampler import StepSampler
-from tandem.workers.sample.sampler import Sampler, compute_logprobs
+from tandem.workers.sample.sampler import Sampler, argmax_rows, compute_logprobs
 
 
 @dataclass
@@ -272,9 +272,10 @@ class ModelRunner:
                 state.output_token_ids[state.pending_index] = tokens[0]
                 state.pending_index = -1
 
-    def _graph_target(self, out: SchedulerOutput) -> GraphTarget | None:
+    def _graph_target(self, out: SchedulerOutput, advance: int = 0) -> GraphTarget | None:
         """A pure decode step (one token per request, no drafts, no prompt logprobs) that a
-        graph bucket holds, on the last stage that runs whole steps."""
+        graph bucket holds, on the last stage that runs whole steps (`advance`: the forward
+        pass of a multi-step step, whose contexts are that much longer)."""
         if self.graphs is None or out.spec_token_ids or len(out.num_scheduled_tokens) > self.graphs.max_batch \
                 or out.total_num_scheduled_tokens != len(out.num_scheduled_tokens):
             return None
@@ -283,7 +284,7 @@ class ModelRunner:
                 return None
         capture_len = self.graphs.max_context
         for group in (out.cached_requests, out.new_requests):
-            if any(r.num_computed_tokens >= capture_len for r in group):
+            if any(r.num_computed_tokens + advance >= capture_len for r in group):
                 return None  # a context past the graphs' block tables: eager
         return self.graphs.target(len(out.num_scheduled_tokens))
 
@@ -312,6 +313,8 @@ class ModelRunner:
                      hidden: torch.Tensor | None = None) -> PendingOutput | torch.Tensor | None:
         if out.is_empty:
             return PendingOutput.done(RunnerOutput([], [], [])) if self.ctx.tp_rank == 0 else None
+        if out.num_steps > 1:
+            return self._launch_steps(out)
         inputs = self.prepare_inputs(out)
         if inputs.graph_batch is not None:
             logits = self._scored(self.graphs.run(inputs), inputs)
@@ -328,6 +331,43 @@ class ModelRunner:
         pending = self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs)
         self._keep_sampled(inputs, pending)
         return pending
+
+    def _launch_steps(self, out: SchedulerOutput) -> PendingOutput:
+        """A multi-step step: `out.num_steps` forward passes of plain-greedy decodes, each fed
+        the tokens the pass before it sampled, where they are (the device); every pass is
+        launched before any token comes back. On the GPU kernels' tables a pass moves the last
+        one's inputs on in place (a few device ops, no host work per request); otherwise, or
+        where a pass leaves the CUDA graphs (a context past the capture length), its inputs are
+        built again, as a step scheduled ahead is: each request's next token a PENDING_TOKEN,
+        copied in on the device."""
+        assert self.ctx.pp_size == 1 and self.ctx.tp_size == 1, "multi-step decoding runs in one process"
+        self._last_sampled = None
+        num_steps = out.num_steps
+        inputs = self.builder.build(out, self.states, self.block_table, self._graph_target(out),
+                                    passes_after=num_steps - 1)
+        req_ids = inputs.req_ids
+        where = {req_id: i for i, req_id in enumerate(req_ids)}  # a request's row among a pass's tokens
+        outputs = [self.states[req_id].output_token_ids for req_id in req_ids]
+        num_placeholders = 0
+        sampled: list[torch.Tensor] = []
+        for advance in range(num_steps):
+            if advance:
+                graph = self._graph_target(out, advance)
+                if inputs.meta.gpu is not None and (graph is None) == (inputs.graph_batch is None):
+                    advance_decodes(inputs, sampled[-1], self.block_size)
+                else:
+                    for tokens in outputs:  # the tokens sampled so far, as the runner sees them
+                        tokens.extend([PENDING_TOKEN] * (advance - num_placeholders))
+                    num_placeholders = advance
+                    inputs = self.builder.build(out, self.states, self.block_table, graph, where, advance,
+                                                num_steps - 1 - advance)
+                    ids = sampled[-1].index_select(0, inputs.pending_src.long())
+                    inputs.input_ids.index_copy_(0, inputs.pending_dst.long(), ids.to(inputs.input_ids.dtype))
+            sampled.append(argmax_rows(self.forward(inputs)))
+        if num_placeholders:
+            for tokens in outputs:  # the scheduler's next diff sends the tokens themselves
+                del tokens[len(tokens) - num_placeholders:]
+        return self.step_sampler.collect_steps(req_ids, torch.stack(sampled, dim=1))
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """A decode step's logits at every (padded) row: what a CUDA graph captures."""

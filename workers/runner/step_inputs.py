@@ -131,13 +131,17 @@ class InputBuilder:
         self.staging = StagingBuffer(device)
 
     def build(self, out: SchedulerOutput, states: dict[str, RequestView], block_table: BlockTable,
-              graph: GraphTarget | None = None, pending_source: dict[str, int] | None = None) -> StepInputs:
+              graph: GraphTarget | None = None, pending_source: dict[str, int] | None = None,
+              advance: int = 0, passes_after: int = 0) -> StepInputs:
         """`pending_source`: request -> its token's index among the previous step's sampled
         tokens, for requests scheduled ahead on a PENDING_TOKEN. `graph`: a step of single-token
-        rows only, padded to the graph's bucket."""
+        rows only, padded to the graph's bucket. Multi-step decoding: `advance` is the forward
+        pass this is (its rows that many tokens further on than the step's first pass), and
+        `passes_after` how many passes follow it, which the block tables are made wide enough
+        for (`advance_decodes` moves these inputs on in place)."""
         bs = self.block_size
-        computed = {r.req_id: r.num_computed_tokens for r in out.new_requests}
-        computed.update({r.req_id: r.num_computed_tokens for r in out.cached_requests})
+        computed = {r.req_id: r.num_computed_tokens + advance for r in out.new_requests}
+        computed.update({r.req_id: r.num_computed_tokens + advance for r in out.cached_requests})
         sched = out.num_scheduled_tokens
         spec = out.spec_token_ids
         if out.total_num_scheduled_tokens == len(sched):  # every row a single token (no drafts then)
@@ -211,7 +215,7 @@ class InputBuilder:
                                     state.prompt_token_ids[start + 1:last + 1]))
 
         all_ends = seq_lens + [s + n for s, n in zip(prefill_starts, prefill_nums)]
-        width = graph.width if graph is not None else -(-max(all_ends) // bs)
+        width = graph.width if graph is not None else -(-(max(all_ends) + passes_after) // bs)
         if graph is None:
             tables = block_table.rows(np.asarray(table_rows, dtype=np.int64), width)
         else:
@@ -295,6 +299,21 @@ class InputBuilder:
             block_size=self.block_size,
             gpu=gpu,
         )
+
+
+def advance_decodes(inputs: StepInputs, tokens: torch.Tensor, block_size: int) -> None:
+    """Move a step of decodes on by one token, in place, on the device (a multi-step step's next
+    pass, on the GPU kernels' tables): each row's input becomes the token it has just sampled
+    (`tokens`, one a row), one position further on, its context one longer, its KV slot looked up
+    in its block table. Padding rows stay as they are (the scratch block)."""
+    tables = inputs.meta.gpu
+    n = tokens.shape[0]
+    inputs.input_ids[:n].copy_(tokens)
+    positions = inputs.positions[:n]
+    positions += 1
+    tables.decode_seq_lens[:n] += 1
+    blocks = tables.decode_block_tables[:n].gather(1, (positions // block_size).long()[:, None])[:, 0]
+    inputs.meta.slot_mapping[:n] = blocks * block_size + positions % block_size
 
 
 def _split(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -76,6 +76,17 @@ class StepSampler:
         pending.device_tokens = tokens  # the next step may read them where they are
         return pending
 
+    def collect_steps(self, req_ids: list[str], tokens: torch.Tensor) -> PendingOutput:
+        """A multi-step step's output from its sampled tokens ([requests, passes], on the device):
+        one copy to the host, waited for by `result()`."""
+        if tokens.device.type != "cuda":
+            return PendingOutput.done(RunnerOutput(req_ids, tokens.tolist(), [None] * len(req_ids)))
+        host = torch.empty(tokens.shape, dtype=torch.long, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingOutput(lambda: RunnerOutput(req_ids, host.tolist(), [None] * len(req_ids)), event)
+
     def _assemble(self, inputs: StepInputs, token_ids: list[int], logprobs: list, logits: torch.Tensor | None,
                   rows: list[SamplingRow] | None,
                   prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]]) -> RunnerOutput:

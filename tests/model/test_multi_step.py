@@ -1,0 +1,130 @@
+"""Multi-step decoding through the real engine: a step of plain-greedy decodes runs several
+forward passes, each on the tokens the pass before sampled. Output must not change: greedy
+equals transformers, stops land where they would one pass at a time, sampled requests in the
+batch keep their own (seeded) tokens, and every KV block comes back."""
+
+from __future__ import annotations
+
+from tandem.workers.core.request import SamplingParams
+from tandem.workers.llm import LLM
+from tests.conftest import hf_greedy, mixed_prompts
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _record_passes(llm: LLM) -> list[int]:
+    """The number of forward passes of every step the engine schedules from now on."""
+    scheduler, passes = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def record(ahead=frozenset(), max_steps=1):
+        out = schedule(ahead, max_steps)
+        passes.append(out.num_steps)
+        return out
+
+    scheduler.schedule = record
+    return passes
+
+
+def test_a_stop_token_inside_a_step_ends_the_output_where_one_pass_at_a_time_would(llama_dir: str) -> None:
+    prompts = mixed_prompts(seed=8, lengths=(11, 6))
+    refs = hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    # The second prompt's 7th token, first seen there: a stop that lands inside a 4-pass step
+    # (the prefill gives token 1, then passes give 2-5 and 6-9).
+    stop_at = next(i for i in range(5, MAX_TOKENS) if refs[1][i] not in refs[1][:i] and i % 4 != 0)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            stop_token_ids=[refs[1][stop_at]])
+    llm = LLM(llama_dir, num_scheduler_steps=4)
+    passes = _record_passes(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert 4 in passes
+    expected_first = refs[0][:refs[0].index(refs[1][stop_at]) + 1] if refs[1][stop_at] in refs[0] else refs[0]
+    assert _token_ids(outs) == [expected_first, refs[1][:stop_at + 1]]
+    assert outs[1].outputs[0].finish_reason == "stop"
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
+def test_a_sampled_request_keeps_its_tokens_and_greedy_ones_equal_transformers(llama_dir: str) -> None:
+    prompts = mixed_prompts(seed=9, lengths=(13, 5, 21))
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=17, max_tokens=6, ignore_eos=True)
+
+    def run(**options):
+        llm = LLM(llama_dir, **options)
+        passes = _record_passes(llm)
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sampled if i == 1 else GREEDY)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        engine.pool.check_all_free()
+        llm.shutdown()
+        return [done[f"r{i}"] for i in range(len(prompts))], passes
+
+    one_pass, _ = run()
+    multi, passes = run(num_scheduler_steps=4)
+    assert multi == one_pass  # the sampled request's seeded tokens too
+    refs = hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert [multi[0], multi[2]] == [refs[0], refs[2]]
+    # One pass a step while the sampled request runs (its 6 tokens: 6 steps), several after.
+    assert passes[:6] == [1] * 6 and max(passes) == 4
+
+
+def test_streamed_deltas_come_in_groups_and_add_up_to_transformers(llama_dir: str) -> None:
+    prompts = mixed_prompts(seed=10, lengths=(9, 30))
+    llm = LLM(llama_dir, num_scheduler_steps=4, overlap_steps=True)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, output_kind="delta")
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, params)
+    deltas: dict[str, list[list[int]]] = {"s0": [], "s1": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas[out.request_id].append(out.outputs[0].token_ids)
+    assert [sum(deltas[f"s{i}"], []) for i in range(2)] == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    # The first token alone (the prefill), then groups of four and the rest: 1 + 4 * 3 + 3.
+    assert [len(d) for d in deltas["s0"]] == [1, 4, 4, 4, 3]
+    engine.pool.check_all_free()
+    llm.shutdown()
+
+
+def test_an_abort_between_multi_step_steps_frees_its_blocks(llama_dir: str) -> None:
+    prompts = mixed_prompts(seed=12, lengths=(7, 18, 26))
+    llm = LLM(llama_dir, num_scheduler_steps=4, block_size=4)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"a{i}", {"prompt_token_ids": prompt}, GREEDY)
+    engine.step()
+    engine.step()  # a multi-step step: slots for four tokens each
+    out = engine.abort_request("a1")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out.outputs[0].token_ids
+    refs = hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert [done["a0"], done["a2"]] == [refs[0], refs[2]]
+    engine.pool.check_all_free()
+    llm.shutdown()
+
+
+def test_cost_figures_count_every_pass(llama_dir: str) -> None:
+    prompts = mixed_prompts(seed=13, lengths=(5,))
+    figures = []
+    for steps in (1, 4):
+        llm = LLM(llama_dir, num_scheduler_steps=steps)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        counters = llm.engine.counters
+        figures.append((counters.bytes_read, counters.flops, counters.num_steps))
+        llm.shutdown()
+    (bytes_1, flops_1, steps_1), (bytes_4, flops_4, steps_4) = figures
+    assert (steps_1, steps_4) == (16, 5)  # the prefill, then 15 tokens in passes of 4, 4, 4, 3
+    assert (bytes_4, flops_4) == (bytes_1, flops_1)  # the same passes, counted in fewer steps
