@@ -9,7 +9,9 @@ update and the outputs. With steps overlapped (as on CUDA), a device step can hi
 most its own duration of this: host ms per step is the floor of the step time, and
 `1000 * batch / host ms` the most output tokens a second the engine can give at that
 batch, whatever the device. Medians over the decode steps of one `LLM.generate` per
-batch (prompts of 256 tokens, 129 output tokens each), best of `--repeats`.
+batch (prompts of 256 tokens, 129 output tokens each), best of `--repeats`. With
+`--num-scheduler-steps K` (multi-step decoding) a step runs K forward passes, and the figure
+is per pass: the host's work per token of every request.
 
 The engine is set up as on CUDA on every device (the Triton backend's kernel tables, decode
 steps padded to graph buckets in the graph buffer, steps scheduled ahead of their tokens), so
@@ -46,10 +48,13 @@ def null_model(llm: LLM) -> None:
 
 def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: int = 256,
             max_tokens: int = 129) -> float:
-    """Median host seconds per decode step at this batch (best of `repeats` runs)."""
+    """Median host seconds per decode token of every request at this batch (best of `repeats`
+    runs): a step's time over its forward passes (several with multi-step decoding)."""
     engine = llm.engine
     times: list[float] = []
+    passes: list[int] = []
     step = engine.step
+    schedule = engine.scheduler.schedule
 
     def timed() -> Any:
         start = time.perf_counter()
@@ -57,20 +62,31 @@ def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: in
         times.append(time.perf_counter() - start)
         return out
 
+    def scheduled(*args: Any) -> Any:
+        out = schedule(*args)
+        if out.num_scheduled_tokens:
+            passes.append(out.num_steps)
+        return out
+
     engine.step = timed
+    engine.scheduler.schedule = scheduled
     prompts = [{"prompt_token_ids": list(range(10 + i % 7, 10 + prompt_len))} for i in range(batch)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=output_kind)
     best = float("inf")
     try:
         for _ in range(repeats):
             times.clear()
+            passes.clear()
             if output_kind == "final":
                 llm.generate(prompts, params, use_tqdm=False)
             else:
                 _run_streaming(llm, prompts, params)
-            best = min(best, statistics.median(times[2:]))  # the prefill steps left out
+            # Every call launches one step (the first the prefill, left out with the one after).
+            per_pass = [t / n for t, n in zip(times[2:], passes[2:])]
+            best = min(best, statistics.median(per_pass))
     finally:
         engine.step = step
+        engine.scheduler.schedule = schedule
     return best
 
 
@@ -83,12 +99,12 @@ def _run_streaming(llm: LLM, prompts: list[dict], params: SamplingParams) -> Non
         engine.step()
 
 
-def _cuda_like_llm(model: str, device: str, max_num_seqs: int) -> LLM:
+def _cuda_like_llm(model: str, device: str, max_num_seqs: int, num_scheduler_steps: int = 1) -> LLM:
     """An engine that takes CUDA's host path on any device: the Triton backend's tables and
     decode steps padded to graph buckets, but nothing captured, so the null model's forward
     is what runs (on CUDA a captured graph would replay the real one)."""
     options = dict(device=device, max_num_seqs=max_num_seqs, overlap_steps=True, attention_backend="triton",
-                   gpu_memory_utilization=0.5)
+                   gpu_memory_utilization=0.5, num_scheduler_steps=num_scheduler_steps)
     if device == "cpu":  # its kernels never run: TRITON_INTERPRET only passes the backend's check
         os.environ.setdefault("TRITON_INTERPRET", "1")
     graph_mode = ModelRunner._graph_mode
@@ -109,10 +125,12 @@ def main() -> None:
                         help="final: LLM.generate (outputs when done); delta: a server's streaming outputs")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=129)
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="multi-step decoding: forward passes per step (the host time is per pass)")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    llm = _cuda_like_llm(args.model, args.device, max(batches))
+    llm = _cuda_like_llm(args.model, args.device, max(batches), args.num_scheduler_steps)
     null_model(llm)
     results = []
     for batch in batches:
@@ -125,7 +143,8 @@ def main() -> None:
     llm.shutdown()
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"device": args.device, "output_kind": args.output_kind, "results": results}, f, indent=2)
+            json.dump({"device": args.device, "output_kind": args.output_kind,
+                       "num_scheduler_steps": args.num_scheduler_steps, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

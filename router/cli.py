@@ -51,6 +51,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "type": int, "help": "CUDA: decode steps with a longer sequence run eagerly (default 8192)"}),
     EngineFlag(("--attention-backend",), {
         "choices": ["auto", "triton", "torch"], "help": "auto: Triton kernels on CUDA, torch elsewhere"}),
+    EngineFlag(("--num-scheduler-steps",), {
+        "type": int, "help": "multi-step decoding: forward passes a step of plain-greedy decodes runs before "
+                             "the host schedules again (default 1: off; TP = PP = 1, no speculation)"}),
     EngineFlag(("--tensor-parallel-size", "-tp"), {"type": int}),
     EngineFlag(("--pipeline-parallel-size", "-pp"), {"type": int}),
     EngineFlag(("--speculative-model",), {"help": 'draft model directory, or "ngram"'}),
