@@ -101,7 +101,14 @@ def local_ray_init_kwargs(args: argparse.Namespace, num_cpus: int) -> dict[str, 
     constants module loads, hence the attribute as well); then the GCS and raylets listen
     on 127.0.0.1 only.
     """
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray 2.60's default; never silently off
+    if "RAY_AUTH_MODE" not in os.environ:  # Ray 2.60's default; never silently off
+        os.environ["RAY_AUTH_MODE"] = "token"
+        # Ray reads the mode into a cached config once; unrefreshed, ray.init would not see it,
+        # would make no token for the new cluster, and on a machine without ~/.ray/auth_token
+        # the GCS it starts (which does see it) would abort for want of one.
+        from ray._raylet import Config
+
+        Config.initialize("")
     if args.ray_bind_host in LOOPBACK:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         from ray._private import ray_constants

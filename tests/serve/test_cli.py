@@ -58,7 +58,7 @@ def test_engine_flags_come_from_one_table():
     assert [flag.dest for flag in ENGINE_FLAGS] == [
         "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
         "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "cpu_packed_weights",
-        "enforce_eager", "max_seq_len_to_capture", "attention_backend",
+        "enforce_eager", "max_seq_len_to_capture", "attention_backend", "num_scheduler_steps",
         "tensor_parallel_size", "pipeline_parallel_size", "speculative_model",
         "num_speculative_tokens", "speculative_draft_dtype", "speculative_draft_tensor_parallel_size", "address",
         "seed"]
@@ -98,13 +98,17 @@ def test_bad_option_fails_before_anything_starts(capsys):
     assert "block_size" in capsys.readouterr().err
 
 
-def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama):
+def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
     port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "tandem.router.cli", "serve", "--model", tiny_llama, "--served-model-name", "tiny",
            "--max-model-len", "256", "--kv-cache-memory", str(4 << 20), "--host", "127.0.0.1",
            "--port", str(port), "--grpc-port", str(grpc_port), "--api-key", "secret"]
+    # A home without ~/.ray/auth_token, as on a fresh machine: the embedded Ray must make its token.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
+    env["HOME"] = str(tmp_path)
+    env.setdefault("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))  # built kernels stay where they are
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
@@ -128,3 +132,4 @@ def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama):
             proc.wait()
     with pytest.raises(requests.ConnectionError):
         requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    assert (tmp_path / ".ray" / "auth_token").stat().st_size > 0
