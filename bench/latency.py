@@ -159,7 +159,7 @@ def _batch1_tandem(systems: Systems, single: list[BenchRequest], show_progress: 
     """(TPOT = mean decode step, median decode step, median bare forward), in seconds."""
     result = run_tandem(systems.llm, single, desc="tandem batch 1", record_inputs=True, show_progress=show_progress)
     bare = time_bare_forward(systems.runner, result.decode_inputs, systems.device)
-    return statistics.fmean(result.decode_step_s), statistics.median(result.decode_step_s), statistics.median(bare)
+    return result.time_per_decode_token_s, statistics.median(result.decode_step_s), statistics.median(bare)
 
 
 def _sweep_point(systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool) -> tuple[float, float]:
@@ -176,7 +176,9 @@ def _figures(shape: LatencyShape, systems: Systems, runs: list[_Repeat], opts: B
     step_bytes = cost.decode_step_bytes(1, ctx)
     fig: Figures = {
         "benchmark": "latency", "model": systems.model_dir, "device": str(systems.device),
-        "dtype": str(systems.dtype).removeprefix("torch."), "quick": opts.quick, "repeats": len(runs),
+        "dtype": str(systems.dtype).removeprefix("torch."),
+        "num_scheduler_steps": systems.llm.engine.config.scheduler.num_scheduler_steps, "quick": opts.quick,
+        "repeats": len(runs),
         "prompt_len": shape.prompt_len, "output_len": shape.output_len,
         "sweep_prompt_len": shape.sweep_prompt_len, "sweep_output_len": shape.sweep_output_len,
         "copy_bandwidth_bytes_s": median(r.copy_bw for r in runs),

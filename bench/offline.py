@@ -107,7 +107,9 @@ def _figures(spec: WorkloadSpec, requests: list[BenchRequest], systems: Systems,
     median = statistics.median
     fig: Figures = {
         "benchmark": "offline", "model": systems.model_dir, "device": str(systems.device),
-        "dtype": str(systems.dtype).removeprefix("torch."), "quick": opts.quick, "repeats": repeats,
+        "dtype": str(systems.dtype).removeprefix("torch."),
+        "num_scheduler_steps": systems.llm.engine.config.scheduler.num_scheduler_steps, "quick": opts.quick,
+        "repeats": repeats,
         "num_requests": len(requests), "num_prompt_tokens": num_prompt_tokens(requests),
         "num_output_tokens": num_output_tokens(requests),
         "prompt_len_min": spec.prompt_len[0], "prompt_len_max": spec.prompt_len[1],

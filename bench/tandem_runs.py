@@ -34,8 +34,17 @@ _run_ids = itertools.count()
 class TandemRun:
     elapsed_s: float
     num_output_tokens: int
-    decode_step_s: list[float] = field(default_factory=list)  # steps where every request decoded
+    # Steps where every request decoded: seconds per forward pass, and the passes of each
+    # (several with multi-step decoding).
+    decode_step_s: list[float] = field(default_factory=list)
+    decode_passes: list[int] = field(default_factory=list)
     decode_inputs: list[Any] = field(default_factory=list)  # StepInputs of those steps (if recorded)
+
+    @property
+    def time_per_decode_token_s(self) -> float:
+        """The decode steps' time over their forward passes (one token of every request each)."""
+        seconds = sum(s * p for s, p in zip(self.decode_step_s, self.decode_passes, strict=True))
+        return seconds / sum(self.decode_passes)
 
     @property
     def tokens_per_s(self) -> float:
@@ -43,17 +52,20 @@ class TandemRun:
 
 
 class _StepCapture:
-    """Wraps the runner's prepare_inputs on this instance to see each step's inputs."""
+    """Wraps the runner's prepare_inputs on this instance to see each step's inputs (a
+    multi-step step's first pass) and its number of forward passes."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.last: Any = None
+        self.passes = 1
 
     def __enter__(self) -> _StepCapture:
         inner = self.runner.prepare_inputs
 
-        def prepare_inputs(out: Any) -> Any:
-            self.last = inner(out)
+        def prepare_inputs(out: Any, *args: Any, **kwargs: Any) -> Any:
+            self.last = inner(out, *args, **kwargs)
+            self.passes = out.num_steps
             return self.last
 
         self.runner.prepare_inputs = prepare_inputs
@@ -94,7 +106,8 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
             bar.update(new)
             inputs = capture.last
             if inputs is not None and not inputs.meta.prefills and len(inputs.req_ids) == len(requests):
-                result.decode_step_s.append(step_s)
+                result.decode_step_s.append(step_s / capture.passes)
+                result.decode_passes.append(capture.passes)
                 if record_inputs:
                     if inputs.graph_batch is not None:  # the graphs' shared buffer: keep this step's copy
                         inputs.staged = inputs.staged.clone()

@@ -55,6 +55,16 @@ def test_latency_on_a_bench_model_with_hf_compiled(tmp_path: Path, monkeypatch: 
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_latency_with_multi_step_decoding_reports_per_token_figures(tmp_path: Path) -> None:
+    fig = bench(tmp_path, "latency", "--model", tiny_model(), "--device", "cpu", "--sweep-batches", "1,2",
+                "--num-scheduler-steps", "4", *SMALLEST)
+    assert fig["num_scheduler_steps"] == 4
+    # A step of four passes gives four tokens: the figures are per pass, as without it.
+    for key in ("tpot_tandem_ms", "engine_step_ms", "bare_forward_ms", "engine_overhead", "sweep_b2_tpot_ms"):
+        assert 0 < fig[key] < 1e3, key
+    assert fig["tpot_ratio_vs_hf"] == pytest.approx(fig["tpot_tandem_ms"] / fig["tpot_hf_ms"])
+
+
 def test_model_and_bench_model_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
     for command in ("offline", "latency", "serve", "spec", "prefix", "overlap"):
         assert main(["bench", command, "--model", "m", "--bench-model", "llama-1b"]) == 2, command

@@ -243,9 +243,11 @@ class ModelRunner:
             state.block_ids.extend(diff.new_block_ids)
             self.block_table.update(state.row, diff.num_kept_blocks, diff.new_block_ids)
 
-    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+    def prepare_inputs(self, out: SchedulerOutput, passes_after: int = 0) -> StepInputs:
+        """A step's inputs (its first pass's, for a multi-step step: `passes_after` more follow)."""
         source = self._last_sampled[1] if self._last_sampled is not None else None
-        inputs = self.builder.build(out, self.states, self.block_table, self._graph_target(out), source)
+        inputs = self.builder.build(out, self.states, self.block_table, self._graph_target(out), source,
+                                    passes_after=passes_after)
         if inputs.pending_dst is not None:  # tokens scheduled ahead: from the last step's output
             tokens = self._last_sampled[0].index_select(0, inputs.pending_src.long())
             inputs.input_ids.index_copy_(0, inputs.pending_dst.long(), tokens.to(inputs.input_ids.dtype))
@@ -343,8 +345,7 @@ class ModelRunner:
         assert self.ctx.pp_size == 1 and self.ctx.tp_size == 1, "multi-step decoding runs in one process"
         self._last_sampled = None
         num_steps = out.num_steps
-        inputs = self.builder.build(out, self.states, self.block_table, self._graph_target(out),
-                                    passes_after=num_steps - 1)
+        inputs = self.prepare_inputs(out, passes_after=num_steps - 1)
         req_ids = inputs.req_ids
         where = {req_id: i for i, req_id in enumerate(req_ids)}  # a request's row among a pass's tokens
         outputs = [self.states[req_id].output_token_ids for req_id in req_ids]
