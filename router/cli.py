@@ -52,7 +52,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(("--attention-backend",), {
         "choices": ["auto", "triton", "torch"], "help": "auto: Triton kernels on CUDA, torch elsewhere"}),
     EngineFlag(("--num-scheduler-steps",), {
-        "type": int, "help": "multi-step decoding: forward passes a step of plain-greedy decodes runs before "
+        "type": int, "help": "multi-step decoding: forward passes a step of decodes runs before "
                              "the host schedules again (default 1: off; TP = PP = 1, no speculation)"}),
     EngineFlag(("--tensor-parallel-size", "-tp"), {"type": int}),
     EngineFlag(("--pipeline-parallel-size", "-pp"), {"type": int}),

@@ -188,7 +188,7 @@ class GroupEngine:
         return self._in_flight[0][1].on_device
 
     def _max_steps(self) -> int:
-        """Forward passes a step of plain-greedy decodes may run (multi-step decoding): the
+        """Forward passes a step of decodes may run (multi-step decoding): the
         runner feeds each pass the last one's tokens itself, so the model must be in this
         process, and drafts need the host between passes."""
         if self.proposer is not None or not self.model_in_process:

@@ -42,8 +42,8 @@ def test_graph_buckets_and_kernel_tables_on_cpu(llama_dir: str) -> None:
     seen = []
     build = runner.builder.build
 
-    def spy(out, states, table, graph=None, source=None):
-        inputs = build(out, states, table, graph, source)
+    def spy(out, states, table, graph=None, source=None, **kwargs):
+        inputs = build(out, states, table, graph, source, **kwargs)
         seen.append((inputs.graph_batch, inputs.pending_dst is not None))
         return inputs
 

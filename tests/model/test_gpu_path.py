@@ -64,8 +64,8 @@ def test_padded_decode_batches_equal_transformers(llama_dir: str, padded_graphs)
     seen: list[tuple[int | None, int]] = []
     build = runner.builder.build
 
-    def record(out, states, table, graph=None, source=None):
-        inputs = build(out, states, table, graph, source)
+    def record(out, states, table, graph=None, source=None, **kwargs):
+        inputs = build(out, states, table, graph, source, **kwargs)
         seen.append((inputs.graph_batch, len(inputs.req_ids)))
         return inputs
 
@@ -85,8 +85,8 @@ def test_sequences_past_the_capture_length_decode_eagerly(llama_dir: str, padded
     seen: list[tuple[int | None, int]] = []
     build = runner.builder.build
 
-    def record(out, states, table, graph=None, source=None):
-        inputs = build(out, states, table, graph, source)
+    def record(out, states, table, graph=None, source=None, **kwargs):
+        inputs = build(out, states, table, graph, source, **kwargs)
         seen.append((inputs.graph_batch, max(inputs.meta.decode_seq_lens or [0])))
         return inputs
 

@@ -50,32 +50,44 @@ def test_a_stop_token_inside_a_step_ends_the_output_where_one_pass_at_a_time_wou
     llm.shutdown()
 
 
-def test_a_sampled_request_keeps_its_tokens_and_greedy_ones_equal_transformers(llama_dir: str) -> None:
+def _run_beside_greedy(model: str, prompts: list[list[int]], other: SamplingParams,
+                       **options) -> tuple[list[list[int]], list[int]]:
+    """Greedy requests with `other` as the second one: every request's tokens, and each step's passes."""
+    llm = LLM(model, **options)
+    passes = _record_passes(llm)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, other if i == 1 else GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    engine.pool.check_all_free()
+    llm.shutdown()
+    return [done[f"r{i}"] for i in range(len(prompts))], passes
+
+
+def test_a_seeded_sampled_request_gets_the_same_tokens_in_several_passes(llama_dir: str) -> None:
     prompts = mixed_prompts(seed=9, lengths=(13, 5, 21))
-    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=17, max_tokens=6, ignore_eos=True)
-
-    def run(**options):
-        llm = LLM(llama_dir, **options)
-        passes = _record_passes(llm)
-        engine = llm.engine
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sampled if i == 1 else GREEDY)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-        engine.pool.check_all_free()
-        llm.shutdown()
-        return [done[f"r{i}"] for i in range(len(prompts))], passes
-
-    one_pass, _ = run()
-    multi, passes = run(num_scheduler_steps=4)
-    assert multi == one_pass  # the sampled request's seeded tokens too
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=17, max_tokens=6, ignore_eos=True)
+    one_pass, _ = _run_beside_greedy(llama_dir, prompts, sampled)
+    multi, passes = _run_beside_greedy(llama_dir, prompts, sampled, num_scheduler_steps=4)
+    assert multi == one_pass  # the sampled request's seeded tokens too, drawn on the device pass by pass
     refs = hf_greedy(llama_dir, prompts, MAX_TOKENS)
     assert [multi[0], multi[2]] == [refs[0], refs[2]]
-    # One pass a step while the sampled request runs (its 6 tokens: 6 steps), several after.
-    assert passes[:6] == [1] * 6 and max(passes) == 4
+    # The prefill; 4 passes; 1 (the sampled request's last token); then 4, 4 and the greedy ones' last 2.
+    assert passes == [1, 4, 1, 4, 4, 2]
+
+
+def test_penalties_keep_a_step_to_one_pass(llama_dir: str) -> None:
+    prompts = mixed_prompts(seed=9, lengths=(13, 5, 21))
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=6, ignore_eos=True)
+    one_pass, _ = _run_beside_greedy(llama_dir, prompts, penalised)
+    multi, passes = _run_beside_greedy(llama_dir, prompts, penalised, num_scheduler_steps=4)
+    assert multi == one_pass
+    # One pass a step while the penalised request runs (its 6 tokens: 6 steps), then 4, 4, 2.
+    assert passes == [1] * 6 + [4, 4, 2]
 
 
 def test_streamed_deltas_come_in_groups_and_add_up_to_transformers(llama_dir: str) -> None:

@@ -95,8 +95,8 @@ class Scheduler:
         sampled; each gets a PENDING_TOKEN in its place (unless that token must be its last)
         and is scheduled on it, so this step can be launched before that one's tokens are
         back. Scheduling ahead never preempts: a request that finds no room waits a step.
-        `max_steps` > 1: a step of running plain-greedy decodes alone may run up to that many
-        forward passes (multi-step decoding, `SchedulerOutput.num_steps`)."""
+        `max_steps` > 1: a step of running decodes alone (no penalties or logprobs) may run up
+        to that many forward passes (multi-step decoding, `SchedulerOutput.num_steps`)."""
         out = SchedulerOutput(step_id=self._step_id)
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
@@ -200,14 +200,15 @@ class Scheduler:
 
     def _num_steps(self, out: SchedulerOutput, scheduled: list[Request], max_steps: int) -> int:
         """Forward passes this step may run back to back: up to `max_steps` when every request is
-        a plain-greedy decode of one token (the device picks its next token by argmax alone),
-        none would pass its length limit within them, and the pool has the extra KV slots, which
-        are allocated here. Otherwise 1."""
+        a decode of one token whose next token the device can pick from its logits alone (no
+        penalties, which read the tokens so far; no suppressed EOS below min_tokens; no
+        logprobs), none would pass its length limit within them, and the pool has the extra KV
+        slots, which are allocated here. Otherwise 1."""
         steps = max_steps
         for req in scheduled:
             params = req.sampling_params
             if out.num_scheduled_tokens[req.request_id] != 1 or req.spec_token_ids or req.is_prefill \
-                    or not params.is_greedy or params.needs_penalties or params.logprobs is not None \
+                    or params.needs_penalties or params.logprobs is not None \
                     or params.prompt_logprobs is not None or req.num_output_tokens < params.min_tokens:
                 return 1
             steps = min(steps, req.max_total_tokens - req.num_tokens)

@@ -49,9 +49,10 @@ class SchedulerOutput:
     # attends n * c + n (n + 1) / 2.
     num_context_tokens: int = 0
     num_attention_pairs: int = 0
-    # Multi-step decoding (SchedulerConfig.num_scheduler_steps): every request is a plain-greedy
-    # decode of one token, and the runner runs this many forward passes, each on the tokens the
-    # one before sampled; each request gets this many tokens back. Its KV slots are allocated.
+    # Multi-step decoding (SchedulerConfig.num_scheduler_steps): every request is a decode of one
+    # token without penalties or logprobs, and the runner runs this many forward passes, each on
+    # the tokens the one before sampled; each request gets this many tokens back. Its KV slots
+    # are allocated.
     num_steps: int = 1
 
     @property

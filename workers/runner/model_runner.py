@@ -32,7 +32,8 @@ from tandem.workers.runner.block_table import BlockTable
 from tandem.workers.runner.cuda_graphs import DecodeGraphs, GraphLayout
 from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, StepInputs, advance_decodes
 from tandem.workers.runner.step_sampler import StepSampler
-from tandem.workers.sample.sampler import Sampler, argmax_rows, compute_logprobs
+from tandem.workers.sample.pass_sampler import PassSampler
+from tandem.workers.sample.sampler import Sampler, compute_logprobs
 
 
 @dataclass
@@ -335,8 +336,8 @@ class ModelRunner:
         return pending
 
     def _launch_steps(self, out: SchedulerOutput) -> PendingOutput:
-        """A multi-step step: `out.num_steps` forward passes of plain-greedy decodes, each fed
-        the tokens the pass before it sampled, where they are (the device); every pass is
+        """A multi-step step: `out.num_steps` forward passes of decodes, each fed the tokens
+        the pass before it sampled (`PassSampler`), where they are (the device); every pass is
         launched before any token comes back. On the GPU kernels' tables a pass moves the last
         one's inputs on in place (a few device ops, no host work per request); otherwise, or
         where a pass leaves the CUDA graphs (a context past the capture length), its inputs are
@@ -349,6 +350,9 @@ class ModelRunner:
         req_ids = inputs.req_ids
         where = {req_id: i for i, req_id in enumerate(req_ids)}  # a request's row among a pass's tokens
         outputs = [self.states[req_id].output_token_ids for req_id in req_ids]
+        sample = PassSampler([self.states[req_id].sampling_params for req_id in req_ids],
+                             [len(tokens) for tokens in outputs], self.device,
+                             self.sampler.shared_generator(self.device))
         num_placeholders = 0
         sampled: list[torch.Tensor] = []
         for advance in range(num_steps):
@@ -364,7 +368,7 @@ class ModelRunner:
                                                 num_steps - 1 - advance)
                     ids = sampled[-1].index_select(0, inputs.pending_src.long())
                     inputs.input_ids.index_copy_(0, inputs.pending_dst.long(), ids.to(inputs.input_ids.dtype))
-            sampled.append(argmax_rows(self.forward(inputs)))
+            sampled.append(sample(self.forward(inputs), advance))
         if num_placeholders:
             for tokens in outputs:  # the scheduler's next diff sends the tokens themselves
                 del tokens[len(tokens) - num_placeholders:]

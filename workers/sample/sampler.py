@@ -85,6 +85,10 @@ class Sampler:
         # One generator per device: a CPU generator cannot drive CUDA kernels and vice versa.
         self._generators: dict[torch.device, torch.Generator] = {}
 
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator of unseeded rows on `device`."""
+        return self._generator(device)
+
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
         if gen is None:
@@ -232,18 +236,20 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
-def _filter(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+def _filter(x: torch.Tensor, top_k: list[int] | torch.Tensor, top_p: list[float] | torch.Tensor,
+            min_p: list[float] | torch.Tensor) -> torch.Tensor:
     """Top-k, then top-p, then min-p, as -inf masks on temperature-scaled logits [rows, vocab]."""
     device, vocab = x.device, x.shape[-1]
     # Stable sort so ties break towards the lower id on every device, keeping seeded runs
     # reproducible.
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
     pos = torch.arange(vocab, device=device)[None, :]
-    k = torch.tensor(top_k, device=device)[:, None]
+    # as_tensor: a pass of a multi-step step hands these in on the device already.
+    k = torch.as_tensor(top_k, device=device)[:, None]
     sorted_x = sorted_x.masked_fill(pos >= k, float("-inf"))
 
     probs = torch.softmax(sorted_x, dim=-1)
-    p = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
+    p = torch.as_tensor(top_p, dtype=torch.float32, device=device)[:, None]
     # Keep a token while the mass strictly before it is still short of top_p: the smallest
     # prefix reaching top_p. The first token's prefix mass is exactly 0, so it is always kept.
     before = probs.cumsum(-1) - probs
@@ -251,7 +257,7 @@ def _filter(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[f
 
     # min-p compares against the max prob; that ratio is unchanged by renormalising after
     # top-p (the max token is never dropped), so the same probs serve both.
-    m = torch.tensor(min_p, dtype=torch.float32, device=device)[:, None]
+    m = torch.as_tensor(min_p, dtype=torch.float32, device=device)[:, None]
     drop |= probs < m * probs[:, :1]
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     # `order` is a permutation per row, so the scatter overwrites every position.

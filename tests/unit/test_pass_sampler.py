@@ -1,0 +1,45 @@
+"""PassSampler (a multi-step step's passes) draws what Sampler draws for the same rows one
+step at a time: the argmax for greedy rows, a seeded row's own token at each position."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.workers.core.request import SamplingParams
+from tandem.workers.sample.pass_sampler import PassSampler
+from tandem.workers.sample.sampler import Sampler, SamplingRow
+
+VOCAB = 64
+PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, seed=11),
+    SamplingParams(temperature=1.2, top_k=5, top_p=0.8, min_p=0.05, seed=12),
+    SamplingParams(temperature=0.0, top_p=0.3),
+    SamplingParams(temperature=0.7, top_k=VOCAB + 10, seed=13),  # a top-k past the vocabulary: no cut
+]
+NUM_OUTPUTS = [3, 0, 7, 1, 2]
+
+
+def test_each_pass_draws_what_one_step_at_a_time_draws() -> None:
+    sampler = Sampler(seed=5)
+    passes = PassSampler(PARAMS, NUM_OUTPUTS, torch.device("cpu"), sampler.shared_generator(torch.device("cpu")))
+    for advance in range(4):
+        logits = torch.randn(len(PARAMS), VOCAB, generator=torch.Generator().manual_seed(advance)) * 3
+        rows = [SamplingRow(p, [1, 2], [0] * (n + advance)) for p, n in zip(PARAMS, NUM_OUTPUTS)]
+        assert passes(logits, advance).tolist() == sampler(logits, rows).token_ids, advance
+
+
+def test_an_unseeded_row_draws_within_its_filters() -> None:
+    sampler = Sampler(seed=5)
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=0.0)]
+    passes = PassSampler(params, [0, 0], torch.device("cpu"), sampler.shared_generator(torch.device("cpu")))
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0] + [-9.0] * (VOCAB - 4)] * 2)
+    seen = {tuple(passes(logits, advance).tolist()) for advance in range(40)}
+    assert {first for first, _ in seen} == {1, 2} and {second for _, second in seen} == {1}
+
+
+def test_all_greedy_is_the_argmax() -> None:
+    passes = PassSampler([SamplingParams(temperature=0.0)] * 3, [0, 4, 9], torch.device("cpu"),
+                         Sampler().shared_generator(torch.device("cpu")))
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    assert passes(logits, 2).tolist() == logits.argmax(-1).tolist()

@@ -1,0 +1,79 @@
+"""Sampling for the forward passes of a multi-step step, set up once for all of them.
+
+A pass must not copy anything from the host to the device: a copy from pageable memory
+waits for the device to finish everything queued before it, which would serialise the
+passes with the host. So every row's parameters (temperature, top-k/p, min-p, which rows
+are greedy, which are seeded) go to the device once, when the step starts, and each pass
+then samples with device work alone.
+
+Rows are what `Sampler` does for the same requests one step at a time: plain greedy rows
+take the argmax; sampled rows the exponential race over their filtered distribution, a
+seeded row's noise drawn from its own generator seeded from (seed, output position), so a
+seeded request gets the same tokens in multi-step steps as without them. Penalties,
+suppressed tokens and logprobs are not here: the scheduler gives a step several passes
+only when no row needs them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.workers.core.request import SamplingParams
+from tandem.workers.sample.sampler import _TINY, _filter, argmax_rows, row_seed
+
+
+class PassSampler:
+    def __init__(self, params: list[SamplingParams], num_outputs: list[int], device: torch.device,
+                 shared: torch.Generator) -> None:
+        """`params` and `num_outputs` (tokens generated before the step) of each row, in order;
+        `shared`: the generator of unseeded rows."""
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        self.num_rows = len(params)
+        self.shared = shared
+        self.device = device
+        self.greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        self.sampled = sampled
+        if not sampled:
+            return
+        as_device = lambda values, dtype=None: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        self._greedy_index = as_device(self.greedy, torch.long)
+        self._sampled_index = as_device(sampled, torch.long)
+        rows = [params[i] for i in sampled]
+        self._temps = as_device([p.temperature for p in rows], torch.float32)[:, None]
+        vocab_limit = 1 << 30
+        top_k = [p.top_k if p.top_k > 0 else vocab_limit for p in rows]
+        self._filters = any(p.top_k > 0 for p in rows) or any(p.top_p < 1.0 for p in rows) \
+            or any(p.min_p > 0.0 for p in rows)
+        self._top_k = as_device(top_k, torch.long)
+        self._top_p = as_device([p.top_p for p in rows], torch.float32)
+        self._min_p = as_device([p.min_p for p in rows], torch.float32)
+        # Seeded rows: (their row among the sampled ones, seed, outputs before the step).
+        self._seeded = [(j, rows[j].seed, num_outputs[i]) for j, i in enumerate(sampled) if rows[j].seed is not None]
+        unseeded = [j for j, p in enumerate(rows) if p.seed is None]
+        self._unseeded_index = as_device(unseeded, torch.long) if unseeded else None
+
+    def __call__(self, logits: torch.Tensor, advance: int) -> torch.Tensor:
+        """Pass `advance`'s token of every row from its logits [rows, vocab] (on the device)."""
+        if not self.sampled:
+            return argmax_rows(logits.float())
+        x = logits.float()
+        chosen = torch.empty(self.num_rows, dtype=torch.long, device=self.device)
+        if self.greedy:
+            chosen.index_copy_(0, self._greedy_index, argmax_rows(x.index_select(0, self._greedy_index)))
+        xs = x.index_select(0, self._sampled_index) / self._temps
+        if self._filters:
+            vocab = xs.shape[-1]
+            xs = _filter(xs, self._top_k.clamp(max=vocab), self._top_p, self._min_p)
+        probs = torch.softmax(xs, dim=-1)
+        noise = torch.empty_like(probs)
+        vocab = probs.shape[-1]
+        if self._unseeded_index is not None:
+            draws = torch.empty((self._unseeded_index.shape[0], vocab), device=self.device)
+            noise.index_copy_(0, self._unseeded_index, draws.exponential_(generator=self.shared))
+        for j, seed, num_outputs in self._seeded:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(row_seed(seed, num_outputs + advance))
+            noise[j] = torch.empty(vocab, device=self.device).exponential_(generator=gen)
+        noise.clamp_min_(_TINY)
+        chosen.index_copy_(0, self._sampled_index, (probs / noise).argmax(-1))
+        return chosen
