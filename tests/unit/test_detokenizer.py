@@ -63,6 +63,21 @@ def test_split_multibyte_characters_never_emit_replacement(tok: PreTrainedTokeni
     assert detok.stream_delta(finished=True) == ""
 
 
+@pytest.mark.parametrize("group", [2, 4, 8])
+def test_groups_of_tokens_decode_as_one_token_at_a_time_does(tok: PreTrainedTokenizerFast, group: int) -> None:
+    """Several tokens a step (multi-step decoding, drafts) take one window decode; a group that
+    ends inside a character falls back to one token at a time, holding back only that character."""
+    ids = enc(tok, SAMPLE)
+    one, grouped = IncrementalDetokenizer(tok, enc(tok, "prompt:")), IncrementalDetokenizer(tok, enc(tok, "prompt:"))
+    for i in range(0, len(ids), group):
+        for tid in ids[i:i + group]:
+            one.add_tokens([tid])
+        grouped.add_tokens(ids[i:i + group])
+        assert grouped.output_text == one.output_text, i
+        assert "\ufffd" not in grouped.stream_delta(finished=False)
+    assert grouped.output_text == SAMPLE
+
+
 def _random_sequence(rng: random.Random, tok: PreTrainedTokenizerFast, base: list[int]) -> list[int]:
     kind = rng.randrange(4)
     if kind == 0:  # a random slice of real text: may start or end mid-character

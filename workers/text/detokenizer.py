@@ -107,13 +107,21 @@ class IncrementalDetokenizer:
         if self._stopped is not None or self._flushed:
             raise RuntimeError("add_tokens called after the request finished")
         old_len = len(self._text)
+        self._num_output_tokens += len(new_token_ids)
+        # Several tokens (speculation, multi-step decoding): one window decode for them all.
+        # Where that holds text back (an incomplete character at the end), one token at a
+        # time instead, so the incomplete character holds back only itself, not the step.
+        if len(new_token_ids) > 1:
+            self._ids.extend(new_token_ids)
+            text = self._step()
+            if text:
+                self._text += text
+                return self._check_stop(old_len)
+            del self._ids[len(self._ids) - len(new_token_ids):]
         parts: list[str] = []
-        # One token at a time, so an incomplete character at the end of a multi-token
-        # step (speculative decoding) holds back only itself, not the whole step.
         for tid in new_token_ids:
             self._ids.append(tid)
             parts.append(self._step())
-        self._num_output_tokens += len(new_token_ids)
         self._text += "".join(parts)
         return self._check_stop(old_len)
 
