@@ -49,3 +49,27 @@ def test_stream_interval_sends_fewer_larger_deltas_with_the_same_tokens(engine, 
     assert len(batched[0].outputs[0].token_ids) == 1  # the first token is never held back
     assert len(batched) < len(every)
     engine.engine.pool.check_all_free()
+
+
+def test_multi_step_streams_concurrent_requests_to_their_greedy_tokens(llama_dir: str):
+    from tandem.workers.config import EngineConfig
+
+    engine = AsyncEngine(build_engine(EngineConfig.from_options(model=llama_dir, num_kv_blocks=64, block_size=4,
+                                                                num_scheduler_steps=4), show_progress=False))
+    prompts = mixed_prompts(seed=42, lengths=(12, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def stream(i: int) -> list[list[int]]:
+        return [out.outputs[0].token_ids async for out in engine.generate(
+            {"prompt_token_ids": prompts[i]}, params, f"ms{i}", stream_interval_s=0.0)]
+
+    async def both() -> list[list[list[int]]]:
+        return await asyncio.gather(stream(0), stream(1))
+
+    try:
+        deltas = asyncio.run(both())
+        assert [sum(d, []) for d in deltas] == hf_greedy(llama_dir, prompts, 24)
+        assert max(len(d) for d in deltas[0]) > 1  # tokens came several a step
+        engine.engine.pool.check_all_free()
+    finally:
+        engine.shutdown()

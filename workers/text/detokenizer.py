@@ -85,14 +85,17 @@ class IncrementalDetokenizer:
             ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
         )
 
-    def _step(self, flush: bool = False) -> str:
-        """New text from the ids past read_offset, or "" while a character is incomplete."""
+    def _step(self, flush: bool = False) -> str | None:
+        """New text from the ids past read_offset: "" when they add none (a skipped special
+        token), None while their last character is incomplete (both keep the offsets)."""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         # A trailing U+FFFD means the last bytes may be the start of a character the next
         # token completes: wait (keeping the offsets) rather than emit a replacement char.
         # A skipped special token adds no text; waiting for it is harmless too.
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT) and not flush):
+        if new_text.endswith(_REPLACEMENT) and not flush:
+            return None
+        if len(new_text) <= len(prefix_text):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
@@ -114,14 +117,14 @@ class IncrementalDetokenizer:
         if len(new_token_ids) > 1:
             self._ids.extend(new_token_ids)
             text = self._step()
-            if text:
+            if text is not None:
                 self._text += text
                 return self._check_stop(old_len)
             del self._ids[len(self._ids) - len(new_token_ids):]
         parts: list[str] = []
         for tid in new_token_ids:
             self._ids.append(tid)
-            parts.append(self._step())
+            parts.append(self._step() or "")
         self._text += "".join(parts)
         return self._check_stop(old_len)
 
@@ -144,7 +147,7 @@ class IncrementalDetokenizer:
         if self._read_offset == len(self._ids):
             return None
         old_len = len(self._text)
-        self._text += self._step(flush=True)
+        self._text += self._step(flush=True) or ""
         return self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> str | None:
