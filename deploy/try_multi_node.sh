@@ -16,6 +16,13 @@ GCS_PORT=$(port); DASHBOARD_PORT=$(port); HTTP_PORT=$(port); GRPC_PORT=$(port)
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 RAY_USAGE_STATS_ENABLED=0
 
+# Each node's agents on free ports of their own: left at 0, the raylet waits ~15 s for each agent
+# to write the port it took to a file and crashes on a loaded machine (deploy/README.md, "Ports").
+agent_ports() {
+  echo "--dashboard-agent-listen-port=$(port) --dashboard-agent-grpc-port=$(port)" \
+       "--runtime-env-agent-port=$(port) --metrics-export-port=$(port)"
+}
+
 PIDS=()
 stop() {
   for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
@@ -33,15 +40,17 @@ wait_for() {  # wait_for SECONDS COMMAND...: poll until the command succeeds
 }
 
 echo "== head node (one engine slot; stage 0 and stage 1 of a group)"
+# shellcheck disable=SC2046  # agent_ports is one flag a word
 ray start --head --block --temp-dir="$BASE/head" --port="$GCS_PORT" --dashboard-port="$DASHBOARD_PORT" \
-  --include-dashboard=true --num-cpus=4 --num-gpus=0 --resources='{"group_slot": 1, "stage0": 1, "stage1": 1}' \
+  $(agent_ports) --include-dashboard=true --num-cpus=4 --num-gpus=0 --resources='{"group_slot": 1, "stage0": 1, "stage1": 1}' \
   >"$BASE/head.log" 2>&1 &
 PIDS+=($!)
 wait_for 120 grep -q "Ray runtime started" "$BASE/head.log"
 ADDRESS=$(grep -o "ray start --address='[^']*'" "$BASE/head.log" | head -1 | cut -d"'" -f2)
 
 echo "== second node, joining $ADDRESS"
-ray start --block --address="$ADDRESS" --temp-dir="$BASE/worker" --num-cpus=4 --num-gpus=0 \
+# shellcheck disable=SC2046
+ray start --block --address="$ADDRESS" --temp-dir="$BASE/worker" $(agent_ports) --num-cpus=4 --num-gpus=0 \
   --resources='{"group_slot": 1, "stage0": 1, "stage1": 1}' >"$BASE/worker.log" 2>&1 &
 PIDS=("$!" "${PIDS[@]}")
 wait_for 120 grep -q "Ray runtime started" "$BASE/worker.log"
