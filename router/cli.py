@@ -53,7 +53,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "choices": ["auto", "triton", "torch"], "help": "auto: Triton kernels on CUDA, torch elsewhere"}),
     EngineFlag(("--num-scheduler-steps",), {
         "type": int, "help": "multi-step decoding: forward passes a step of decodes runs before "
-                             "the host schedules again (default 1: off; TP = PP = 1, no speculation)"}),
+                             "the host schedules again (default 1: off; needs TP = PP = 1 and no speculation)"}),
     EngineFlag(("--tensor-parallel-size", "-tp"), {"type": int}),
     EngineFlag(("--pipeline-parallel-size", "-pp"), {"type": int}),
     EngineFlag(("--speculative-model",), {"help": 'draft model directory, or "ngram"'}),

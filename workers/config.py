@@ -185,6 +185,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
+    def __post_init__(self) -> None:
+        # A multi-step step's passes feed each other on one device without the host; ranks in
+        # other processes would need every pass's tokens, and drafts need the host between them.
+        require_field(self.scheduler.num_scheduler_steps == 1 or (
+            self.parallel.world_size == 1 and not self.speculative.enabled), "num_scheduler_steps",
+            "multi-step decoding needs tensor_parallel_size = pipeline_parallel_size = 1 and no speculative model")
+
     @staticmethod
     def from_options(**options: Any) -> EngineConfig:
         """Build from flat vLLM-style keyword options; unknown names are a ValueError."""

@@ -148,3 +148,12 @@ def test_draft_dtype_defaults_to_the_targets_and_is_validated():
     assert draft_dtype(EngineConfig.from_options(dtype="float32", speculative_draft_dtype="bfloat16")) == "bfloat16"
     with pytest.raises(ValueError, match="^speculative_draft_dtype:"):
         EngineConfig.from_options(speculative_draft_dtype="int4")
+
+
+@pytest.mark.parametrize("options", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                     dict(speculative_model="ngram", num_speculative_tokens=2)])
+def test_multi_step_decoding_needs_one_process_and_no_speculation(options: dict) -> None:
+    with pytest.raises(ValueError, match="^num_scheduler_steps: multi-step decoding needs"):
+        EngineConfig.from_options(num_scheduler_steps=4, **options)
+    assert EngineConfig.from_options(num_scheduler_steps=1, **options).scheduler.num_scheduler_steps == 1
+    assert EngineConfig.from_options(num_scheduler_steps=4).scheduler.num_scheduler_steps == 4
