@@ -14,13 +14,15 @@ BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm(llama_dir: str) -> LLM:
+@pytest.fixture(scope="module", params=[1, 4], ids=["one_pass", "multi_step"])
+def llm(llama_dir: str, request) -> LLM:
     # 40 device blocks (160 tokens): a few prompts evict each other; the host keeps 64 blocks.
+    # Multi-step decoding allocates a step's slots ahead, which may evict (and save) blocks too.
     probe = LLM(llama_dir, block_size=BLOCK, num_kv_blocks=40)
     block_bytes = probe.engine.executor.kv_bytes_per_block()
     del probe
-    return LLM(llama_dir, block_size=BLOCK, num_kv_blocks=40, host_kv_cache_memory=64 * block_bytes)
+    return LLM(llama_dir, block_size=BLOCK, num_kv_blocks=40, host_kv_cache_memory=64 * block_bytes,
+               num_scheduler_steps=request.param)
 
 
 def prompts(seed: int, num: int, length: int) -> list[list[int]]:
