@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tandem.workers.core.request import SamplingParams
-from tandem.workers.sample.sampler import _TINY, _filter, argmax_rows, row_seed
+from tandem.workers.sample.sampler import _filter, argmax_rows, exponential_race, seeded_generator
 
 
 class PassSampler:
@@ -35,7 +35,10 @@ class PassSampler:
         self.sampled = sampled
         if not sampled:
             return
-        as_device = lambda values, dtype=None: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+
+        def as_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
         self._greedy_index = as_device(self.greedy, torch.long)
         self._sampled_index = as_device(sampled, torch.long)
         rows = [params[i] for i in sampled]
@@ -61,19 +64,16 @@ class PassSampler:
         if self.greedy:
             chosen.index_copy_(0, self._greedy_index, argmax_rows(x.index_select(0, self._greedy_index)))
         xs = x.index_select(0, self._sampled_index) / self._temps
+        vocab = xs.shape[-1]
         if self._filters:
-            vocab = xs.shape[-1]
             xs = _filter(xs, self._top_k.clamp(max=vocab), self._top_p, self._min_p)
         probs = torch.softmax(xs, dim=-1)
         noise = torch.empty_like(probs)
-        vocab = probs.shape[-1]
         if self._unseeded_index is not None:
             draws = torch.empty((self._unseeded_index.shape[0], vocab), device=self.device)
             noise.index_copy_(0, self._unseeded_index, draws.exponential_(generator=self.shared))
         for j, seed, num_outputs in self._seeded:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(row_seed(seed, num_outputs + advance))
+            gen = seeded_generator(seed, num_outputs + advance, self.device)
             noise[j] = torch.empty(vocab, device=self.device).exponential_(generator=gen)
-        noise.clamp_min_(_TINY)
-        chosen.index_copy_(0, self._sampled_index, (probs / noise).argmax(-1))
+        chosen.index_copy_(0, self._sampled_index, exponential_race(probs, noise))
         return chosen

@@ -43,6 +43,22 @@ def row_seed(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position) & _SEED_MASK
 
 
+def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """A seeded request's generator at output position `position` (see row_seed)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(row_seed(seed, position))
+    return gen
+
+
+def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [rows, vocab], given Exp(1) `noise` of the same shape:
+    argmax(p / E) is an exact sample from p. `noise` is clamped in place."""
+    # exponential_ can return exactly 0 (u == 0 in its inverse CDF); 0/0 would be NaN and win
+    # argmax. Clamping keeps an allowed token the winner and a zero-prob token at 0.
+    noise.clamp_min_(_TINY)
+    return (probs / noise).argmax(-1)
+
+
 def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
                      num_top: list[int | None]) -> list[PositionLogprobs | None]:
     """Per row: the chosen token plus the top-`num_top[i]` tokens by log_softmax(logits[i]).
@@ -153,9 +169,7 @@ class Sampler:
         """The row's own generator when seeded (reproducible), else the shared one."""
         if row.params.seed is None:
             return self._generator(device)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(row_seed(row.params.seed, len(row.output_token_ids)))
-        return gen
+        return seeded_generator(row.params.seed, len(row.output_token_ids), device)
 
     @staticmethod
     def _suppress(x: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -219,13 +233,9 @@ class Sampler:
                 generator=self._generator(device))
         for j, r in enumerate(rows):
             if r.params.seed is not None:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(row_seed(r.params.seed, len(r.output_token_ids)))
+                gen = seeded_generator(r.params.seed, len(r.output_token_ids), device)
                 noise[j] = torch.empty(vocab, device=device).exponential_(generator=gen)
-        # exponential_ can return exactly 0 (u == 0 in its inverse CDF); 0/0 would be NaN and win
-        # argmax. Clamping keeps an allowed token the winner and a zero-prob token at 0.
-        noise.clamp_min_(_TINY)
-        return (probs / noise).argmax(-1)
+        return exponential_race(probs, noise)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
