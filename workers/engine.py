@@ -183,17 +183,9 @@ class GroupEngine:
         """Requests of the one step in flight whose sampled token is still on the device, when
         the next step may be scheduled on them (no drafts to propose, model in this process)."""
         if not self.overlap_steps or self.proposer is not None or len(self._in_flight) != 1 \
-                or not self.model_in_process or self._max_steps() > 1:
+                or not self.model_in_process or self.config.scheduler.num_scheduler_steps > 1:
             return None  # multi-step: a step scheduled ahead could not run several passes
         return self._in_flight[0][1].on_device
-
-    def _max_steps(self) -> int:
-        """Forward passes a step of decodes may run (multi-step decoding): the
-        runner feeds each pass the last one's tokens itself, so the model must be in this
-        process, and drafts need the host between passes."""
-        if self.proposer is not None or not self.model_in_process:
-            return 1
-        return self.config.scheduler.num_scheduler_steps
 
     def _launch(self, ahead: frozenset[str] = frozenset()) -> None:
         if self.proposer is not None:
@@ -202,7 +194,8 @@ class GroupEngine:
             if candidates:
                 self.proposer.propose(candidates)
                 self.spec_policy.stats.num_steps_with_drafts += 1
-        sched_out = self.scheduler.schedule(ahead, self._max_steps())
+        # EngineConfig allows several passes only with the model in this process and no drafts.
+        sched_out = self.scheduler.schedule(ahead, self.config.scheduler.num_scheduler_steps)
         if not sched_out.has_work:
             return
         started = time.perf_counter()

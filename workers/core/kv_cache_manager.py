@@ -86,6 +86,10 @@ class KVCacheManager:
             slots.append(slot)
         return slots
 
+    def num_new_blocks(self, req: Request, num_new_tokens: int) -> int:
+        """Blocks a running request lacks for `num_new_tokens` more slots (<= 0: none)."""
+        return _cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - len(req.block_ids)
+
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None,
                        num_lookahead: int = 0, host_slots: list[int] | None = None) -> list[int] | None:
         """Reserve slots for num_new_tokens (+ lookahead); None if the pool is short.
@@ -95,8 +99,7 @@ class KVCacheManager:
         with the allocation, so a failed allocation leaves no trace.
         """
         if not computed_blocks and not host_slots:  # a running request's next tokens: the common case
-            num_needed = _cdiv(req.num_computed_tokens + num_new_tokens + num_lookahead, self.block_size)
-            num_new_blocks = num_needed - len(req.block_ids)
+            num_new_blocks = self.num_new_blocks(req, num_new_tokens + num_lookahead)
             if num_new_blocks <= 0:
                 return []
             if num_new_blocks > self.pool.num_free_blocks:

@@ -214,8 +214,7 @@ class Scheduler:
             steps = min(steps, req.max_total_tokens - req.num_tokens)
         if steps <= 1:
             return 1
-        bs = self.block_size
-        num_blocks = sum(max(0, -(-(req.num_computed_tokens + steps) // bs) - len(req.block_ids)) for req in scheduled)
+        num_blocks = sum(max(0, self.kv.num_new_blocks(req, steps)) for req in scheduled)
         if num_blocks > self.kv.pool.num_free_blocks:
             return 1
         for req in scheduled:
