@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +254,11 @@ def test_stopping_a_node_mid_stream_fails_its_requests_cleanly(cluster: Cluster,
     seed_a = next(s for s, g in cluster.served_by.items() if g == on_head)
     seed_b = next(s for s, g in cluster.served_by.items() if g == on_worker)
     client = openai_client(cluster)
+    # Both groups are idle (the last test's probe), but the router scores them on load reports
+    # polled about once a second (`routing_stats_period_s`), later on a loaded machine: one
+    # still counting the last test's cancelled stream outweighs a prefix hit. Let it poll again.
+    cluster.probe(num_groups=2)
+    time.sleep(3.0)
     # Prefix routing sends a prompt back to the group that holds it.
     doomed, group, _ = open_stream(client, seed_b, ENDLESS)
     assert group == on_worker
