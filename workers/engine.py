@@ -152,10 +152,10 @@ class GroupEngine:
         """Launch the next step, finish the one in flight, then turn its tokens into outputs
         (text, stop strings) while the device runs the new one.
 
-        When the step in flight left its sampled tokens on the device (plain greedy, one token
-        per request), the next one is scheduled on placeholders for them and launched *before*
-        waiting for them, so the device never waits for the host's scheduling and input
-        building. Otherwise the step in flight is collected first. With `overlap_steps` off
+        When the step in flight left its sampled tokens on the device (plain greedy, or every
+        pass of a multi-step step), the next one is scheduled on placeholders for them and
+        launched *before* waiting for them, so the device never waits for the host's
+        scheduling and input building. Otherwise the step in flight is collected first. With `overlap_steps` off
         (the default on CPU, where host and model share the cores) the step launched here
         also finishes within this call, so its outputs come back at once.
         """
@@ -163,7 +163,7 @@ class GroupEngine:
             raise EngineDeadError(f"the replica group has failed: {self.dead_error}")
         ahead = self._tokens_on_device()
         if ahead is not None:
-            self._launch(ahead)
+            self._launch(ahead, self._in_flight[0][0].num_steps)
             done = self._collect()
         else:
             done = self._collect()
@@ -180,14 +180,15 @@ class GroupEngine:
         return outputs
 
     def _tokens_on_device(self) -> frozenset[str] | None:
-        """Requests of the one step in flight whose sampled token is still on the device, when
-        the next step may be scheduled on them (no drafts to propose, model in this process)."""
+        """Requests of the one step in flight whose sampled tokens (one a pass) are still on the
+        device, when the next step may be scheduled on them (no drafts to propose, model in
+        this process)."""
         if not self.overlap_steps or self.proposer is not None or len(self._in_flight) != 1 \
-                or not self.model_in_process or self.config.scheduler.num_scheduler_steps > 1:
-            return None  # multi-step: a step scheduled ahead could not run several passes
+                or not self.model_in_process:
+            return None
         return self._in_flight[0][1].on_device
 
-    def _launch(self, ahead: frozenset[str] = frozenset()) -> None:
+    def _launch(self, ahead: frozenset[str] = frozenset(), num_ahead: int = 1) -> None:
         if self.proposer is not None:
             # Draft tokens for running decodes when it pays; the scheduler reserves their slots.
             candidates = self.spec_policy.candidates(self.scheduler.running)
@@ -195,7 +196,7 @@ class GroupEngine:
                 self.proposer.propose(candidates)
                 self.spec_policy.stats.num_steps_with_drafts += 1
         # EngineConfig allows several passes only with the model in this process and no drafts.
-        sched_out = self.scheduler.schedule(ahead, self.config.scheduler.num_scheduler_steps)
+        sched_out = self.scheduler.schedule(ahead, self.config.scheduler.num_scheduler_steps, num_ahead)
         if not sched_out.has_work:
             return
         started = time.perf_counter()

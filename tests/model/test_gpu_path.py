@@ -136,9 +136,22 @@ def test_multi_step_passes_through_padded_graphs_equal_transformers(llama_dir: s
         seen.append(("advance", inputs.graph_batch, None))
         advance_decodes(inputs, tokens, block_size)
 
+    scheduler, ahead = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def scheduled(pending=frozenset(), max_steps=1, num_ahead=1):
+        out = schedule(pending, max_steps, num_ahead)
+        ahead.append((len(pending), num_ahead, out.num_steps))
+        return out
+
+    scheduler.schedule = scheduled
     runner.builder.build = record
     monkeypatch.setattr(model_runner, "advance_decodes", moved)
     assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    # Overlapped: each step scheduled ahead on the one before it, a multi-step step on the last
+    # pass's tokens of another (the prefill; 4 passes on its tokens; 4 on those; 4 more, of
+    # which the first 3 are the last tokens of all).
+    assert ahead[:4] == [(0, 1, 1), (3, 1, 4), (3, 4, 4), (3, 4, 4)]
     # The first multi-step step: passes 1-3 replay the bucket of four, their inputs moved on in
     # place; the 4th (context 20) is built again, eagerly.
     assert seen[1:5] == [("build", 4, 0), ("advance", 4, None), ("advance", 4, None), ("build", None, 3)]

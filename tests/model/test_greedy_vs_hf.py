@@ -27,6 +27,12 @@ LAYOUTS = {
     "multi_step": {"num_scheduler_steps": 4},
     "multi_step_chunked": {"num_scheduler_steps": 4, "max_num_batched_tokens": 16, "max_num_seqs": 4},
     "multi_step_preemption": {"num_scheduler_steps": 3, "num_kv_blocks": 30, "block_size": 4},
+    # Both: multi-step steps scheduled ahead on the last pass's tokens, admissions overlapped too.
+    "overlapped_multi_step": {"overlap_steps": True, "num_scheduler_steps": 4},
+    "overlapped_multi_step_chunked": {"overlap_steps": True, "num_scheduler_steps": 4,
+                                      "max_num_batched_tokens": 16, "max_num_seqs": 4},
+    "overlapped_multi_step_preemption": {"overlap_steps": True, "num_scheduler_steps": 3, "num_kv_blocks": 30,
+                                         "block_size": 4},
 }
 
 
@@ -43,9 +49,9 @@ def test_greedy_equals_transformers(arch: str, layout: str) -> None:
     scheduler, ahead, passes = llm.engine.scheduler, [], []
     schedule = scheduler.schedule
 
-    def record(pending=frozenset(), max_steps=1):
+    def record(pending=frozenset(), max_steps=1, num_ahead=1):
         ahead.append(bool(pending))
-        out = schedule(pending, max_steps)
+        out = schedule(pending, max_steps, num_ahead)
         passes.append(out.num_steps)
         return out
 

@@ -5,6 +5,8 @@ batch keep their own (seeded) tokens, and every KV block comes back."""
 
 from __future__ import annotations
 
+import pytest
+
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, mixed_prompts
@@ -22,8 +24,8 @@ def _record_passes(llm: LLM) -> list[int]:
     scheduler, passes = llm.engine.scheduler, []
     schedule = scheduler.schedule
 
-    def record(ahead=frozenset(), max_steps=1):
-        out = schedule(ahead, max_steps)
+    def record(ahead=frozenset(), max_steps=1, num_ahead=1):
+        out = schedule(ahead, max_steps, num_ahead)
         passes.append(out.num_steps)
         return out
 
@@ -31,7 +33,9 @@ def _record_passes(llm: LLM) -> list[int]:
     return passes
 
 
-def test_a_stop_token_inside_a_step_ends_the_output_where_one_pass_at_a_time_would(llama_dir: str) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_stop_token_inside_a_step_ends_the_output_where_one_pass_at_a_time_would(llama_dir: str,
+                                                                                  overlap: bool) -> None:
     prompts = mixed_prompts(seed=8, lengths=(11, 6))
     refs = hf_greedy(llama_dir, prompts, MAX_TOKENS)
     # The second prompt's 7th token, first seen there: a stop that lands inside a 4-pass step
@@ -39,7 +43,7 @@ def test_a_stop_token_inside_a_step_ends_the_output_where_one_pass_at_a_time_wou
     stop_at = next(i for i in range(5, MAX_TOKENS) if refs[1][i] not in refs[1][:i] and i % 4 != 0)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             stop_token_ids=[refs[1][stop_at]])
-    llm = LLM(llama_dir, num_scheduler_steps=4)
+    llm = LLM(llama_dir, num_scheduler_steps=4, overlap_steps=overlap)
     passes = _record_passes(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert 4 in passes
@@ -76,8 +80,20 @@ def test_a_seeded_sampled_request_gets_the_same_tokens_in_several_passes(llama_d
     assert multi == one_pass  # the sampled request's seeded tokens too, drawn on the device pass by pass
     refs = hf_greedy(llama_dir, prompts, MAX_TOKENS)
     assert [multi[0], multi[2]] == [refs[0], refs[2]]
-    # The prefill; 4 passes; 1 (the sampled request's last token); then 4, 4 and the greedy ones' last 2.
-    assert passes == [1, 4, 1, 4, 4, 2]
+    # The prefill, then 4 passes a step: the sampled request's 6th token and the greedy ones'
+    # 16th come inside steps, whose passes past them are dropped (a max_tokens does not cut a step short).
+    assert passes == [1, 4, 4, 4, 4]
+
+
+def test_steps_scheduled_ahead_on_several_passes_keep_every_request_s_tokens(llama_dir: str) -> None:
+    # Overlapped: each multi-step step is scheduled on placeholders for the last one's tokens,
+    # the seeded sampled request's included; its length limit ends it inside a step.
+    prompts = mixed_prompts(seed=9, lengths=(13, 5, 21, 8))
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=17, max_tokens=11, ignore_eos=True)
+    one_pass, _ = _run_beside_greedy(llama_dir, prompts, sampled)
+    multi, passes = _run_beside_greedy(llama_dir, prompts, sampled, num_scheduler_steps=4, overlap_steps=True)
+    assert multi == one_pass
+    assert passes.count(4) >= 3
 
 
 def test_penalties_keep_a_step_to_one_pass(llama_dir: str) -> None:
@@ -86,8 +102,9 @@ def test_penalties_keep_a_step_to_one_pass(llama_dir: str) -> None:
     one_pass, _ = _run_beside_greedy(llama_dir, prompts, penalised)
     multi, passes = _run_beside_greedy(llama_dir, prompts, penalised, num_scheduler_steps=4)
     assert multi == one_pass
-    # One pass a step while the penalised request runs (its 6 tokens: 6 steps), then 4, 4, 2.
-    assert passes == [1] * 6 + [4, 4, 2]
+    # One pass a step while the penalised request runs (its 6 tokens: 6 steps), then the greedy
+    # ones' last 10 tokens in 4, 4 and 4 passes (the last two dropped).
+    assert passes == [1] * 6 + [4, 4, 4]
 
 
 def test_streamed_deltas_come_in_groups_and_add_up_to_transformers(llama_dir: str) -> None:
@@ -131,12 +148,13 @@ def test_an_abort_between_multi_step_steps_frees_its_blocks(llama_dir: str) -> N
 def test_cost_figures_count_every_pass(llama_dir: str) -> None:
     prompts = mixed_prompts(seed=13, lengths=(5,))
     figures = []
+    params = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)  # 16 tokens after the prefill's
     for steps in (1, 4):
         llm = LLM(llama_dir, num_scheduler_steps=steps)
-        llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         counters = llm.engine.counters
         figures.append((counters.bytes_read, counters.flops, counters.num_steps))
         llm.shutdown()
     (bytes_1, flops_1, steps_1), (bytes_4, flops_4, steps_4) = figures
-    assert (steps_1, steps_4) == (16, 5)  # the prefill, then 15 tokens in passes of 4, 4, 4, 3
+    assert (steps_1, steps_4) == (17, 5)  # the prefill, then 16 tokens in passes of 4, 4, 4, 4
     assert (bytes_4, flops_4) == (bytes_1, flops_1)  # the same passes, counted in fewer steps

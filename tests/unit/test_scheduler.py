@@ -785,18 +785,33 @@ def test_multi_step_decodes_run_several_passes_on_slots_allocated_ahead() -> Non
     finish_all(s)
 
 
-def test_multi_step_passes_stop_at_the_shortest_length_limit() -> None:
+def test_a_request_near_its_max_tokens_keeps_only_its_tokens_up_to_the_limit() -> None:
     s, w = make_scheduler(), FakeWorkers()
     a, b = greedy_req("a", prompt(5), 0, max_tokens=3), greedy_req("b", prompt(3), 1, max_tokens=10)
     s.add_request(a)
     s.add_request(b)
     multi_step(s, w, 4)
     out, updates = multi_step(s, w, 4)
-    assert out.num_steps == 2  # a has room for two more tokens
-    assert [u.new_token_ids for u in updates] == [[101, 102], [101, 102]]
+    assert out.num_steps == 4  # a has room for two more tokens: its last two passes are dropped
+    assert [u.new_token_ids for u in updates] == [[101, 102], [101, 102, 103, 104]]
     assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [100, 101, 102]
+    assert a.block_ids == []
     out, _ = multi_step(s, w, 4)
     assert out.num_steps == 4 and list(out.num_scheduled_tokens) == ["b"]
+    finish_all(s)
+
+
+def test_multi_step_passes_stop_at_the_model_length() -> None:
+    s, w = make_scheduler(), FakeWorkers()
+    a = greedy_req("a", prompt(5), 0, max_tokens=None, max_model_len=8)
+    b = greedy_req("b", prompt(3), 1, max_tokens=10)
+    s.add_request(a)
+    s.add_request(b)
+    multi_step(s, w, 4)
+    out, updates = multi_step(s, w, 4)
+    assert out.num_steps == 2  # a's positions end at the model's length (8 tokens): two more
+    assert [u.new_token_ids for u in updates] == [[101, 102], [101, 102]]
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [100, 101, 102]
     finish_all(s)
 
 
@@ -814,14 +829,14 @@ def test_a_stop_token_inside_a_multi_step_step_drops_the_tokens_after_it() -> No
 
 
 def test_multi_step_only_for_running_decodes_without_penalties_or_logprobs_with_room() -> None:
-    def second_step(*reqs: Request, num_blocks: int = 16, ahead: bool = False, late: Request | None = None) -> int:
+    def second_step(*reqs: Request, num_blocks: int = 16, late: Request | None = None) -> int:
         s, w = make_scheduler(num_blocks), FakeWorkers()
         for req in reqs:
             s.add_request(req)
         multi_step(s, w, 4)
         if late is not None:
             s.add_request(late)
-        out = s.schedule(frozenset(s.requests) if ahead else frozenset(), max_steps=4)
+        out = s.schedule(max_steps=4)
         return out.num_steps
 
     assert second_step(greedy_req("a", prompt(5), 0)) == 4
@@ -830,6 +845,89 @@ def test_multi_step_only_for_running_decodes_without_penalties_or_logprobs_with_
     assert second_step(greedy_req("a", prompt(5), 0, logprobs=2)) == 1
     assert second_step(greedy_req("a", prompt(5), 0, repetition_penalty=1.2)) == 1
     assert second_step(greedy_req("a", prompt(5), 0, min_tokens=3)) == 1  # EOS is still suppressed
-    assert second_step(greedy_req("a", prompt(5), 0), ahead=True) == 1
     assert second_step(greedy_req("a", prompt(30), 0, max_tokens=8), num_blocks=8) == 1  # no block for 3 more slots
     assert second_step(greedy_req("a", prompt(30), 0, max_tokens=8), num_blocks=9) == 4
+
+
+# --- multi-step steps scheduled ahead ---------------------------------------------------------------
+
+def _in_flight_multi_step(a: Request, num_blocks: int = 16) -> tuple[Scheduler, SchedulerOutput]:
+    """`a`'s prefill done (output [100]), then a multi-step step launched and not yet collected."""
+    s, w = make_scheduler(num_blocks), FakeWorkers()
+    s.add_request(a)
+    multi_step(s, w, 4)
+    first = s.schedule(max_steps=4)
+    assert first.num_steps == 4
+    return s, first
+
+
+def test_a_multi_step_step_scheduled_ahead_gets_a_placeholder_a_pass() -> None:
+    from tandem.workers.core.request import PENDING_TOKEN as P
+
+    a = greedy_req("a", prompt(5), 0, max_tokens=20)
+    s, first = _in_flight_multi_step(a)
+    ahead = s.schedule(frozenset({"a"}), max_steps=4, num_ahead=4)
+    assert ahead.num_steps == 4  # scheduled on the last of the four placeholders, four passes again
+    assert a.output_token_ids == [100, P, P, P, P] and a.num_pending == 4
+    # Its KV slots: 13 tokens computed by its end -> ceil(13 / 4) = 4 blocks.
+    assert ahead.cached_requests == [CachedRequestData("a", [P, P, P, P], [3], 9, 3)]
+    [update] = s.update(first, RunnerOutput(["a"], [[101, 102, 103, 104]], [None]))
+    assert update.new_token_ids == [101, 102, 103, 104]
+    assert a.output_token_ids == [100, 101, 102, 103, 104] and a.num_pending == 0
+    assert (a.num_computed_tokens, a.status) == (13, RequestStatus.RUNNING)
+    [update] = s.update(ahead, RunnerOutput(["a"], [[105, 106, 107, 108]], [None]))
+    assert a.output_token_ids == [100, 101, 102, 103, 104, 105, 106, 107, 108]
+    nxt = s.schedule(max_steps=4)
+    assert nxt.cached_requests[0].new_token_ids == [105, 106, 107, 108]  # the workers lack only these
+    finish_all(s)
+
+
+def test_a_stop_inside_the_step_in_flight_takes_the_placeholders_after_it_away() -> None:
+    a = greedy_req("a", prompt(5), 0, max_tokens=20)
+    s, first = _in_flight_multi_step(a)
+    ahead = s.schedule(frozenset({"a"}), max_steps=4, num_ahead=4)
+    [update] = s.update(first, RunnerOutput(["a"], [[101, EOS, 103, 104]], [None]))
+    assert update.new_token_ids == [101, EOS]
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.output_token_ids == [100, 101, EOS]
+    assert a.num_pending == 0 and a.block_ids == []
+    assert s.update(ahead, RunnerOutput(["a"], [[105, 106, 107, 108]], [None])) == []  # finished: ignored
+    s.kv.pool.check_all_free()
+
+
+def test_the_length_limit_counts_known_tokens_not_placeholders() -> None:
+    a = greedy_req("a", prompt(5), 0, max_tokens=9)  # 14 tokens at most
+    s, first = _in_flight_multi_step(a)
+    ahead = s.schedule(frozenset({"a"}), max_steps=4, num_ahead=4)
+    assert ahead.num_steps == 4  # 10 tokens with the placeholders: room for four more
+    s.update(first, RunnerOutput(["a"], [[101, 102, 103, 104]], [None]))
+    assert a.status == RequestStatus.RUNNING  # 10 tokens known, not 14
+    [update] = s.update(ahead, RunnerOutput(["a"], [[105, 106, 107, 108]], [None]))
+    assert a.status == RequestStatus.FINISHED_LENGTH and len(a.output_token_ids) == 9
+    s.kv.pool.check_all_free()
+
+
+def test_no_placeholders_when_the_step_in_flight_ends_the_request() -> None:
+    a = greedy_req("a", prompt(5), 0, max_tokens=5)  # the step in flight makes tokens 2-5, its last
+    s, first = _in_flight_multi_step(a)
+    ahead = s.schedule(frozenset({"a"}), max_steps=4, num_ahead=4)
+    assert ahead.num_scheduled_tokens == {} and a.output_token_ids == [100] and a.num_pending == 0
+    s.update(first, RunnerOutput(["a"], [[101, 102, 103, 104]], [None]))
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [100, 101, 102, 103, 104]
+    s.kv.pool.check_all_free()
+
+
+def test_a_request_without_room_ahead_runs_one_pass_or_gives_its_placeholders_back() -> None:
+    # a: 9 tokens computed in 3 blocks; its next token fits there, four more passes need a 4th block.
+    a = greedy_req("a", prompt(5), 0, max_tokens=20)
+    s, _ = _in_flight_multi_step(a, num_blocks=3)
+    ahead = s.schedule(frozenset({"a"}), max_steps=4, num_ahead=4)
+    assert ahead.num_scheduled_tokens == {"a": 1} and ahead.num_steps == 1
+    # b: 8 tokens computed in 2 blocks, all there are; its next token needs a 3rd: it waits.
+    b = greedy_req("b", prompt(4), 0, max_tokens=20)
+    s2, first = _in_flight_multi_step(b, num_blocks=2)
+    ahead = s2.schedule(frozenset({"b"}), max_steps=4, num_ahead=4)
+    assert ahead.num_scheduled_tokens == {} and b.output_token_ids == [100] and b.num_pending == 0
+    s2.update(first, RunnerOutput(["b"], [[101, 102, 103, 104]], [None]))
+    assert b.output_token_ids == [100, 101, 102, 103, 104] and s2.num_preemptions == 0
+    finish_all(s)
+    finish_all(s2)

@@ -145,8 +145,8 @@ class Request:
     arrival_time: float = 0.0
     first_scheduled_time: float = 0.0
     num_prefill_chunks: int = 0  # steps that computed part of the prompt
-    # 1 while the last output token is PENDING_TOKEN: sampled by a step still on the device,
-    # and already scheduled into the next one (Scheduler.schedule(ahead=...)).
+    # How many of the last output tokens are PENDING_TOKENs: sampled by a step still on the
+    # device (one a pass), and already scheduled into the next one (Scheduler.schedule(ahead=...)).
     num_pending: int = 0
     error: str | None = None
 

@@ -90,22 +90,23 @@ class Scheduler:
         return len(self.requests)
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self, ahead: frozenset[str] = frozenset(), max_steps: int = 1) -> SchedulerOutput:
-        """The next step. `ahead`: requests whose next token a step still on the device has
-        sampled; each gets a PENDING_TOKEN in its place (unless that token must be its last)
-        and is scheduled on it, so this step can be launched before that one's tokens are
-        back. Scheduling ahead never preempts: a request that finds no room waits a step.
-        `max_steps` > 1: a step of running decodes alone (no penalties or logprobs) may run up
-        to that many forward passes (multi-step decoding, `SchedulerOutput.num_steps`)."""
+    def schedule(self, ahead: frozenset[str] = frozenset(), max_steps: int = 1, num_ahead: int = 1) -> SchedulerOutput:
+        """The next step. `ahead`: requests whose next `num_ahead` tokens a step still on the
+        device has sampled (one a pass of a multi-step step); each gets as many PENDING_TOKENs
+        in their place (unless the last of them must be its last token) and is scheduled on
+        them, so this step can be launched before that one's tokens are back. Scheduling ahead
+        never preempts: a request that finds no room waits a step. `max_steps` > 1: a step of
+        running decodes alone (no penalties or logprobs) may run up to that many forward
+        passes (multi-step decoding, `SchedulerOutput.num_steps`)."""
         out = SchedulerOutput(step_id=self._step_id)
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
         preempted = False
-        placeholders = [r for r in self.running if r.request_id in ahead and r.num_tokens + 1 < r.max_total_tokens] \
-            if ahead else []
+        placeholders = [r for r in self.running
+                        if r.request_id in ahead and r.num_tokens + num_ahead < r.max_total_tokens] if ahead else []
         for req in placeholders:
-            req.output_token_ids.append(PENDING_TOKEN)
-            req.num_pending = 1
+            req.output_token_ids.extend([PENDING_TOKEN] * num_ahead)
+            req.num_pending = num_ahead
         decoding: list[Request] = []
         prefilling: list[Request] = []
         for req in self.running:
@@ -146,12 +147,12 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = num_new
         for req in placeholders:  # left out of this step after all: the token comes by update()
             if req.request_id not in out.num_scheduled_tokens:
-                req.output_token_ids.pop()
+                del req.output_token_ids[-req.num_pending:]
                 req.num_pending = 0
         num_running = len(scheduled)
         if not preempted:
             budget = self._admit_waiting(out, scheduled, budget)
-        if max_steps > 1 and scheduled and not ahead and not preempted and len(scheduled) == num_running:
+        if max_steps > 1 and scheduled and not preempted and len(scheduled) == num_running:
             out.num_steps = self._num_steps(out, scheduled, max_steps)
         for req in scheduled:
             self._add_to_output(out, req)
@@ -202,8 +203,11 @@ class Scheduler:
         """Forward passes this step may run back to back: up to `max_steps` when every request is
         a decode of one token whose next token the device can pick from its logits alone (no
         penalties, which read the tokens so far; no suppressed EOS below min_tokens; no
-        logprobs), none would pass its length limit within them, and the pool has the extra KV
-        slots, which are allocated here. Otherwise 1."""
+        logprobs), none would pass the model's length within them, and the pool has the extra
+        KV slots, which are allocated here. Otherwise 1. A request nearer its max_tokens than
+        that runs the passes too, and `update` drops its tokens past the limit, as it does
+        those past a stop token: one wasted row, where bounding the step by it would cut every
+        request's passes short each time one nears its end."""
         steps = max_steps
         for req in scheduled:
             params = req.sampling_params
@@ -211,7 +215,7 @@ class Scheduler:
                     or params.needs_penalties or params.logprobs is not None \
                     or params.prompt_logprobs is not None or req.num_output_tokens < params.min_tokens:
                 return 1
-            steps = min(steps, req.max_total_tokens - req.num_tokens)
+            steps = min(steps, req.max_model_len - req.num_tokens)
         if steps <= 1:
             return 1
         num_blocks = sum(max(0, self.kv.num_new_blocks(req, steps)) for req in scheduled)
@@ -301,17 +305,8 @@ class Scheduler:
             if not tokens:
                 self.kv.cache_blocks(req)
                 continue
-            kept: list[int] = []
-            for token in tokens:
-                kept.append(token)
-                if req.num_pending:  # scheduled ahead on it: the token takes its placeholder's place
-                    req.output_token_ids[-1] = token
-                    req.num_pending = 0
-                else:
-                    req.output_token_ids.append(token)
-                status = self._check_stop(req, token)
-                if status is not None:
-                    break
+            num_kept, status = self._take_tokens(req, tokens)
+            kept = tokens if num_kept == len(tokens) else tokens[:num_kept]
             num_generated += len(kept)
             if len(kept) < len(tokens):
                 # Stopped inside accepted drafts: the KV past the stop is not needed.
@@ -327,14 +322,39 @@ class Scheduler:
         self.num_generated_tokens += num_generated
         return updates
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+    @staticmethod
+    def _take_tokens(req: Request, tokens: list[int]) -> tuple[int, RequestStatus | None]:
+        """Append a step's tokens to the request (into its placeholders first, where a step was
+        scheduled ahead on them) up to the first that ends it: how many it keeps, and why it
+        ends, if it does (EOS, a stop id, its length limit; min_tokens counts known tokens)."""
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids or (not params.ignore_eos and token in req.eos_token_ids):
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_tokens >= req.max_total_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        stop_ids = params.stop_token_ids
+        eos = () if params.ignore_eos else req.eos_token_ids
+        min_tokens = params.min_tokens
+        max_outputs = req.max_total_tokens - req.num_prompt_tokens
+        outputs = req.output_token_ids
+        pending = req.num_pending
+        num_known = len(outputs) - pending  # output tokens known before these
+        num_kept = 0
+        status = None
+        for token in tokens:
+            num_kept += 1
+            if pending:  # scheduled ahead on it: the token takes its placeholder's place
+                outputs[-pending] = token
+                pending -= 1
+            else:
+                outputs.append(token)
+            num_known += 1
+            if num_known >= min_tokens and (token in stop_ids or token in eos):
+                status = RequestStatus.FINISHED_STOPPED
+                break
+            if num_known >= max_outputs:
+                status = RequestStatus.FINISHED_LENGTH
+                break
+        if pending:  # it ended inside them: the placeholders after its last token go
+            del outputs[-pending:]
+        req.num_pending = 0
+        return num_kept, status
 
     # ---- figures -----------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

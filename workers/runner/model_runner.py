@@ -43,7 +43,6 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     row: int = -1  # its row of the runner's BlockTable
-    pending_index: int = -1  # where output_token_ids holds a PENDING_TOKEN (scheduled ahead), if anywhere
 
     @property
     def num_tokens(self) -> int:
@@ -73,8 +72,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.activation_bytes = 0  # CUDA: peak activation memory of the largest step (profiled)
         # The last step's sampled tokens where they are (device), and request -> index among
-        # them: a step scheduled ahead reads its pending tokens from here.
+        # them (of its last pass, for a multi-step step): a step scheduled ahead reads its
+        # pending tokens from here. And that step's output, which fills the placeholders.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._last_output: PendingOutput | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, show_progress: bool = True) -> None:
@@ -235,14 +236,19 @@ class ModelRunner:
                 self.block_table.remove(self.states[new.req_id].row)
             state.row = self.block_table.add(state.block_ids)
             self.states[new.req_id] = state
+        placeholders: dict[str, tuple[CachedRequestState, int]] = {}
         for diff in out.cached_requests:
             state = self.states[diff.req_id]
             state.output_token_ids.extend(diff.new_token_ids)
             if diff.new_token_ids and diff.new_token_ids[-1] == PENDING_TOKEN:
-                state.pending_index = len(state.output_token_ids) - 1
+                # Scheduled ahead: the last step's tokens (one a pass), known when its output is.
+                start = len(state.output_token_ids) - diff.new_token_ids.count(PENDING_TOKEN)
+                placeholders[diff.req_id] = (state, start)
             del state.block_ids[diff.num_kept_blocks:]
             state.block_ids.extend(diff.new_block_ids)
             self.block_table.update(state.row, diff.num_kept_blocks, diff.new_block_ids)
+        if placeholders:
+            self._last_output.then(lambda output: _fill_placeholders(placeholders, output))
 
     def prepare_inputs(self, out: SchedulerOutput, passes_after: int = 0) -> StepInputs:
         """A step's inputs (its first pass's, for a multi-step step: `passes_after` more follow)."""
@@ -254,31 +260,18 @@ class ModelRunner:
             inputs.input_ids.index_copy_(0, inputs.pending_dst.long(), tokens.to(inputs.input_ids.dtype))
         return inputs
 
-    def _keep_sampled(self, inputs: StepInputs, pending: PendingOutput) -> None:
-        """Remember where this step's sampled tokens are for a step scheduled ahead on them, and
-        put each in its request's placeholder once the host has it."""
+    def _keep_sampled(self, pending: PendingOutput, tokens: torch.Tensor | None, where: dict[str, int]) -> None:
+        """Remember where a step's sampled tokens are (`tokens[where[req_id]]`, the last pass's
+        for a multi-step step) for a step scheduled ahead on them."""
+        self._last_output = pending
         self._last_sampled = None
-        if pending.device_tokens is not None:
-            index, where = 0, {}
-            for req_id, rows in zip(inputs.req_ids, inputs.logits_rows, strict=True):
-                if len(rows) == 1:
-                    where[req_id] = index
-                index += len(rows)
-            self._last_sampled = (pending.device_tokens, where)
+        if tokens is not None:
+            self._last_sampled = (tokens, where)
             pending.on_device = frozenset(where)
-        pending.then(self._fill_placeholders)
 
-    def _fill_placeholders(self, output: RunnerOutput) -> None:
-        for req_id, tokens in zip(output.req_ids, output.sampled_token_ids, strict=True):
-            state = self.states.get(req_id)
-            if state is not None and state.pending_index >= 0 and tokens:
-                state.output_token_ids[state.pending_index] = tokens[0]
-                state.pending_index = -1
-
-    def _graph_target(self, out: SchedulerOutput, advance: int = 0) -> GraphTarget | None:
+    def _graph_target(self, out: SchedulerOutput) -> GraphTarget | None:
         """A pure decode step (one token per request, no drafts, no prompt logprobs) that a
-        graph bucket holds, on the last stage that runs whole steps (`advance`: the forward
-        pass of a multi-step step, whose contexts are that much longer)."""
+        graph bucket holds, on the last stage that runs whole steps."""
         if self.graphs is None or out.spec_token_ids or len(out.num_scheduled_tokens) > self.graphs.max_batch \
                 or out.total_num_scheduled_tokens != len(out.num_scheduled_tokens):
             return None
@@ -287,7 +280,7 @@ class ModelRunner:
                 return None
         capture_len = self.graphs.max_context
         for group in (out.cached_requests, out.new_requests):
-            if any(r.num_computed_tokens + advance >= capture_len for r in group):
+            if any(r.num_computed_tokens >= capture_len for r in group):
                 return None  # a context past the graphs' block tables: eager
         return self.graphs.target(len(out.num_scheduled_tokens))
 
@@ -332,7 +325,12 @@ class ModelRunner:
         if self.ctx.tp_rank != 0:
             return None
         pending = self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs)
-        self._keep_sampled(inputs, pending)
+        index, where = 0, {}
+        for req_id, rows in zip(inputs.req_ids, inputs.logits_rows, strict=True):
+            if len(rows) == 1:
+                where[req_id] = index
+            index += len(rows)
+        self._keep_sampled(pending, pending.device_tokens, where)
         return pending
 
     def _launch_steps(self, out: SchedulerOutput) -> PendingOutput:
@@ -344,7 +342,6 @@ class ModelRunner:
         built again, as a step scheduled ahead is: each request's next token a PENDING_TOKEN,
         copied in on the device."""
         assert self.ctx.pp_size == 1 and self.ctx.tp_size == 1, "multi-step decoding runs in one process"
-        self._last_sampled = None
         num_steps = out.num_steps
         inputs = self.prepare_inputs(out, passes_after=num_steps - 1)
         req_ids = inputs.req_ids
@@ -353,11 +350,16 @@ class ModelRunner:
         sample = PassSampler([self.states[req_id].sampling_params for req_id in req_ids],
                              [len(tokens) for tokens in outputs], self.device,
                              self.sampler.shared_generator(self.device))
+        # A pass stays in the graphs while its longest context is within the capture length.
+        graph_passes = 0
+        if inputs.graph_batch is not None:
+            longest = max(r.num_computed_tokens for group in (out.cached_requests, out.new_requests) for r in group)
+            graph_passes = self.graphs.max_context - longest
         num_placeholders = 0
         sampled: list[torch.Tensor] = []
         for advance in range(num_steps):
             if advance:
-                graph = self._graph_target(out, advance)
+                graph = self.graphs.target(len(req_ids)) if advance < graph_passes else None
                 if inputs.meta.gpu is not None and (graph is None) == (inputs.graph_batch is None):
                     advance_decodes(inputs, sampled[-1], self.block_size)
                 else:
@@ -370,9 +372,11 @@ class ModelRunner:
                     inputs.input_ids.index_copy_(0, inputs.pending_dst.long(), ids.to(inputs.input_ids.dtype))
             sampled.append(sample(self.forward(inputs), advance))
         if num_placeholders:
-            for tokens in outputs:  # the scheduler's next diff sends the tokens themselves
+            for tokens in outputs:  # the scheduler's next diff sends the tokens (or placeholders)
                 del tokens[len(tokens) - num_placeholders:]
-        return self.step_sampler.collect_steps(req_ids, torch.stack(sampled, dim=1))
+        pending = self.step_sampler.collect_steps(req_ids, torch.stack(sampled, dim=1))
+        self._keep_sampled(pending, sampled[-1], where)
+        return pending
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """A decode step's logits at every (padded) row: what a CUDA graph captures."""
@@ -415,3 +419,13 @@ class ModelRunner:
             out[req_id] = (first, entries[k:k + len(req_rows)])
             k += len(req_rows)
         return out
+
+
+def _fill_placeholders(placeholders: dict[str, tuple[CachedRequestState, int]], output: RunnerOutput) -> None:
+    """Put a step's sampled tokens in the placeholders a step scheduled ahead on it left in
+    the runner's token lists (`placeholders`: request -> its state and where they begin)."""
+    for req_id, tokens in zip(output.req_ids, output.sampled_token_ids, strict=True):
+        placed = placeholders.get(req_id)
+        if placed is not None and tokens:
+            state, start = placed
+            state.output_token_ids[start:start + len(tokens)] = tokens
