@@ -89,6 +89,12 @@ class RayNode:
                            + f"\n--- {path.relative_to(self.temp_dir)}: end ---\n{text[-tail:]}")
         return "".join(out)
 
+    def raylet_crashed(self) -> bool:
+        """Whether the node's raylet has died of a failed check. Its `ray start` then hangs in
+        get_node instead of exiting, so waiting it out would only cost the whole timeout."""
+        return any("Check failed" in path.read_text(errors="replace")
+                   for path in self.temp_dir.glob("session_*/logs/raylet.err"))
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the node's `ray start`, then SIGKILL what is left of its process tree."""
         tree = _descendants(self.proc.pid)
@@ -124,7 +130,10 @@ def start_node(base: Path, name: str, env: dict[str, str], *, head_address: str 
             # Given agent ports: with port 0 the raylet waits ~15 s for each agent to write the
             # port it took to a file, and on a loaded 2-core machine that wait times out and
             # the raylet crashes ("Timed out waiting for file .../metrics_agent_port_*", then
-            # ".../metrics_export_port_*"), leaving `ray start` hanging in get_node.
+            # ".../metrics_export_port_*"), leaving `ray start` hanging in get_node. It still
+            # waits 15 s (fixed in Ray 2.60, whatever RAY_agent_register_timeout_ms says) for
+            # the dashboard agent to write its HTTP port: a start that crashes there fails at
+            # once (`raylet_crashed`), and the caller may start the node again.
             f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
             f"--runtime-env-agent-port={free_port()}", *extra]
     args += ["--head"] if head_address is None else [f"--address={head_address}"]
@@ -135,14 +144,15 @@ def start_node(base: Path, name: str, env: dict[str, str], *, head_address: str 
     node = RayNode(proc, temp_dir, log_path)
     deadline = time.monotonic() + timeout_s
     while "Ray runtime started" not in node.log():
-        if not node.is_running() or time.monotonic() > deadline:
+        crashed = node.raylet_crashed()
+        if not node.is_running() or crashed or time.monotonic() > deadline:
             if node.is_running():
                 proc.send_signal(signal.SIGUSR1)  # its stacks, into its log
                 time.sleep(1.0)
             report = f"ray start {name} failed or timed out:\n{node.log()[-6000:]}{node.session_logs()}"
             if diagnose is not None:
                 report += diagnose.session_logs(("gcs_server.out", "gcs_server.err"), tail=6000)
-            node.stop()
+            node.stop(timeout_s=5.0 if crashed else 30.0)  # its `ray start` hangs: no use waiting
             raise RuntimeError(report)
         time.sleep(0.3)
     return node
