@@ -32,9 +32,10 @@ SERVE_PORT, GRPC_PORT = 8000, 9000
 METRICS_PORT = 8080  # each Ray node's Prometheus endpoint (tandem_*, ray_serve_*): deploy/prometheus.yml
 # Every node's agents get fixed ports: with port 0 the raylet waits ~15 s for each agent to
 # write the port it took to a file, and on a loaded node that wait times out and the raylet
-# crashes (one wait stays: deploy/README.md, "Ports"). 52365 is Ray's own default, which KubeRay's health probes read from rayStartParams;
-# 8078 and 8079 sit beside the metrics port, outside Ray's worker ports (10002-19999) and the
-# kernel's ephemeral range. deploy/ray-cluster.yaml passes the same ports (a test holds them equal).
+# crashes (one wait stays: deploy/README.md, "Ports"). 52365 is Ray's own default, which
+# KubeRay's health probes read from rayStartParams; 8078 and 8079 sit beside the metrics port,
+# outside Ray's worker ports (10002-19999) and the kernel's ephemeral range.
+# deploy/ray-cluster.yaml passes the same ports (a test holds them equal).
 DASHBOARD_AGENT_LISTEN_PORT, DASHBOARD_AGENT_GRPC_PORT, RUNTIME_ENV_AGENT_PORT = 52365, 8078, 8079
 
 
