@@ -60,6 +60,23 @@ def test_multi_step_decoding_with_graphs_on_and_off_matches(llama_dir: str, enfo
     llm.shutdown()
 
 
+def test_multi_step_steps_scheduled_ahead_with_a_sampled_request(llama_dir: str) -> None:
+    # Each multi-step step is scheduled ahead of the last one's tokens; the sampled row's
+    # parameters go up through pinned memory while that step still runs.
+    prompts = mixed_prompts(seed=6)
+    llm = LLM(llama_dir, device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3,
+              num_scheduler_steps=4)
+    assert llm.engine.overlap_steps
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [sampled] + [GREEDY] * (len(prompts) - 1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert tokens[1:] == hf_greedy(llama_dir, prompts[1:], MAX_TOKENS)
+    assert len(tokens[0]) == MAX_TOKENS and outs[0].outputs[0].finish_reason == "length"
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
 def test_kv_cache_sized_by_profiling_and_given_back(llama_dir: str) -> None:
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]

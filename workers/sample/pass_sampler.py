@@ -3,8 +3,9 @@
 A pass must not copy anything from the host to the device: a copy from pageable memory
 waits for the device to finish everything queued before it, which would serialise the
 passes with the host. So every row's parameters (temperature, top-k/p, min-p, which rows
-are greedy, which are seeded) go to the device once, when the step starts, and each pass
-then samples with device work alone.
+are greedy, which are seeded) go to the device once, when the step starts, through pinned
+memory without waiting (the step before may still be running: it was scheduled ahead of
+this one), and each pass then samples with device work alone.
 
 Rows are what `Sampler` does for the same requests one step at a time: plain greedy rows
 take the argmax; sampled rows the exponential race over their filtered distribution, a
@@ -36,8 +37,11 @@ class PassSampler:
         if not sampled:
             return
 
+        pin = device.type == "cuda"
+
         def as_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            # The pinned block is not reused before the copy has read it (torch's host allocator).
+            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
         self._greedy_index = as_device(self.greedy, torch.long)
         self._sampled_index = as_device(sampled, torch.long)
