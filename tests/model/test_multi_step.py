@@ -96,6 +96,28 @@ def test_steps_scheduled_ahead_on_several_passes_keep_every_request_s_tokens(lla
     assert passes.count(4) >= 3
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_logprobs_come_from_every_pass_as_one_pass_at_a_time_gives_them(llama_dir: str, overlap: bool) -> None:
+    prompts = mixed_prompts(seed=15, lengths=(9, 14))
+
+    def run(**options) -> tuple[list, list[int]]:
+        llm = LLM(llama_dir, overlap_steps=overlap, **options)
+        passes = _record_passes(llm)
+        params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3),
+                  SamplingParams(temperature=0.8, seed=21, max_tokens=MAX_TOKENS - 3, ignore_eos=True, logprobs=1)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.engine.pool.check_all_free()
+        llm.shutdown()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].cumulative_logprob) for o in outs], passes
+
+    one_pass, _ = run()
+    multi, passes = run(num_scheduler_steps=4)
+    assert multi == one_pass  # tokens, every position's logprobs (chosen and top), their sums
+    assert multi[0][0] == hf_greedy(llama_dir, prompts[:1], MAX_TOKENS)[0]
+    assert passes.count(4) >= 3
+    assert len(multi[0][1]) == MAX_TOKENS and all(3 <= len(lps) <= 4 for lps in multi[0][1])  # chosen + top 3
+
+
 def test_penalties_keep_a_step_to_one_pass(llama_dir: str) -> None:
     prompts = mixed_prompts(seed=9, lengths=(13, 5, 21))
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=6, ignore_eos=True)

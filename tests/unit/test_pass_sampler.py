@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from tandem.workers.core.request import SamplingParams
+from tandem.workers.runner.step_sampler import StepSampler
 from tandem.workers.sample.pass_sampler import PassSampler
-from tandem.workers.sample.sampler import Sampler, SamplingRow
+from tandem.workers.sample.sampler import Sampler, SamplingRow, compute_logprobs
 
 VOCAB = 64
 PARAMS = [
@@ -43,3 +44,22 @@ def test_all_greedy_is_the_argmax() -> None:
                          Sampler().shared_generator(torch.device("cpu")))
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
     assert passes(logits, 2).tolist() == logits.argmax(-1).tolist()
+
+
+def test_logprobs_of_every_pass_are_what_one_step_at_a_time_reports() -> None:
+    sampler = Sampler(seed=5)
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.9, seed=4, logprobs=0), SamplingParams(temperature=0.7, seed=8, logprobs=3)]
+    passes = PassSampler(params, [0] * 4, torch.device("cpu"), sampler.shared_generator(torch.device("cpu")))
+    sampled, expected = [], []
+    for advance in range(3):
+        logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(advance)) * 2
+        sampled.append(passes(logits, advance))
+        expected.append(compute_logprobs(logits, sampled[-1].tolist(), [p.logprobs for p in params]))
+    found = passes.logprobs()
+    assert (found.rows, found.num_top) == ([0, 2, 3], [2, 0, 3])
+    # The step's output: each row's logprobs, pass by pass, from one copy of every pass's tensors.
+    output = StepSampler(sampler, ()).collect_steps(list("abcd"), torch.stack(sampled, dim=1), found).result()
+    assert output.logprobs[1] is None
+    assert [output.logprobs[row] for row in (0, 2, 3)] == [[expected[a][row] for a in range(3)] for row in (0, 2, 3)]
+    assert len(output.logprobs[3][0]) >= 3  # the chosen token and the top 3

@@ -374,7 +374,7 @@ class ModelRunner:
         if num_placeholders:
             for tokens in outputs:  # the scheduler's next diff sends the tokens (or placeholders)
                 del tokens[len(tokens) - num_placeholders:]
-        pending = self.step_sampler.collect_steps(req_ids, torch.stack(sampled, dim=1))
+        pending = self.step_sampler.collect_steps(req_ids, torch.stack(sampled, dim=1), sample.logprobs())
         self._keep_sampled(pending, sampled[-1], where)
         return pending
 

@@ -21,8 +21,9 @@ import torch
 from tandem.workers.core.request import PositionLogprobs, SamplingParams
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput
 from tandem.workers.runner.step_inputs import RequestView, StepInputs
+from tandem.workers.sample.pass_sampler import PassLogprobs
 from tandem.workers.sample.rejection_sampler import rejection_sample
-from tandem.workers.sample.sampler import Sampler, SamplingRow, argmax_rows, compute_logprobs
+from tandem.workers.sample.sampler import Sampler, SamplingRow, argmax_rows, compute_logprobs, logprob_entry
 
 
 @dataclass
@@ -76,16 +77,31 @@ class StepSampler:
         pending.device_tokens = tokens  # the next step may read them where they are
         return pending
 
-    def collect_steps(self, req_ids: list[str], tokens: torch.Tensor) -> PendingOutput:
-        """A multi-step step's output from its sampled tokens ([requests, passes], on the device):
-        one copy to the host, waited for by `result()`."""
+    def collect_steps(self, req_ids: list[str], tokens: torch.Tensor,
+                      logprobs: PassLogprobs | None = None) -> PendingOutput:
+        """A multi-step step's output from its sampled tokens ([requests, passes], on the device)
+        and the logprobs of the rows that ask for them: one copy each to the host, waited for by
+        `result()`."""
+        on_device = [tokens, *(logprobs.tensors if logprobs is not None else ())]
+
+        def assemble(host: list[torch.Tensor]) -> RunnerOutput:
+            token_ids = host[0].tolist()
+            out_logprobs: list[list | None] = [None] * len(req_ids)
+            if logprobs is not None:
+                c_lp, c_rank, t_lp, t_ids, t_rank = (t.tolist() for t in host[1:])
+                for j, (i, num_top) in enumerate(zip(logprobs.rows, logprobs.num_top)):
+                    out_logprobs[i] = [logprob_entry(token, c_lp[j][a], c_rank[j][a], t_lp[j][a], t_ids[j][a],
+                                                     t_rank[j][a], num_top) for a, token in enumerate(token_ids[i])]
+            return RunnerOutput(req_ids, token_ids, out_logprobs)
+
         if tokens.device.type != "cuda":
-            return PendingOutput.done(RunnerOutput(req_ids, tokens.tolist(), [None] * len(req_ids)))
-        host = torch.empty(tokens.shape, dtype=torch.long, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return PendingOutput.done(assemble(on_device))
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in on_device]
+        for dst, src in zip(host, on_device):
+            dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return PendingOutput(lambda: RunnerOutput(req_ids, host.tolist(), [None] * len(req_ids)), event)
+        return PendingOutput(lambda: assemble(host), event)
 
     def _assemble(self, inputs: StepInputs, token_ids: list[int], logprobs: list, logits: torch.Tensor | None,
                   rows: list[SamplingRow] | None,

@@ -10,17 +10,31 @@ this one), and each pass then samples with device work alone.
 Rows are what `Sampler` does for the same requests one step at a time: plain greedy rows
 take the argmax; sampled rows the exponential race over their filtered distribution, a
 seeded row's noise drawn from its own generator seeded from (seed, output position), so a
-seeded request gets the same tokens in multi-step steps as without them. Penalties,
-suppressed tokens and logprobs are not here: the scheduler gives a step several passes
-only when no row needs them.
+seeded request gets the same tokens in multi-step steps as without them. Rows asking for
+logprobs get them from the raw logits, as `compute_logprobs` computes them, kept on the
+device pass by pass (`logprobs()`) and copied to the host with the tokens. Penalties and
+suppressed tokens are not here: the scheduler gives a step several passes only when no row
+needs them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tandem.workers.core.request import SamplingParams
-from tandem.workers.sample.sampler import _filter, argmax_rows, exponential_race, seeded_generator
+from tandem.workers.sample.sampler import _filter, argmax_rows, exponential_race, logprob_tensors, seeded_generator
+
+
+@dataclass
+class PassLogprobs:
+    """The logprobs of a multi-step step's rows that ask for them, every pass, on the device."""
+
+    rows: list[int]  # their rows among the step's
+    num_top: list[int]  # each one's `logprobs`
+    # logprob_tensors' five, each stacked over the passes: [rows, passes] or [rows, passes, k]
+    tensors: tuple[torch.Tensor, ...]
 
 
 class PassSampler:
@@ -34,15 +48,19 @@ class PassSampler:
         self.device = device
         self.greedy = [i for i, p in enumerate(params) if p.is_greedy]
         self.sampled = sampled
-        if not sampled:
-            return
-
         pin = device.type == "cuda"
 
         def as_device(values: list, dtype: torch.dtype) -> torch.Tensor:
             # The pinned block is not reused before the copy has read it (torch's host allocator).
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
+        self._logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        self._logprob_passes: list[tuple[torch.Tensor, ...]] = []
+        if self._logprob_rows:
+            self._num_top = [params[i].logprobs for i in self._logprob_rows]
+            self._logprob_index = as_device(self._logprob_rows, torch.long)
+        if not sampled:
+            return
         self._greedy_index = as_device(self.greedy, torch.long)
         self._sampled_index = as_device(sampled, torch.long)
         rows = [params[i] for i in sampled]
@@ -61,6 +79,22 @@ class PassSampler:
 
     def __call__(self, logits: torch.Tensor, advance: int) -> torch.Tensor:
         """Pass `advance`'s token of every row from its logits [rows, vocab] (on the device)."""
+        chosen = self._choose(logits, advance)
+        if self._logprob_rows:
+            index = self._logprob_index
+            k = min(max(self._num_top), logits.shape[-1])
+            found = logprob_tensors(logits.index_select(0, index), chosen.index_select(0, index), k)
+            self._logprob_passes.append(found)
+        return chosen
+
+    def logprobs(self) -> PassLogprobs | None:
+        """The passes' logprobs so far, for the rows that ask for them (None: no row does)."""
+        if not self._logprob_rows:
+            return None
+        stacked = tuple(torch.stack(parts, dim=1) for parts in zip(*self._logprob_passes))
+        return PassLogprobs(self._logprob_rows, self._num_top, stacked)
+
+    def _choose(self, logits: torch.Tensor, advance: int) -> torch.Tensor:
         if not self.sampled:
             return argmax_rows(logits.float())
         x = logits.float()

@@ -72,25 +72,38 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
     if not rows:
         return out
     device = logits.device
-    lp = torch.log_softmax(logits.index_select(0, torch.tensor(rows, device=device)).float(), dim=-1)
     chosen = torch.tensor([token_ids[i] for i in rows], dtype=torch.long, device=device)
+    k = min(max(num_top[i] or 0 for i in rows), logits.shape[-1])
+    found = logprob_tensors(logits.index_select(0, torch.tensor(rows, device=device)), chosen, k)
+    # One device->host transfer per tensor rather than per element.
+    c_lp, c_rank, t_lp, t_ids, t_rank = (t.tolist() for t in found)
+    for j, i in enumerate(rows):
+        out[i] = logprob_entry(token_ids[i], c_lp[j], c_rank[j], t_lp[j], t_ids[j], t_rank[j], num_top[i] or 0)
+    return out
+
+
+def logprob_tensors(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """compute_logprobs' device work for rows of logits [rows, vocab] and their chosen tokens
+    [rows]: the chosen token's logprob [rows] and rank [rows], the top-k logprobs, ids and
+    ranks [rows, k]. No host sync: a multi-step step's passes keep theirs on the device."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
     chosen_lp = lp.gather(1, chosen[:, None])
     # One comparison pass over the vocab per row; no full sort needed for the rank.
     chosen_rank = (lp > chosen_lp).sum(-1) + 1
-    k = min(max(num_top[i] or 0 for i in rows), lp.shape[-1])
     top_lp, top_ids = lp.topk(k, dim=-1)
     # Anything strictly above a top-k value is itself in the top k, so a k x k comparison gives
     # exact ranks for the top tokens (ties included) without touching the vocab again.
     top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(-1) + 1
-    # One device->host transfer per tensor rather than per element.
-    c_lp, c_rank = chosen_lp[:, 0].tolist(), chosen_rank.tolist()
-    t_lp, t_ids, t_rank = top_lp.tolist(), top_ids.tolist(), top_rank.tolist()
-    for j, i in enumerate(rows):
-        entry: PositionLogprobs = {token_ids[i]: Logprob(c_lp[j], c_rank[j])}
-        for t in range(min(num_top[i] or 0, k)):
-            entry.setdefault(t_ids[j][t], Logprob(t_lp[j][t], t_rank[j][t]))
-        out[i] = entry
-    return out
+    return chosen_lp[:, 0], chosen_rank, top_lp, top_ids, top_rank
+
+
+def logprob_entry(token: int, chosen_lp: float, chosen_rank: int, top_lp: list[float], top_ids: list[int],
+                  top_rank: list[int], num_top: int) -> PositionLogprobs:
+    """One position's logprobs from logprob_tensors' values for its row (on the host)."""
+    entry: PositionLogprobs = {token: Logprob(chosen_lp, chosen_rank)}
+    for t in range(min(num_top, len(top_ids))):
+        entry.setdefault(top_ids[t], Logprob(top_lp[t], top_rank[t]))
+    return entry
 
 
 class Sampler:
