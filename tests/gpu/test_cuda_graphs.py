@@ -68,11 +68,20 @@ def test_multi_step_steps_scheduled_ahead_with_a_sampled_request(llama_dir: str)
               num_scheduler_steps=4)
     assert llm.engine.overlap_steps
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)
-    params = [sampled] + [GREEDY] * (len(prompts) - 1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [sampled] + [GREEDY] * (len(prompts) - 1),
+                        use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     assert tokens[1:] == hf_greedy(llama_dir, prompts[1:], MAX_TOKENS)
     assert len(tokens[0]) == MAX_TOKENS and outs[0].outputs[0].finish_reason == "length"
+    # A penalised request and logprobs, taken on the device pass by pass: the same as one pass a step.
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2,
+                               max_tokens=MAX_TOKENS, ignore_eos=True)
+    one_pass = LLM(llama_dir, device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3)
+    for engine in (llm, one_pass):
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], penalised, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    assert tokens[-2] == tokens[-1]
+    one_pass.shutdown()
     llm.engine.pool.check_all_free()
     llm.shutdown()
 

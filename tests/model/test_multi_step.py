@@ -118,15 +118,18 @@ def test_logprobs_come_from_every_pass_as_one_pass_at_a_time_gives_them(llama_di
     assert len(multi[0][1]) == MAX_TOKENS and all(3 <= len(lps) <= 4 for lps in multi[0][1])  # chosen + top 3
 
 
-def test_penalties_keep_a_step_to_one_pass(llama_dir: str) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_penalised_requests_get_the_same_tokens_in_several_passes(llama_dir: str, overlap: bool) -> None:
     prompts = mixed_prompts(seed=9, lengths=(13, 5, 21))
-    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=6, ignore_eos=True)
-    one_pass, _ = _run_beside_greedy(llama_dir, prompts, penalised)
-    multi, passes = _run_beside_greedy(llama_dir, prompts, penalised, num_scheduler_steps=4)
-    assert multi == one_pass
-    # One pass a step while the penalised request runs (its 6 tokens: 6 steps), then the greedy
-    # ones' last 10 tokens in 4, 4 and 4 passes (the last two dropped).
-    assert passes == [1] * 6 + [4, 4, 4]
+    for penalised in (SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=10, ignore_eos=True),
+                      SamplingParams(temperature=0.8, seed=2, frequency_penalty=0.6, presence_penalty=0.3,
+                                     max_tokens=10, ignore_eos=True)):
+        one_pass, _ = _run_beside_greedy(llama_dir, prompts, penalised)
+        multi, passes = _run_beside_greedy(llama_dir, prompts, penalised, num_scheduler_steps=4,
+                                           overlap_steps=overlap)
+        assert multi == one_pass  # the penalised request's tokens too, its counts kept on the device
+        assert passes[:4] == [1, 4, 4, 4]  # the prefill, then every step of four passes
+        assert multi[1] != hf_greedy(llama_dir, prompts[1:2], 10)[0]  # the penalty changed its tokens
 
 
 def test_streamed_deltas_come_in_groups_and_add_up_to_transformers(llama_dir: str) -> None:

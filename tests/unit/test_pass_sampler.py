@@ -19,11 +19,13 @@ PARAMS = [
     SamplingParams(temperature=0.7, top_k=VOCAB + 10, seed=13),  # a top-k past the vocabulary: no cut
 ]
 NUM_OUTPUTS = [3, 0, 7, 1, 2]
+CPU = torch.device("cpu")
 
 
 def test_each_pass_draws_what_one_step_at_a_time_draws() -> None:
     sampler = Sampler(seed=5)
-    passes = PassSampler(PARAMS, NUM_OUTPUTS, torch.device("cpu"), sampler.shared_generator(torch.device("cpu")))
+    passes = PassSampler(PARAMS, [[1, 2]] * len(PARAMS), [[0] * n for n in NUM_OUTPUTS], CPU,
+                         sampler.shared_generator(CPU))
     for advance in range(4):
         logits = torch.randn(len(PARAMS), VOCAB, generator=torch.Generator().manual_seed(advance)) * 3
         rows = [SamplingRow(p, [1, 2], [0] * (n + advance)) for p, n in zip(PARAMS, NUM_OUTPUTS)]
@@ -33,15 +35,15 @@ def test_each_pass_draws_what_one_step_at_a_time_draws() -> None:
 def test_an_unseeded_row_draws_within_its_filters() -> None:
     sampler = Sampler(seed=5)
     params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=0.0)]
-    passes = PassSampler(params, [0, 0], torch.device("cpu"), sampler.shared_generator(torch.device("cpu")))
+    passes = PassSampler(params, [[1], [1]], [[], []], CPU, sampler.shared_generator(CPU))
     logits = torch.tensor([[0.0, 5.0, 4.0, 3.0] + [-9.0] * (VOCAB - 4)] * 2)
     seen = {tuple(passes(logits, advance).tolist()) for advance in range(40)}
     assert {first for first, _ in seen} == {1, 2} and {second for _, second in seen} == {1}
 
 
 def test_all_greedy_is_the_argmax() -> None:
-    passes = PassSampler([SamplingParams(temperature=0.0)] * 3, [0, 4, 9], torch.device("cpu"),
-                         Sampler().shared_generator(torch.device("cpu")))
+    passes = PassSampler([SamplingParams(temperature=0.0)] * 3, [[1]] * 3, [[0] * 0, [0] * 4, [0] * 9], CPU,
+                         Sampler().shared_generator(CPU))
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
     assert passes(logits, 2).tolist() == logits.argmax(-1).tolist()
 
@@ -50,7 +52,7 @@ def test_logprobs_of_every_pass_are_what_one_step_at_a_time_reports() -> None:
     sampler = Sampler(seed=5)
     params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
               SamplingParams(temperature=0.9, seed=4, logprobs=0), SamplingParams(temperature=0.7, seed=8, logprobs=3)]
-    passes = PassSampler(params, [0] * 4, torch.device("cpu"), sampler.shared_generator(torch.device("cpu")))
+    passes = PassSampler(params, [[1]] * 4, [[]] * 4, CPU, sampler.shared_generator(CPU))
     sampled, expected = [], []
     for advance in range(3):
         logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(advance)) * 2
@@ -63,3 +65,34 @@ def test_logprobs_of_every_pass_are_what_one_step_at_a_time_reports() -> None:
     assert output.logprobs[1] is None
     assert [output.logprobs[row] for row in (0, 2, 3)] == [[expected[a][row] for a in range(3)] for row in (0, 2, 3)]
     assert len(output.logprobs[3][0]) >= 3  # the chosen token and the top 3
+
+
+def test_penalised_rows_draw_what_one_step_at_a_time_draws_as_their_tokens_grow() -> None:
+    # Each pass adds its token to what the penalties count; Sampler is given the tokens so far.
+    sampler = Sampler(seed=5)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4),
+              SamplingParams(temperature=0.9, seed=6, repetition_penalty=0.8, frequency_penalty=-0.3),
+              SamplingParams(temperature=0.0, presence_penalty=2.0, logprobs=1)]
+    prompts = [[3, 4, 5], [6], [3, 3, VOCAB + 5], [7, 8], [9]]  # an id past the vocabulary counts for nothing
+    outputs = [[4, 4], [], [5, 5, 6], [1], [2, 2, 2]]
+    passes = PassSampler(params, prompts, outputs, CPU, sampler.shared_generator(CPU))
+    grown = [list(out) for out in outputs]
+    # Logits that favour the tokens seen so far: unpenalised, every row repeats them.
+    base = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(2))
+    for advance in range(5):
+        logits = base.clone()
+        for i, out in enumerate(grown):
+            for t in set(prompts[i] + out):
+                if t < VOCAB:
+                    logits[i, t] += 3.0
+        rows = [SamplingRow(p, prompts[i], list(grown[i])) for i, p in enumerate(params)]
+        expected = sampler(logits, rows)
+        chosen = passes(logits, advance).tolist()
+        assert chosen == expected.token_ids, advance
+        for out, token in zip(grown, chosen):
+            out.append(token)
+    assert grown[0][2:] != [4] * 5  # the penalty moved it off its favoured token
+    found = passes.logprobs()  # from the raw logits, as Sampler reports them
+    assert found.rows == [4] and found.tensors[0].shape == (1, 5)

@@ -96,8 +96,8 @@ class Scheduler:
         in their place (unless the last of them must be its last token) and is scheduled on
         them, so this step can be launched before that one's tokens are back. Scheduling ahead
         never preempts: a request that finds no room waits a step. `max_steps` > 1: a step of
-        running decodes alone (no penalties) may run up to that many forward passes
-        (multi-step decoding, `SchedulerOutput.num_steps`)."""
+        running decodes alone may run up to that many forward passes (multi-step decoding,
+        `SchedulerOutput.num_steps`)."""
         out = SchedulerOutput(step_id=self._step_id)
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
@@ -201,19 +201,17 @@ class Scheduler:
 
     def _num_steps(self, out: SchedulerOutput, scheduled: list[Request], max_steps: int) -> int:
         """Forward passes this step may run back to back: up to `max_steps` when every request is
-        a decode of one token whose next token the device can pick from its logits alone (no
-        penalties, which read the tokens so far; no suppressed EOS below min_tokens), none would
-        pass the model's length within them, and the pool has the extra KV slots, which are
-        allocated here. Otherwise 1. A request nearer its max_tokens than
-        that runs the passes too, and `update` drops its tokens past the limit, as it does
-        those past a stop token: one wasted row, where bounding the step by it would cut every
-        request's passes short each time one nears its end."""
+        a decode of one token whose next token the device can pick alone (no suppressed EOS
+        below min_tokens; no prompt logprobs), none would pass the model's length within them,
+        and the pool has the extra KV slots, which are allocated here. Otherwise 1. A request
+        nearer its max_tokens than that runs the passes too, and `update` drops its tokens past
+        the limit, as it does those past a stop token: one wasted row, where bounding the step
+        by it would cut every request's passes short each time one nears its end."""
         steps = max_steps
         for req in scheduled:
             params = req.sampling_params
             if out.num_scheduled_tokens[req.request_id] != 1 or req.spec_token_ids or req.is_prefill \
-                    or params.needs_penalties or params.prompt_logprobs is not None \
-                    or req.num_output_tokens < params.min_tokens:
+                    or params.prompt_logprobs is not None or req.num_output_tokens < params.min_tokens:
                 return 1
             steps = min(steps, req.max_model_len - req.num_tokens)
         if steps <= 1:

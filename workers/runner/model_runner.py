@@ -346,10 +346,10 @@ class ModelRunner:
         inputs = self.prepare_inputs(out, passes_after=num_steps - 1)
         req_ids = inputs.req_ids
         where = {req_id: i for i, req_id in enumerate(req_ids)}  # a request's row among a pass's tokens
-        outputs = [self.states[req_id].output_token_ids for req_id in req_ids]
-        sample = PassSampler([self.states[req_id].sampling_params for req_id in req_ids],
-                             [len(tokens) for tokens in outputs], self.device,
-                             self.sampler.shared_generator(self.device))
+        states = [self.states[req_id] for req_id in req_ids]
+        outputs = [state.output_token_ids for state in states]
+        sample = PassSampler([state.sampling_params for state in states], [state.prompt_token_ids for state in states],
+                             outputs, self.device, self.sampler.shared_generator(self.device))
         # A pass stays in the graphs while its longest context is within the capture length.
         graph_passes = 0
         if inputs.graph_batch is not None:
@@ -375,7 +375,8 @@ class ModelRunner:
             for tokens in outputs:  # the scheduler's next diff sends the tokens (or placeholders)
                 del tokens[len(tokens) - num_placeholders:]
         pending = self.step_sampler.collect_steps(req_ids, torch.stack(sampled, dim=1), sample.logprobs())
-        self._keep_sampled(pending, sampled[-1], where)
+        # Penalties read every token so far: the next step waits for these on the host.
+        self._keep_sampled(pending, sampled[-1] if sample.penalties is None else None, where)
         return pending
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:

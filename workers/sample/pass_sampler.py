@@ -12,9 +12,10 @@ take the argmax; sampled rows the exponential race over their filtered distribut
 seeded row's noise drawn from its own generator seeded from (seed, output position), so a
 seeded request gets the same tokens in multi-step steps as without them. Rows asking for
 logprobs get them from the raw logits, as `compute_logprobs` computes them, kept on the
-device pass by pass (`logprobs()`) and copied to the host with the tokens. Penalties and
-suppressed tokens are not here: the scheduler gives a step several passes only when no row
-needs them.
+device pass by pass (`logprobs()`) and copied to the host with the tokens. Penalised rows
+have their penalties applied first (pass_penalties.py). Suppressed tokens (EOS below
+min_tokens) are not here: the scheduler gives a step several passes only when no row needs
+them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.workers.core.request import SamplingParams
+from tandem.workers.sample.pass_penalties import PassPenalties
 from tandem.workers.sample.sampler import _filter, argmax_rows, exponential_race, logprob_tensors, seeded_generator
 
 
@@ -38,10 +40,11 @@ class PassLogprobs:
 
 
 class PassSampler:
-    def __init__(self, params: list[SamplingParams], num_outputs: list[int], device: torch.device,
-                 shared: torch.Generator) -> None:
-        """`params` and `num_outputs` (tokens generated before the step) of each row, in order;
-        `shared`: the generator of unseeded rows."""
+    def __init__(self, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]],
+                 device: torch.device, shared: torch.Generator) -> None:
+        """`params`, `prompts` and `outputs` (the tokens generated before the step, read here
+        and not kept) of each row, in order; `shared`: the generator of unseeded rows."""
+        num_outputs = [len(out) for out in outputs]
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         self.num_rows = len(params)
         self.shared = shared
@@ -54,6 +57,9 @@ class PassSampler:
             # The pinned block is not reused before the copy has read it (torch's host allocator).
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
+        penalised = [i for i, p in enumerate(params) if p.needs_penalties]
+        self.penalties = PassPenalties(penalised, [params[i] for i in penalised], [prompts[i] for i in penalised],
+                                       [outputs[i] for i in penalised], as_device) if penalised else None
         self._logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         self._logprob_passes: list[tuple[torch.Tensor, ...]] = []
         if self._logprob_rows:
@@ -95,9 +101,18 @@ class PassSampler:
         return PassLogprobs(self._logprob_rows, self._num_top, stacked)
 
     def _choose(self, logits: torch.Tensor, advance: int) -> torch.Tensor:
+        if self.penalties is not None:
+            # A copy: the raw logits stay for the logprobs, as one step at a time.
+            x = logits.to(torch.float32, copy=True)
+            self.penalties.apply(x)
+            chosen = self._choose_from(x, advance)
+            self.penalties.add(chosen)
+            return chosen
+        return self._choose_from(logits.float(), advance)
+
+    def _choose_from(self, x: torch.Tensor, advance: int) -> torch.Tensor:
         if not self.sampled:
-            return argmax_rows(logits.float())
-        x = logits.float()
+            return argmax_rows(x)
         chosen = torch.empty(self.num_rows, dtype=torch.long, device=self.device)
         if self.greedy:
             chosen.index_copy_(0, self._greedy_index, argmax_rows(x.index_select(0, self._greedy_index)))
