@@ -159,3 +159,42 @@ def test_multi_step_passes_through_padded_graphs_equal_transformers(llama_dir: s
     assert seen[5:9] == [("build", None, 0)] + [("advance", None, None)] * 3
     llm.engine.pool.check_all_free()
     llm.shutdown()
+
+
+def test_prompt_logprobs_beside_padded_graph_decodes(llama_dir: str, padded_graphs) -> None:
+    # A 4-token budget beside three decodes: the prompt-logprobs request's prompt comes one token
+    # a step, shaped like a decode step, whose logits must score the next prompt token (eager);
+    # once its prompt is scored its decodes join the graph buckets.
+    prompts = mixed_prompts(seed=17, lengths=(5, 6, 7, 9))
+    params = [GREEDY] * 3 + [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                            prompt_logprobs=1)]
+    runs = []
+    for options in ({}, {"attention_backend": "torch"}):
+        llm = LLM(llama_dir, device=DEVICE, dtype="float32", block_size=4, max_num_seqs=4,
+                  max_num_batched_tokens=4, **{"attention_backend": "triton", **options})
+        graphs: list[tuple[int | None, bool, int]] = []
+        llm.engine.executor.runner.builder.build = _recording(llm.engine.executor.runner.builder.build, graphs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], outs[3].prompt_logprobs, graphs))
+        llm.shutdown()
+    (tokens, prompt_lps, graphs), (ref_tokens, ref_lps, _) = runs
+    assert tokens == ref_tokens == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    # The torch backend's attention rounds differently: the same entries and ranks, logprobs to 1e-4.
+    assert len(prompt_lps) == 9 and prompt_lps[0] is None is ref_lps[0]
+    for entry, ref in zip(prompt_lps[1:], ref_lps[1:]):
+        assert {t: lp.rank for t, lp in entry.items()} == {t: lp.rank for t, lp in ref.items()}
+        assert all(abs(entry[t].logprob - ref[t].logprob) < 1e-4 for t in ref)
+    # Steps scoring prompt positions ran eagerly, four of them shaped like decode steps; decode
+    # steps of the same requests went through the buckets.
+    assert all(batch is None for batch, scored, _ in graphs if scored)
+    assert sum(1 for _, scored, rows in graphs if scored and rows == 4) >= 4
+    assert any(batch is not None for batch, _, _ in graphs)
+
+
+def _recording(build, graphs: list[tuple[int | None, bool, int]]):
+    """`build`, noting each step's graph bucket, whether it scores prompt positions, and its rows."""
+    def record(*args, **kwargs):
+        inputs = build(*args, **kwargs)
+        graphs.append((inputs.graph_batch, bool(inputs.prompt_rows), len(inputs.req_ids)))
+        return inputs
+    return record

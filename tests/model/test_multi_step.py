@@ -118,6 +118,28 @@ def test_logprobs_come_from_every_pass_as_one_pass_at_a_time_gives_them(llama_di
     assert len(multi[0][1]) == MAX_TOKENS and all(3 <= len(lps) <= 4 for lps in multi[0][1])  # chosen + top 3
 
 
+def test_a_request_with_prompt_logprobs_decodes_in_several_passes_once_its_prompt_is_scored(
+        llama_dir: str) -> None:
+    prompts = mixed_prompts(seed=16, lengths=(12, 7, 30))
+    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=2),
+              GREEDY]
+
+    def run(**options) -> tuple[list, list[int]]:
+        # A 10-token budget: the 30-token prompt comes in chunks beside the others' decodes.
+        llm = LLM(llama_dir, max_num_batched_tokens=10, max_num_seqs=4, **options)
+        passes = _record_passes(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.engine.pool.check_all_free()
+        llm.shutdown()
+        return [(o.outputs[0].token_ids, o.prompt_logprobs) for o in outs], passes
+
+    one_pass, _ = run()
+    multi, passes = run(num_scheduler_steps=4)
+    assert multi == one_pass
+    assert [tokens for tokens, _ in multi] == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert len(multi[1][1]) == 7 and passes.count(4) >= 2
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_penalised_requests_get_the_same_tokens_in_several_passes(llama_dir: str, overlap: bool) -> None:
     prompts = mixed_prompts(seed=9, lengths=(13, 5, 21))

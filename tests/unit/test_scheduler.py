@@ -843,7 +843,7 @@ def test_multi_step_only_for_running_decodes_that_need_no_host_between_passes_wi
     assert second_step(greedy_req("a", prompt(5), 0), late=greedy_req("b", prompt(3), 1)) == 1  # an admission
     assert second_step(greedy_req("a", prompt(5), 0), greedy_req("b", prompt(3), 1, temperature=0.8, seed=3)) == 4
     assert second_step(greedy_req("a", prompt(5), 0, logprobs=2)) == 4  # taken on the device pass by pass
-    assert second_step(greedy_req("a", prompt(5), 0, prompt_logprobs=1)) == 1
+    assert second_step(greedy_req("a", prompt(5), 0, prompt_logprobs=1)) == 4  # its prompt scored already
     assert second_step(greedy_req("a", prompt(5), 0, repetition_penalty=1.2)) == 4  # counted on the device
     assert second_step(greedy_req("a", prompt(5), 0, min_tokens=3)) == 1  # EOS is still suppressed
     assert second_step(greedy_req("a", prompt(30), 0, max_tokens=8), num_blocks=8) == 1  # no block for 3 more slots

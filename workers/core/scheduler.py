@@ -202,7 +202,7 @@ class Scheduler:
     def _num_steps(self, out: SchedulerOutput, scheduled: list[Request], max_steps: int) -> int:
         """Forward passes this step may run back to back: up to `max_steps` when every request is
         a decode of one token whose next token the device can pick alone (no suppressed EOS
-        below min_tokens; no prompt logprobs), none would pass the model's length within them,
+        below min_tokens), none would pass the model's length within them,
         and the pool has the extra KV slots, which are allocated here. Otherwise 1. A request
         nearer its max_tokens than that runs the passes too, and `update` drops its tokens past
         the limit, as it does those past a stop token: one wasted row, where bounding the step
@@ -211,7 +211,7 @@ class Scheduler:
         for req in scheduled:
             params = req.sampling_params
             if out.num_scheduled_tokens[req.request_id] != 1 or req.spec_token_ids or req.is_prefill \
-                    or params.prompt_logprobs is not None or req.num_output_tokens < params.min_tokens:
+                    or req.num_output_tokens < params.min_tokens:
                 return 1
             steps = min(steps, req.max_model_len - req.num_tokens)
         if steps <= 1:

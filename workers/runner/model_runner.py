@@ -270,18 +270,21 @@ class ModelRunner:
             pending.on_device = frozenset(where)
 
     def _graph_target(self, out: SchedulerOutput) -> GraphTarget | None:
-        """A pure decode step (one token per request, no drafts, no prompt logprobs) that a
-        graph bucket holds, on the last stage that runs whole steps."""
+        """A pure decode step (one token per request, no drafts, no prompt position to score for
+        prompt logprobs: those need the hidden states) that a graph bucket holds, on the last
+        stage that runs whole steps."""
         if self.graphs is None or out.spec_token_ids or len(out.num_scheduled_tokens) > self.graphs.max_batch \
                 or out.total_num_scheduled_tokens != len(out.num_scheduled_tokens):
             return None
-        for req_id in out.num_scheduled_tokens:
-            if self.states[req_id].sampling_params.prompt_logprobs is not None:
-                return None
         capture_len = self.graphs.max_context
         for group in (out.cached_requests, out.new_requests):
-            if any(r.num_computed_tokens >= capture_len for r in group):
-                return None  # a context past the graphs' block tables: eager
+            for r in group:
+                if r.num_computed_tokens >= capture_len:
+                    return None  # a context past the graphs' block tables: eager
+                state = self.states[r.req_id]
+                if state.sampling_params.prompt_logprobs is not None \
+                        and r.num_computed_tokens < len(state.prompt_token_ids) - 1:
+                    return None  # a 1-token prompt chunk whose logits score the next prompt token
         return self.graphs.target(len(out.num_scheduled_tokens))
 
     def execute(self, out: SchedulerOutput, hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor | None:
