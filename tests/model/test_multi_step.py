@@ -141,6 +141,19 @@ def test_a_request_with_prompt_logprobs_decodes_in_several_passes_once_its_promp
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_min_tokens_holds_a_stop_off_inside_several_passes(llama_dir: str, overlap: bool) -> None:
+    prompts = mixed_prompts(seed=9, lengths=(13, 5, 21))
+    refs = hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    stop = refs[1][2]  # the second request's 3rd token: it would end there without min_tokens
+    held = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=7, stop_token_ids=[stop])
+    one_pass, _ = _run_beside_greedy(llama_dir, prompts, held)
+    multi, passes = _run_beside_greedy(llama_dir, prompts, held, num_scheduler_steps=4, overlap_steps=overlap)
+    assert multi == one_pass
+    assert len(multi[1]) >= 7 and stop not in multi[1][:6] and multi[1][:2] == refs[1][:2]
+    assert passes[:3] == [1, 4, 4]  # the stop suppressed on the device, pass by pass
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_penalised_requests_get_the_same_tokens_in_several_passes(llama_dir: str, overlap: bool) -> None:
     prompts = mixed_prompts(seed=9, lengths=(13, 5, 21))
     for penalised in (SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=10, ignore_eos=True),

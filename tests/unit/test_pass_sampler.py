@@ -96,3 +96,27 @@ def test_penalised_rows_draw_what_one_step_at_a_time_draws_as_their_tokens_grow(
     assert grown[0][2:] != [4] * 5  # the penalty moved it off its favoured token
     found = passes.logprobs()  # from the raw logits, as Sampler reports them
     assert found.rows == [4] and found.tensors[0].shape == (1, 5)
+
+
+def test_a_row_below_min_tokens_cannot_end_until_it_reaches_them() -> None:
+    sampler = Sampler(seed=5)
+    eos = (2,)
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7, VOCAB + 1]),  # 1 output: 2 passes
+              SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True, stop_token_ids=[9]),  # 0 outputs: 2
+              SamplingParams(temperature=0.8, seed=3, min_tokens=5, frequency_penalty=0.5),  # 2 outputs: 3 passes
+              SamplingParams(temperature=0.0, min_tokens=1)]  # reached already
+    outputs = [[5], [], [6, 6], [4]]
+    passes = PassSampler(params, [[1]] * 4, outputs, CPU, sampler.shared_generator(CPU), eos)
+    grown = [list(out) for out in outputs]
+    for advance in range(4):
+        logits = torch.zeros(len(params), VOCAB)
+        logits[:, [2, 7, 9]] = 10.0  # every row would end at once if it could
+        rows = [SamplingRow(p, [1], list(out), () if len(out) >= p.min_tokens else
+                            (() if p.ignore_eos else eos) + tuple(p.stop_token_ids)) for p, out in zip(params, grown)]
+        chosen = passes(logits, advance).tolist()
+        assert chosen == sampler(logits, rows).token_ids, advance
+        for out, token in zip(grown, chosen):
+            out.append(token)
+    new = [out[len(first):] for out, first in zip(grown, outputs)]
+    assert [new[0], new[1], new[3]] == [[9, 9, 2, 2], [2, 2, 2, 2], [2, 2, 2, 2]]
+    assert 2 not in new[2][:3] and set(new[2][:3]) <= {7, 9}  # no EOS for three passes (5 - 2 outputs)

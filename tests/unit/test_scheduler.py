@@ -828,7 +828,7 @@ def test_a_stop_token_inside_a_multi_step_step_drops_the_tokens_after_it() -> No
     s.kv.pool.check_all_free()
 
 
-def test_multi_step_only_for_running_decodes_that_need_no_host_between_passes_with_room() -> None:
+def test_multi_step_only_for_running_decodes_with_room() -> None:
     def second_step(*reqs: Request, num_blocks: int = 16, late: Request | None = None) -> int:
         s, w = make_scheduler(num_blocks), FakeWorkers()
         for req in reqs:
@@ -845,7 +845,7 @@ def test_multi_step_only_for_running_decodes_that_need_no_host_between_passes_wi
     assert second_step(greedy_req("a", prompt(5), 0, logprobs=2)) == 4  # taken on the device pass by pass
     assert second_step(greedy_req("a", prompt(5), 0, prompt_logprobs=1)) == 4  # its prompt scored already
     assert second_step(greedy_req("a", prompt(5), 0, repetition_penalty=1.2)) == 4  # counted on the device
-    assert second_step(greedy_req("a", prompt(5), 0, min_tokens=3)) == 1  # EOS is still suppressed
+    assert second_step(greedy_req("a", prompt(5), 0, min_tokens=3)) == 4  # EOS suppressed on the device
     assert second_step(greedy_req("a", prompt(30), 0, max_tokens=8), num_blocks=8) == 1  # no block for 3 more slots
     assert second_step(greedy_req("a", prompt(30), 0, max_tokens=8), num_blocks=9) == 4
 

@@ -201,17 +201,16 @@ class Scheduler:
 
     def _num_steps(self, out: SchedulerOutput, scheduled: list[Request], max_steps: int) -> int:
         """Forward passes this step may run back to back: up to `max_steps` when every request is
-        a decode of one token whose next token the device can pick alone (no suppressed EOS
-        below min_tokens), none would pass the model's length within them,
-        and the pool has the extra KV slots, which are allocated here. Otherwise 1. A request
-        nearer its max_tokens than that runs the passes too, and `update` drops its tokens past
-        the limit, as it does those past a stop token: one wasted row, where bounding the step
-        by it would cut every request's passes short each time one nears its end."""
+        a decode of one token (no drafts, no prefill chunk), none would pass the model's length
+        within them, and the pool has the extra KV slots, which are allocated here. Otherwise 1.
+        Sampling, penalties, logprobs and min_tokens run on the device pass by pass
+        (PassSampler). A request nearer its max_tokens than that runs the passes too, and
+        `update` drops its tokens past the limit, as it does those past a stop token: one
+        wasted row, where bounding the step by it would cut every request's passes short each
+        time one nears its end."""
         steps = max_steps
         for req in scheduled:
-            params = req.sampling_params
-            if out.num_scheduled_tokens[req.request_id] != 1 or req.spec_token_ids or req.is_prefill \
-                    or req.num_output_tokens < params.min_tokens:
+            if out.num_scheduled_tokens[req.request_id] != 1 or req.spec_token_ids or req.is_prefill:
                 return 1
             steps = min(steps, req.max_model_len - req.num_tokens)
         if steps <= 1:

@@ -352,7 +352,8 @@ class ModelRunner:
         states = [self.states[req_id] for req_id in req_ids]
         outputs = [state.output_token_ids for state in states]
         sample = PassSampler([state.sampling_params for state in states], [state.prompt_token_ids for state in states],
-                             outputs, self.device, self.sampler.shared_generator(self.device))
+                             outputs, self.device, self.sampler.shared_generator(self.device),
+                             self.step_sampler.eos_token_ids)
         # A pass stays in the graphs while its longest context is within the capture length.
         graph_passes = 0
         if inputs.graph_batch is not None:

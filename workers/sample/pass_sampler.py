@@ -13,9 +13,8 @@ seeded row's noise drawn from its own generator seeded from (seed, output positi
 seeded request gets the same tokens in multi-step steps as without them. Rows asking for
 logprobs get them from the raw logits, as `compute_logprobs` computes them, kept on the
 device pass by pass (`logprobs()`) and copied to the host with the tokens. Penalised rows
-have their penalties applied first (pass_penalties.py). Suppressed tokens (EOS below
-min_tokens) are not here: the scheduler gives a step several passes only when no row needs
-them.
+have their penalties applied first (pass_penalties.py), after a row below its min_tokens
+has its EOS and stop ids suppressed, pass by pass until it reaches min_tokens.
 """
 
 from __future__ import annotations
@@ -41,9 +40,10 @@ class PassLogprobs:
 
 class PassSampler:
     def __init__(self, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]],
-                 device: torch.device, shared: torch.Generator) -> None:
+                 device: torch.device, shared: torch.Generator, eos_token_ids: tuple[int, ...] = ()) -> None:
         """`params`, `prompts` and `outputs` (the tokens generated before the step, read here
-        and not kept) of each row, in order; `shared`: the generator of unseeded rows."""
+        and not kept) of each row, in order; `shared`: the generator of unseeded rows;
+        `eos_token_ids`: what a row below its min_tokens may not end with (nor its stop ids)."""
         num_outputs = [len(out) for out in outputs]
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         self.num_rows = len(params)
@@ -57,6 +57,14 @@ class PassSampler:
             # The pinned block is not reused before the copy has read it (torch's host allocator).
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
+        # min_tokens: (passes it lasts, row, id) for each id a row may not end with yet, most
+        # passes first, so that a pass's pairs are a prefix of them (sliced, no upload a pass).
+        self._suppressed = sorted(((p.min_tokens - n, i, t) for i, (p, n) in enumerate(zip(params, num_outputs))
+                                   if n < p.min_tokens
+                                   for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)),
+                                  key=lambda q: -q[0])
+        self._suppressed_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids), at the first pass
+        self._as_device = as_device
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
         self.penalties = PassPenalties(penalised, [params[i] for i in penalised], [prompts[i] for i in penalised],
                                        [outputs[i] for i in penalised], as_device) if penalised else None
@@ -101,14 +109,30 @@ class PassSampler:
         return PassLogprobs(self._logprob_rows, self._num_top, stacked)
 
     def _choose(self, logits: torch.Tensor, advance: int) -> torch.Tensor:
+        num_suppressed = self._num_suppressed(advance, logits.shape[-1])
+        if self.penalties is None and not num_suppressed:
+            return self._choose_from(logits.float(), advance)
+        # A copy: the raw logits stay for the logprobs. Suppression, then penalties, as Sampler.
+        x = logits.to(torch.float32, copy=True)
+        if num_suppressed:
+            rows, ids = self._suppressed_at
+            x[rows[:num_suppressed], ids[:num_suppressed]] = float("-inf")
         if self.penalties is not None:
-            # A copy: the raw logits stay for the logprobs, as one step at a time.
-            x = logits.to(torch.float32, copy=True)
             self.penalties.apply(x)
-            chosen = self._choose_from(x, advance)
+        chosen = self._choose_from(x, advance)
+        if self.penalties is not None:
             self.penalties.add(chosen)
-            return chosen
-        return self._choose_from(logits.float(), advance)
+        return chosen
+
+    def _num_suppressed(self, advance: int, vocab: int) -> int:
+        """How many (row, id) pairs pass `advance` suppresses: the first that many of them."""
+        if not self._suppressed:
+            return 0
+        if self._suppressed_at is None:  # the first pass: ids past the vocabulary go, as Sampler drops them
+            self._suppressed = [q for q in self._suppressed if 0 <= q[2] < vocab]
+            self._suppressed_at = (self._as_device([q[1] for q in self._suppressed], torch.long),
+                                   self._as_device([q[2] for q in self._suppressed], torch.long))
+        return sum(1 for until, _, _ in self._suppressed if until > advance)
 
     def _choose_from(self, x: torch.Tensor, advance: int) -> torch.Tensor:
         if not self.sampled:
