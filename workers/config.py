@@ -117,12 +117,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     num_lookahead_slots: int = 0  # extra KV slots reserved per decode for speculative tokens
-    # Multi-step decoding (vLLM's name): a step of decodes only (none with penalties or logprobs)
-    # runs up to this many forward passes back to back, each fed the previous one's tokens on the
-    # device, before the host schedules again. The host's per-step work (scheduling, stop
-    # checks, outputs) is paid once for that many tokens; a stop token is seen only at the end
-    # of the step (the tokens computed past it are dropped) and streams get their tokens in
-    # groups. 1 = off.
+    # Multi-step decoding (vLLM's name): a step of decodes only runs up to this many forward
+    # passes back to back, each fed the previous one's tokens on the device (sampling,
+    # penalties, logprobs and min_tokens included), before the host schedules again. The host's
+    # per-step work (scheduling, stop checks, outputs) is paid once for that many tokens; a stop
+    # token is seen only at the end of the step (the tokens computed past it are dropped) and
+    # streams get their tokens in groups. 1 = off.
     num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:

@@ -155,9 +155,9 @@ class GroupEngine:
         When the step in flight left its sampled tokens on the device (plain greedy, or every
         pass of a multi-step step), the next one is scheduled on placeholders for them and
         launched *before* waiting for them, so the device never waits for the host's
-        scheduling and input building. Otherwise the step in flight is collected first. With `overlap_steps` off
-        (the default on CPU, where host and model share the cores) the step launched here
-        also finishes within this call, so its outputs come back at once.
+        scheduling and input building. Otherwise the step in flight is collected first. With
+        `overlap_steps` off (the default on CPU, where host and model share the cores) the step
+        launched here also finishes within this call, so its outputs come back at once.
         """
         if self.dead_error is not None:
             raise EngineDeadError(f"the replica group has failed: {self.dead_error}")

@@ -328,11 +328,13 @@ class ModelRunner:
         if self.ctx.tp_rank != 0:
             return None
         pending = self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs)
-        index, where = 0, {}
-        for req_id, rows in zip(inputs.req_ids, inputs.logits_rows, strict=True):
-            if len(rows) == 1:
-                where[req_id] = index
-            index += len(rows)
+        where: dict[str, int] = {}
+        if pending.device_tokens is not None:  # a step may be scheduled ahead on them: where each is
+            index = 0
+            for req_id, rows in zip(inputs.req_ids, inputs.logits_rows, strict=True):
+                if len(rows) == 1:
+                    where[req_id] = index
+                index += len(rows)
         self._keep_sampled(pending, pending.device_tokens, where)
         return pending
 

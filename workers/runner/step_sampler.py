@@ -18,12 +18,19 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.workers.core.request import PositionLogprobs, SamplingParams
+from tandem.workers.core.request import PositionLogprobs
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput
 from tandem.workers.runner.step_inputs import RequestView, StepInputs
 from tandem.workers.sample.pass_sampler import PassLogprobs
 from tandem.workers.sample.rejection_sampler import rejection_sample
-from tandem.workers.sample.sampler import Sampler, SamplingRow, argmax_rows, compute_logprobs, logprob_entry
+from tandem.workers.sample.sampler import (
+    Sampler,
+    SamplingRow,
+    argmax_rows,
+    compute_logprobs,
+    logprob_entry,
+    suppressed_ids,
+)
 
 
 @dataclass
@@ -45,7 +52,7 @@ class StepSampler:
             for j in range(len(idx)):
                 outputs = state.output_token_ids + draft[:j]
                 rows.append(SamplingRow(state.sampling_params, state.prompt_token_ids, outputs,
-                                        self._suppressed(state.sampling_params, len(outputs))))
+                                        suppressed_ids(state.sampling_params, len(outputs), self.eos_token_ids)))
         result = self.sampler(logits, rows)
         return PendingOutput.done(self._assemble(inputs, result.token_ids, result.logprobs, logits, rows,
                                                  prompt_logprobs))
@@ -138,8 +145,3 @@ class StepSampler:
         lps = compute_logprobs(logits[:len(tokens)], tokens, [num_top] * len(tokens))
         return tokens, lps
 
-    def _suppressed(self, params: SamplingParams, num_outputs: int) -> tuple[int, ...]:
-        if num_outputs >= params.min_tokens:
-            return ()
-        eos = () if params.ignore_eos else self.eos_token_ids
-        return tuple(eos) + tuple(params.stop_token_ids)

@@ -25,7 +25,14 @@ import torch
 
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.sample.pass_penalties import PassPenalties
-from tandem.workers.sample.sampler import _filter, argmax_rows, exponential_race, logprob_tensors, seeded_generator
+from tandem.workers.sample.sampler import (
+    _filter,
+    argmax_rows,
+    exponential_race,
+    logprob_tensors,
+    seeded_generator,
+    suppressed_ids,
+)
 
 
 @dataclass
@@ -60,9 +67,7 @@ class PassSampler:
         # min_tokens: (passes it lasts, row, id) for each id a row may not end with yet, most
         # passes first, so that a pass's pairs are a prefix of them (sliced, no upload a pass).
         self._suppressed = sorted(((p.min_tokens - n, i, t) for i, (p, n) in enumerate(zip(params, num_outputs))
-                                   if n < p.min_tokens
-                                   for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)),
-                                  key=lambda q: -q[0])
+                                   for t in suppressed_ids(p, n, eos_token_ids)), key=lambda q: -q[0])
         self._suppressed_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids), at the first pass
         self._as_device = as_device
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]

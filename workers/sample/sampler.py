@@ -82,6 +82,14 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
     return out
 
 
+def suppressed_ids(params: SamplingParams, num_outputs: int, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids a row may not end with after `num_outputs` tokens: EOS (unless ignored) and its
+    stop ids while it is below min_tokens, else none."""
+    if num_outputs >= params.min_tokens:
+        return ()
+    return (() if params.ignore_eos else tuple(eos_token_ids)) + tuple(params.stop_token_ids)
+
+
 def logprob_tensors(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """compute_logprobs' device work for rows of logits [rows, vocab] and their chosen tokens
     [rows]: the chosen token's logprob [rows] and rank [rows], the top-k logprobs, ids and
