@@ -70,6 +70,8 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
                          help="leave out transformers one request at a time (minutes on a GPU); its figures are null")
     latency.add_argument("--hf-compiled", action="store_true", help="CPU: also time transformers with a static "
                          "cache and torch.compile (a minute or more of compiling; always on CUDA)")
+    latency.add_argument("--no-hf", dest="hf", action="store_false",
+                         help="leave transformers out (not loaded; its figures are null): tandem's figures alone")
     latency.add_argument("--sweep-batches", default=None, metavar="B,B,...",
                          help="batch sizes of the sweep (default 1,2,...,64; to 128 on CUDA)")
     offline.set_defaults(func=partial(_run_offline, hooks))
@@ -259,7 +261,8 @@ def _run_latency(hooks: RouterHooks, args: argparse.Namespace) -> int:
     if args.sweep_batches:
         batches = tuple(int(b) for b in args.sweep_batches.split(","))
         shape = replace(latency.default_shape(args.quick, resolve_device(args.device)), sweep_batches=batches)
-    figures = _measured(lambda: latency.run_latency(opts, shape, hf_compiled=args.hf_compiled), args.device,
+    figures = _measured(lambda: latency.run_latency(opts, shape, hf_compiled=args.hf_compiled,
+                                                               hf=args.hf), args.device,
                         in_process=True)
     report.print_table(latency.title(figures), latency.table_rows(figures))
     return _finish(args, figures, report.plot_latency)

@@ -1,21 +1,25 @@
 """`tandem bench latency`: batch-1 decode latency, bandwidth use, engine overhead, batch sweep.
 
 Per repeat (tandem and transformers in an order rotated per repeat, probes first):
-- tandem TPOT: the mean `engine.step()` time over the decode steps of one request;
+- tandem TPOT: the wall time from the first token to the last of one request, over the tokens
+  in between (`TandemRun.time_per_decode_token_s`);
   transformers TPOT: the mean gap between consecutive tokens of one `generate()` of the same
   request (timed by a logits processor that only reads the clock).
 - MBU = bytes one decode step must read (all weights incl. lm_head, plus the KV cache at the
   mean decode context; see `model_cost`) / TPOT / the large-tensor copy bandwidth (read +
   write). MBU against the GEMV read bandwidth is reported too (`mbu_vs_gemv_read`).
-- engine overhead = median engine step / median bare forward + logits on the same step
-  inputs (see `tandem_runs`).
+- engine overhead = TPOT / median bare forward + logits on the same step inputs (see
+  `tandem_runs`): what the engine adds to one forward pass a token.
 - hf_compiled TPOT: transformers' fast path (static KV cache, torch.compile with CUDA graphs)
   on the same request, timed as (T(n tokens) - T(1 token)) / (n - 1) after an untimed
   warm-up that compiles; measured on CUDA always, on CPU with `hf_compiled` (`--hf-compiled`),
   else its figures are null. `tpot_ratio_vs_hf_compiled` = tandem TPOT / hf_compiled TPOT.
+- `hf=False` (`--no-hf`) leaves transformers out entirely (not even loaded): its figures are
+  null. For runs that need tandem's figures alone, such as a second `num_scheduler_steps` on a
+  machine where transformers was measured already, or MBU on a model whose compile costs minutes.
 Then a sweep over batch sizes (to 64; to 128 on CUDA, `decode_tok_s_at_128`): B identical
-requests decoding together. Per batch: TPOT (the
-median pure-decode step), tokens/s = B / TPOT, MFU and MBU of a decode step, and engine
+requests decoding together. Per batch: TPOT (as at batch 1: the decode
+phase's time per token), tokens/s = B / TPOT, MFU and MBU of a decode step, and engine
 overhead. Decoding counts as compute-bound from the first batch whose MFU >= its MBU (the
 resource closer to its peak is the one that binds); the roofline ridge (matmul FLOP/s over
 copy bandwidth) predicts the same crossover from the probes alone and is reported beside it.
@@ -65,28 +69,30 @@ class _Repeat:
     gemv_bw: float
     peak_flops: float
     tpot_tandem: float = 0.0
-    tpot_hf: float = 0.0
+    tpot_hf: float | None = None
     tpot_hf_compiled: float | None = None
-    engine_step: float = 0.0
     bare_forward: float = 0.0
     sweep_step: dict[int, float] | None = None
     sweep_bare: dict[int, float] | None = None
 
 
-def run_latency(opts: BenchOptions, shape: LatencyShape | None = None, *, hf_compiled: bool = False) -> Figures:
-    """Every figure (see the module docstring); `hf_compiled`: measure transformers' fast path on CPU too."""
+def run_latency(opts: BenchOptions, shape: LatencyShape | None = None, *, hf_compiled: bool = False,
+                hf: bool = True) -> Figures:
+    """Every figure (see the module docstring); `hf_compiled`: measure transformers' fast path on CPU
+    too; `hf=False`: leave transformers out (its figures null)."""
     shape = shape or default_shape(opts.quick, resolve_device(opts.device))
     repeats = opts.num_repeats(default_full=3, default_quick=3)
     vocab = vocab_size_of(resolve_model_dir(opts))
     single = fixed_length_requests(1, shape.prompt_len, shape.output_len, vocab, seed=1)
     sweep = {b: fixed_length_requests(b, shape.sweep_prompt_len, shape.sweep_output_len, vocab, seed=100 + b)
              for b in shape.sweep_batches}
-    systems = load_systems(opts, [single, sweep[max(shape.sweep_batches)]])
+    systems = load_systems(opts, [single, sweep[max(shape.sweep_batches)]], with_hf=hf)
     device = systems.device
     _warm_up(systems, vocab, single[0])
-    measure_compiled = hf_compiled or device.type == "cuda"
+    measure_compiled = hf and (hf_compiled or device.type == "cuda")
     compiled_error = _warm_up_compiled(systems, single[0]) if measure_compiled else None
-    names = ("tandem", "hf") + (("hf_compiled",) if measure_compiled and compiled_error is None else ())
+    names = ("tandem",) + (("hf",) if hf else ()) + (
+        ("hf_compiled",) if measure_compiled and compiled_error is None else ())
 
     tasks = tqdm(total=repeats * (1 + len(names) + len(shape.sweep_batches)), desc="latency", unit="run",
                  disable=not opts.show_progress)
@@ -100,7 +106,7 @@ def run_latency(opts: BenchOptions, shape: LatencyShape | None = None, *, hf_com
         for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotate the order per repeat
             tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: {name} batch 1")
             if name == "tandem":
-                run.tpot_tandem, run.engine_step, run.bare_forward = log.run(
+                run.tpot_tandem, run.bare_forward = log.run(
                     lambda: _batch1_tandem(systems, single, opts.show_progress), device)
             elif name == "hf":
                 run.tpot_hf = log.run(lambda: hf_baseline.time_per_output_token(systems.hf_model, single[0], device),
@@ -152,21 +158,20 @@ def _warm_up(systems: Systems, vocab: int, single: BenchRequest) -> None:
     time_bare_forward(systems.runner, result.decode_inputs, systems.device)
     # At the timed request's shapes too: on a GPU transformers' first call at new attention
     # shapes builds kernel plans step by step (~4x its steady TPOT).
-    hf_baseline.time_per_output_token(systems.hf_model, single, systems.device)
+    if systems.hf_model is not None:
+        hf_baseline.time_per_output_token(systems.hf_model, single, systems.device)
 
 
-def _batch1_tandem(systems: Systems, single: list[BenchRequest], show_progress: bool) -> tuple[float, float, float]:
-    """(TPOT = mean decode step, median decode step, median bare forward), in seconds."""
-    result = run_tandem(systems.llm, single, desc="tandem batch 1", record_inputs=True, show_progress=show_progress)
-    bare = time_bare_forward(systems.runner, result.decode_inputs, systems.device)
-    return result.time_per_decode_token_s, statistics.median(result.decode_step_s), statistics.median(bare)
+def _batch1_tandem(systems: Systems, single: list[BenchRequest], show_progress: bool) -> tuple[float, float]:
+    """(TPOT, median bare forward on its decode steps' inputs), in seconds."""
+    return _sweep_point(systems, single, "tandem batch 1", show_progress)
 
 
 def _sweep_point(systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool) -> tuple[float, float]:
-    """(median decode step, median bare forward on the same steps), in seconds."""
+    """(time per decode token, median bare forward on the decode steps' inputs), in seconds."""
     result = run_tandem(systems.llm, requests, desc=desc, record_inputs=True, show_progress=show_progress)
     bare = time_bare_forward(systems.runner, result.decode_inputs, systems.device)
-    return median_or_nan(result.decode_step_s), median_or_nan(bare)
+    return result.time_per_decode_token_s, median_or_nan(bare)
 
 
 def _figures(shape: LatencyShape, systems: Systems, runs: list[_Repeat], opts: BenchOptions) -> Figures:
@@ -187,17 +192,13 @@ def _figures(shape: LatencyShape, systems: Systems, runs: list[_Repeat], opts: B
         "weight_bytes": cost.weight_bytes, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "decode_step_bytes_b1": step_bytes,
         "tpot_tandem_ms": median(r.tpot_tandem for r in runs) * 1e3,
-        "tpot_hf_ms": median(r.tpot_hf for r in runs) * 1e3,
-        "tpot_ratio_vs_hf": median(r.tpot_tandem / r.tpot_hf for r in runs),
         "tpot_tandem_ms_repeats": [r.tpot_tandem * 1e3 for r in runs],
-        "tpot_hf_ms_repeats": [r.tpot_hf * 1e3 for r in runs],
         "mbu": median(step_bytes / r.tpot_tandem / r.copy_bw for r in runs),
         "mbu_vs_gemv_read": median(step_bytes / r.tpot_tandem / r.gemv_bw for r in runs),
-        "hf_mbu": median(step_bytes / r.tpot_hf / r.copy_bw for r in runs),
-        "engine_step_ms": median(r.engine_step for r in runs) * 1e3,
         "bare_forward_ms": median(r.bare_forward for r in runs) * 1e3,
-        "engine_overhead": median(r.engine_step / r.bare_forward for r in runs),
+        "engine_overhead": median(r.tpot_tandem / r.bare_forward for r in runs),
     }
+    fig.update(_hf_figures(runs, step_bytes))
     sweep_ctx = shape.sweep_prompt_len + shape.sweep_output_len / 2
     compute_bound_from = None
     for b in shape.sweep_batches:
@@ -218,6 +219,17 @@ def _figures(shape: LatencyShape, systems: Systems, runs: list[_Repeat], opts: B
     return fig
 
 
+def _hf_figures(runs: list[_Repeat], step_bytes: float) -> Figures:
+    """transformers' eager figures; null where it was left out."""
+    if any(r.tpot_hf is None for r in runs):
+        return {"tpot_hf_ms": None, "tpot_ratio_vs_hf": None, "tpot_hf_ms_repeats": None, "hf_mbu": None}
+    median = statistics.median
+    return {"tpot_hf_ms": median(r.tpot_hf for r in runs) * 1e3,
+            "tpot_ratio_vs_hf": median(r.tpot_tandem / r.tpot_hf for r in runs),
+            "tpot_hf_ms_repeats": [r.tpot_hf * 1e3 for r in runs],
+            "hf_mbu": median(step_bytes / r.tpot_hf / r.copy_bw for r in runs)}
+
+
 def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
     rows = [
         ("tpot_tandem_ms", fig["tpot_tandem_ms"], "ms"),
@@ -230,7 +242,6 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
         ("mbu", fig["mbu"], "vs copy"),
         ("mbu_vs_gemv_read", fig["mbu_vs_gemv_read"], "vs GEMV read"),
         ("hf_mbu", fig["hf_mbu"], "vs copy"),
-        ("engine_step_ms", fig["engine_step_ms"], "ms"),
         ("bare_forward_ms", fig["bare_forward_ms"], "ms"),
         ("engine_overhead", fig["engine_overhead"], "x"),
         ("peak_matmul_flops", fig["peak_matmul_flops"] / 1e9, "GFLOP/s"),

@@ -187,8 +187,11 @@ def plot_latency(path: str, figures: Figures) -> None:
     tok_s = [figures[f"sweep_b{b}_tok_s"] for b in batches]
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [1.3, 1.6, 1.6]})
 
-    names = ["tandem\nengine step", "tandem\nbare forward", "transformers\ngenerate"]
-    values = [figures["tpot_tandem_ms"], figures["bare_forward_ms"], figures["tpot_hf_ms"]]
+    names = ["tandem\nengine step", "tandem\nbare forward"]
+    values = [figures["tpot_tandem_ms"], figures["bare_forward_ms"]]
+    if figures.get("tpot_hf_ms") is not None:
+        names.append("transformers\ngenerate")
+        values.append(figures["tpot_hf_ms"])
     if figures.get("tpot_hf_compiled_ms") is not None:
         names.append("transformers\nstatic + compile")
         values.append(figures["tpot_hf_compiled_ms"])
@@ -199,7 +202,8 @@ def plot_latency(path: str, figures: Figures) -> None:
     ax0.tick_params(axis="x", labelsize=8)
     ax0.set_ylabel("ms per output token (batch 1)")
     compiled = figures.get("tpot_ratio_vs_hf_compiled")
-    ax0.set_title(f"Batch-1 TPOT: ratio {figures['tpot_ratio_vs_hf']:.2f}"
+    eager = figures.get("tpot_ratio_vs_hf")
+    ax0.set_title("Batch-1 TPOT: " + (f"ratio {eager:.2f}" if eager is not None else "tandem alone")
                   + (f" ({compiled:.2f} vs compiled)" if compiled is not None else "")
                   + f", overhead {figures['engine_overhead']:.2f}", fontsize=10)
 

@@ -47,7 +47,7 @@ class BenchOptions:
 @dataclass
 class Systems:
     llm: Any  # tandem.workers.llm.LLM
-    hf_model: Any  # transformers PreTrainedModel, eval mode
+    hf_model: Any  # transformers PreTrainedModel, eval mode; None where the benchmark leaves it out
     cost: ModelCost
     model_dir: str
     device: torch.device
@@ -74,8 +74,8 @@ def resolve_dtype(option: str, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
-def load_systems(opts: BenchOptions, request_sets: list[list[BenchRequest]]) -> Systems:
-    """Load tandem (KV cache sized for the largest of `request_sets`) and transformers.
+def load_systems(opts: BenchOptions, request_sets: list[list[BenchRequest]], *, with_hf: bool = True) -> Systems:
+    """Load tandem (KV cache sized for the largest of `request_sets`) and, `with_hf`, transformers.
 
     On CPU the KV cache gets room for every request of the largest set at once, so the
     benchmark measures batching, not preemption; `--kv-cache-memory` overrides that. On a GPU
@@ -101,7 +101,7 @@ def load_systems(opts: BenchOptions, request_sets: list[list[BenchRequest]]) -> 
     llm = LLM(**options)
     runner = llm.engine.executor.runner
     cost = ModelCost.from_tandem_model(runner.model, runner.dtype.itemsize)
-    hf_model = load_hf_model(model_dir, runner.dtype, runner.device)
+    hf_model = load_hf_model(model_dir, runner.dtype, runner.device) if with_hf else None
     return Systems(llm, hf_model, cost, model_dir, runner.device, runner.dtype)
 
 

@@ -34,17 +34,21 @@ _run_ids = itertools.count()
 class TandemRun:
     elapsed_s: float
     num_output_tokens: int
-    # Steps where every request decoded: seconds per forward pass, and the passes of each
-    # (several with multi-step decoding).
-    decode_step_s: list[float] = field(default_factory=list)
-    decode_passes: list[int] = field(default_factory=list)
-    decode_inputs: list[Any] = field(default_factory=list)  # StepInputs of those steps (if recorded)
+    # The decode phase: from the end of the first step after which every request has a token to
+    # the end of the run, and the tokens the longest request still needed then.
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    decode_inputs: list[Any] = field(default_factory=list)  # StepInputs of pure-decode steps (if recorded)
 
     @property
     def time_per_decode_token_s(self) -> float:
-        """The decode steps' time over their forward passes (one token of every request each)."""
-        seconds = sum(s * p for s, p in zip(self.decode_step_s, self.decode_passes, strict=True))
-        return seconds / sum(self.decode_passes)
+        """Seconds per decode token of every request: the inter-token time a user sees.
+
+        Timed over the whole phase, not per `engine.step()` call: with overlapped steps a call
+        returns the previous step's tokens while its own step still runs, and with multi-step
+        decoding a call can carry eight passes or none, so one call's time is not one step's work.
+        """
+        return self.decode_s / self.decode_tokens if self.decode_tokens else float("nan")
 
     @property
     def tokens_per_s(self) -> float:
@@ -53,19 +57,17 @@ class TandemRun:
 
 class _StepCapture:
     """Wraps the runner's prepare_inputs on this instance to see each step's inputs (a
-    multi-step step's first pass) and its number of forward passes."""
+    multi-step step's first pass)."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.last: Any = None
-        self.passes = 1
 
     def __enter__(self) -> _StepCapture:
         inner = self.runner.prepare_inputs
 
         def prepare_inputs(out: Any, *args: Any, **kwargs: Any) -> Any:
             self.last = inner(out, *args, **kwargs)
-            self.passes = out.num_steps
             return self.last
 
         self.runner.prepare_inputs = prepare_inputs
@@ -87,6 +89,7 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
     bar = tqdm(total=sum(r.output_len for r in requests), desc=desc, unit="tok", leave=False,
                disable=not show_progress)
     result = TandemRun(0.0, 0)
+    decode_start = None
     with _StepCapture(engine.executor.runner) as capture:
         start = time.perf_counter()
         for request_id, req in zip(ids, requests):
@@ -95,30 +98,40 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
             engine.add_request(request_id, {"prompt_token_ids": req.prompt_token_ids}, params)
         while engine.has_unfinished_requests():
             capture.last = None
-            step_start = time.perf_counter()
             outputs = engine.step()
-            step_s = time.perf_counter() - step_start
+            now = time.perf_counter()
             new = 0
             for out in outputs:
                 num = len(out.outputs[0].token_ids)
                 new += num - produced[out.request_id]
                 produced[out.request_id] = num
             bar.update(new)
+            if decode_start is None:
+                known = [_known_tokens(engine, request_id, produced) for request_id in ids]
+                if min(known) >= 1:
+                    decode_start = now
+                    result.decode_tokens = max(req.output_len - k for req, k in zip(requests, known))
             inputs = capture.last
             if inputs is not None and not inputs.meta.prefills and len(inputs.req_ids) == len(requests):
-                result.decode_step_s.append(step_s / capture.passes)
-                result.decode_passes.append(capture.passes)
                 if record_inputs:
                     if inputs.graph_batch is not None:  # the graphs' shared buffer: keep this step's copy
                         inputs.staged = inputs.staged.clone()
                     result.decode_inputs.append(inputs)
-        result.elapsed_s = time.perf_counter() - start
+        end = time.perf_counter()
+        result.elapsed_s = end - start
+        result.decode_s = end - decode_start if decode_start is not None else 0.0
     bar.close()
     for request_id, req in zip(ids, requests):
         assert produced[request_id] == req.output_len, (
             f"{request_id}: {produced[request_id]} tokens, asked for {req.output_len}")
     result.num_output_tokens = sum(produced.values())
     return result
+
+
+def _known_tokens(engine: Any, request_id: str, produced: dict[str, int]) -> int:
+    """Output tokens of a request known on the host (a step scheduled ahead holds placeholders)."""
+    req = engine.scheduler.requests.get(request_id)
+    return produced[request_id] if req is None else len(req.output_token_ids) - req.num_pending
 
 
 @torch.inference_mode()

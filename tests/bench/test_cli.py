@@ -60,9 +60,27 @@ def test_latency_with_multi_step_decoding_reports_per_token_figures(tmp_path: Pa
                 "--num-scheduler-steps", "4", *SMALLEST)
     assert fig["num_scheduler_steps"] == 4
     # A step of four passes gives four tokens: the figures are per pass, as without it.
-    for key in ("tpot_tandem_ms", "engine_step_ms", "bare_forward_ms", "engine_overhead", "sweep_b2_tpot_ms"):
+    for key in ("tpot_tandem_ms", "bare_forward_ms", "engine_overhead", "sweep_b2_tpot_ms"):
         assert 0 < fig[key] < 1e3, key
     assert fig["tpot_ratio_vs_hf"] == pytest.approx(fig["tpot_tandem_ms"] / fig["tpot_hf_ms"])
+
+
+def test_latency_without_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-hf: transformers is never loaded, its figures are null, tandem's are all there."""
+    import tandem.bench.systems as systems
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("transformers loaded")
+    monkeypatch.setattr(systems, "load_hf_model", refuse)
+    plot = tmp_path / "latency.png"
+    fig = bench(tmp_path, "latency", "--model", tiny_model(), "--device", "cpu", "--sweep-batches", "1,2",
+                "--no-hf", "--plot", str(plot), *SMALLEST)
+    for key in ("tpot_hf_ms", "tpot_ratio_vs_hf", "tpot_hf_ms_repeats", "hf_mbu", "tpot_hf_compiled_ms",
+                "tpot_ratio_vs_hf_compiled", "hf_compiled_error"):
+        assert fig[key] is None, key
+    for key in ("tpot_tandem_ms", "mbu", "engine_overhead", "bare_forward_ms", "sweep_b2_tok_s"):
+        assert fig[key] > 0, key
+    assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
 def test_model_and_bench_model_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
