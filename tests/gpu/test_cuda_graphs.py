@@ -76,7 +76,8 @@ def test_multi_step_steps_scheduled_ahead_with_a_sampled_request(llama_dir: str)
     # A penalised request and logprobs, taken on the device pass by pass: the same as one pass a step.
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2,
                                max_tokens=MAX_TOKENS, ignore_eos=True)
-    one_pass = LLM(llama_dir, device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3)
+    # The fraction bounds the card's whole use, the first engine's 0.3 included.
+    one_pass = LLM(llama_dir, device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.6)
     for engine in (llm, one_pass):
         outs = engine.generate([{"prompt_token_ids": p} for p in prompts], penalised, use_tqdm=False)
         tokens.append([o.outputs[0].token_ids for o in outs])
