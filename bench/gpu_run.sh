@@ -1,80 +1,124 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should check and measure, in two device calls (a device call runs at
-# most 10 minutes). On the device machine, from the checkout's root, with ../shared/gpu
-# copied in as .gpu/ (see ../shared/gpu/README.md; the machine has no Ray and no package
-# registry) and $OUT the folder whose files come back:
+# Everything a lent GPU should check and measure, in one device call (a call runs at most 10
+# minutes; a session has 15 minutes of device time, the machine's start included). On the
+# device machine, from the checkout's root, with ../shared/gpu copied in as .gpu/ (see
+# ../shared/gpu/README.md; the machine has no Ray and no package registry) and $OUT the folder
+# whose files come back:
 #
-#     bash bench/gpu_run.sh tests base         # first call: the GPU tests, llama-1b one pass a step
-#     bash bench/gpu_run.sh multistep 8b       # second call: llama-1b multi-step 8, llama-8b latency
+#     bash bench/gpu_run.sh                    # every part, in the order below, within the budget
+#     bash bench/gpu_run.sh latency 8b         # only these parts (breakdown, host_step: never by default)
 #
-# (no part named: all four, which may not fit one call). Each part has its own time limit and
-# writes its log and JSON under $OUT as it finishes, so a part that runs out of time costs
-# only itself. The bench models are built into $TANDEM_CACHE_DIR (once per machine).
+# GPU_RUN_BUDGET_S (default 560) bounds the whole run: each part gets its own limit or what is
+# left of the budget, whichever is less, so the parts that matter most run first and a part
+# that runs out of time costs only itself. Each part writes its JSON under $OUT as it ends;
+# every log goes to $OUT/bench.log, the tests' to $OUT/tests.log, a timeline to
+# $OUT/progress.log (8 files at most come back from a call). The bench models are built into
+# $TANDEM_CACHE_DIR once per machine: llama-1b first, llama-8b in the background while the
+# GPU tests run (the log says when it ended, so a benchmark it overlapped is known).
 cd "$(dirname "$0")/.."
 . .gpu/setup.sh
-export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}
+export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache} TQDM_MININTERVAL=10
 OUT=${OUT:-/tmp/tandem-gpu-out}
 mkdir -p "$OUT"
-log() { echo "[$(date +%T)] $*" | tee -a "$OUT/progress.log"; }
-tandem_cli() { python3 -c 'import sys; from tandem.router.cli import main; sys.exit(main())' "$@"; }
-model_1b() { ls -d "$TANDEM_CACHE_DIR"/bench-llama-1b-* | head -1; }
+START=$(date +%s)
+BUDGET=${GPU_RUN_BUDGET_S:-560}
+log() { echo "[$(date +%T) +$(($(date +%s) - START))s] $*" | tee -a "$OUT/progress.log"; }
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+# run LIMIT NAME CMD...: CMD under min(LIMIT, what is left), its output appended to bench.log.
+run() {
+  local limit=$1 name=$2; shift 2
+  local budget; budget=$(left)
+  [ "$budget" -lt "$limit" ] && limit=$budget
+  if [ "$limit" -lt 20 ]; then log "$name: skipped, ${budget}s left"; return; fi
+  log "$name (limit ${limit}s)"
+  echo "===== $name" >> "$OUT/bench.log"
+  timeout "$limit" "$@" >> "$OUT/bench.log" 2>&1
+  log "$name rc $?"
+}
+# Commands, not shell functions: `timeout` runs programs.
+TANDEM=(python3 -c 'import sys; from tandem.router.cli import main; sys.exit(main())')
+BUILD=(python3 -c 'import sys; from tandem.bench.bench_models import BENCH_SHAPES, bench_model_dir
+bench_model_dir(BENCH_SHAPES[sys.argv[1]], show_progress=False)')
+built() { ls -d "$TANDEM_CACHE_DIR"/bench-"$1"-* > /dev/null 2>&1; }
+# wait_for MODEL: until its checkpoint is in the cache (or too little of the budget is left).
+wait_for() { while ! built "$1" && [ "$(left)" -gt 30 ]; do sleep 1; done; built "$1"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
-} > "$OUT/env.txt" 2>&1
+} 2>&1 | tee -a "$OUT/progress.log"
 
+# The bench models, built on the host while the GPU tests run.
+log "building llama-1b, then llama-8b, in the background"
+( OMP_NUM_THREADS=4 nice -n 10 "${BUILD[@]}" llama-1b > /tmp/build.log 2>&1; log "llama-1b built, rc $?"
+  OMP_NUM_THREADS=4 nice -n 19 "${BUILD[@]}" llama-8b >> /tmp/build.log 2>&1; log "llama-8b built, rc $?" ) &
+
+# The GPU tests (GPU_TESTS: other pytest node ids), pytest -v: a test's line survives a killed run.
 part_tests() {
-  log "GPU tests"
-  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu tests/model/test_gpu_path.py tests/kernels \
-    > "$OUT/tests.log" 2>&1; log "tests rc $?"
+  local limit=170 budget; budget=$(left)
+  [ "$budget" -lt "$limit" ] && limit=$budget
+  log "GPU tests (limit ${limit}s)"
+  # shellcheck disable=SC2086
+  timeout "$limit" python3 -m pytest -v -p no:cacheprovider --durations=0 \
+    ${GPU_TESTS:-tests/gpu tests/model/test_gpu_path.py} > "$OUT/tests.log" 2>&1
+  log "tests rc $?"
 }
 
-# llama-1b, one forward pass a step: latency (batch 1, sweep to 128), the offline set, where
-# a decode step's time goes, and the host's share of it.
-part_base() {
-  log "latency llama-1b"
-  timeout 150 tandem_cli bench latency --bench-model llama-1b --device cuda --repeats 3 \
-    --output-json "$OUT/latency_1b.json" > "$OUT/latency_1b.log" 2>&1; log "latency rc $?"
-  log "offline llama-1b"
-  timeout 150 tandem_cli bench offline --bench-model llama-1b --device cuda --repeats 3 --no-hf-sequential \
-    --output-json "$OUT/offline_1b.json" > "$OUT/offline_1b.log" 2>&1; log "offline rc $?"
-  log "step breakdown"
-  timeout 40 python3 -m tandem.bench.step_breakdown "$(model_1b)" > "$OUT/breakdown.log" 2>&1
-  log "breakdown rc $?"
-  log "host step"
-  timeout 60 python3 -m tandem.bench.host_step "$(model_1b)" --device cuda --batches 1,32,128 --repeats 2 \
-    --output-json "$OUT/host_step.json" > "$OUT/host_step.log" 2>&1; log "host step rc $?"
+# llama-1b, the full shape (128 tokens at batch 1, 32 in the sweep: multi-step 8 wastes at
+# most one step's passes past the last token): batch-1 TPOT (against transformers eager and
+# compiled, in the same run), engine overhead, the sweep to batch 128; one pass a step, then
+# multi-step 8 (tandem alone).
+part_latency() {
+  wait_for llama-1b || { log "llama-1b not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
+  run 150 "latency llama-1b, one pass a step" "${TANDEM[@]}" bench latency --bench-model llama-1b --device cuda \
+    --repeats 3 --output-json "$OUT/latency_1b.json"
+}
+part_latency_ms8() {
+  wait_for llama-1b || { log "llama-1b not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
+  run 100 "latency llama-1b, multi-step 8" "${TANDEM[@]}" bench latency --bench-model llama-1b --device cuda \
+    --repeats 3 --no-hf --num-scheduler-steps 8 --output-json "$OUT/latency_1b_ms8.json"
 }
 
-# llama-1b with multi-step decoding (8 forward passes a step): the same figures.
-part_multistep() {
-  log "latency llama-1b, multi-step 8"
-  timeout 150 tandem_cli bench latency --bench-model llama-1b --device cuda --repeats 3 --num-scheduler-steps 8 \
-    --output-json "$OUT/latency_1b_ms8.json" > "$OUT/latency_1b_ms8.log" 2>&1; log "latency ms8 rc $?"
-  log "offline llama-1b, multi-step 8"
-  timeout 150 tandem_cli bench offline --bench-model llama-1b --device cuda --repeats 3 --no-hf-sequential \
-    --num-scheduler-steps 8 --output-json "$OUT/offline_1b_ms8.json" > "$OUT/offline_1b_ms8.log" 2>&1
-  log "offline ms8 rc $?"
-  log "host step, multi-step 8"
-  timeout 60 python3 -m tandem.bench.host_step "$(model_1b)" --device cuda --batches 1,32,128 --repeats 2 \
-    --num-scheduler-steps 8 --output-json "$OUT/host_step_ms8.json" > "$OUT/host_step_ms8.log" 2>&1
-  log "host step ms8 rc $?"
+# llama-1b: the offline set against transformers' static batches, gpu_busy.
+part_offline_ms8() {
+  wait_for llama-1b || { log "llama-1b not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
+  run 150 "offline llama-1b, multi-step 8" "${TANDEM[@]}" bench offline --bench-model llama-1b --device cuda \
+    --repeats 2 --no-hf-sequential --num-scheduler-steps 8 --output-json "$OUT/offline_1b_ms8.json"
+}
+part_offline() {
+  wait_for llama-1b || { log "llama-1b not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
+  run 150 "offline llama-1b, one pass a step" "${TANDEM[@]}" bench offline --bench-model llama-1b --device cuda \
+    --repeats 2 --no-hf-sequential --output-json "$OUT/offline_1b.json"
 }
 
-# Llama-3-8B's shape: MBU at batch 1 (one pass a step, then multi-step 8).
+# Llama-3-8B's shape: MBU at batch 1, tandem alone (multi-step 8, then one pass a step).
 part_8b() {
-  log "latency llama-8b"
-  timeout 200 tandem_cli bench latency --bench-model llama-8b --device cuda --quick --repeats 2 \
-    --sweep-batches 1,32 --output-json "$OUT/latency_8b.json" > "$OUT/latency_8b.log" 2>&1; log "latency 8b rc $?"
-  timeout 100 tandem_cli bench latency --bench-model llama-8b --device cuda --quick --repeats 2 \
-    --sweep-batches 1,32 --num-scheduler-steps 8 --output-json "$OUT/latency_8b_ms8.json" \
-    > "$OUT/latency_8b_ms8.log" 2>&1; log "latency 8b ms8 rc $?"
+  wait_for llama-8b || { log "llama-8b not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
+  run 130 "latency llama-8b, multi-step 8" "${TANDEM[@]}" bench latency --bench-model llama-8b --device cuda --quick \
+    --repeats 2 --sweep-batches 1,32 --max-num-seqs 32 --no-hf --num-scheduler-steps 8 \
+    --output-json "$OUT/latency_8b_ms8.json"
+  run 90 "latency llama-8b, one pass a step" "${TANDEM[@]}" bench latency --bench-model llama-8b --device cuda --quick \
+    --repeats 2 --sweep-batches 1,32 --max-num-seqs 32 --no-hf --output-json "$OUT/latency_8b.json"
 }
 
+# Where a decode step's time goes, and the host's share of it (llama-1b; not in the default run).
+part_breakdown() {
+  wait_for llama-1b || return
+  run 60 "step breakdown" python3 -m tandem.bench.step_breakdown "$(ls -d "$TANDEM_CACHE_DIR"/bench-llama-1b-*)"
+}
+part_host_step() {
+  wait_for llama-1b || return
+  run 90 "host step" python3 -m tandem.bench.host_step "$(ls -d "$TANDEM_CACHE_DIR"/bench-llama-1b-*)" \
+    --device cuda --batches 1,32,128 --repeats 2 --num-scheduler-steps 8 --output-json "$OUT/host_step.json"
+}
+
+DEFAULT_PARTS="tests latency latency_ms8 offline_ms8 offline 8b"
+PARTS="$DEFAULT_PARTS breakdown host_step"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests base multistep 8b)
+# shellcheck disable=SC2206
+[ ${#parts[@]} -eq 0 ] && parts=($DEFAULT_PARTS)
 for part in "${parts[@]}"; do
-  case "$part" in
-    tests | base | multistep | 8b) "part_$part" ;;
-    *) echo "gpu_run.sh: unknown part $part (tests, base, multistep, 8b)" >&2; exit 2 ;;
+  case " $PARTS " in
+    *" $part "*) "part_$part" ;;
+    *) echo "gpu_run.sh: unknown part $part ($PARTS)" >&2; exit 2 ;;
   esac
 done
+log "done"
