@@ -22,7 +22,9 @@ from tandem.workers.kernels.triton_decode import decode_attention, default_num_s
 from tandem.workers.kernels.triton_prefill import prefill_attention
 
 
-@triton.jit
+# The slot mapping is a view into a step's packed inputs at a per-step offset: not specialised
+# on its alignment, or each new alignment would compile a variant mid-run.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     num_kv_heads,

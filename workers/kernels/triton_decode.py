@@ -81,8 +81,11 @@ def online_softmax_step(acc, l_i, m_i, s, v_ptrs, v_mask, qk_scale, DOT_PREC: tl
 
 
 # Arguments that change from step to step are not specialised on (Triton would compile a new
-# variant when one happens to be 1 or a multiple of 16): one compile per model, at start-up.
-@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
+# variant when one happens to be 1 or a multiple of 16), nor is the alignment of the tables,
+# which are views into a step's packed inputs at per-step offsets (16-byte aligned or not):
+# one compile per model, at start-up.
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,

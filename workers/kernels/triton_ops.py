@@ -124,7 +124,7 @@ def _rope_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_l
     tl.store(lo_ptr + HALF, _round(x2 * cos_hi + x1 * sin_hi, dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # a view into a step's packed inputs
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, pos_stride,
                  q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, cs_stride,
                  n_q_heads, n_k_heads,

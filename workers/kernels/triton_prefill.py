@@ -79,7 +79,8 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["window", "stride_bt"])  # per-step values: see triton_decode.py
+@triton.jit(do_not_specialize=["window", "stride_bt"],  # per-step values and views: see triton_decode.py
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "q_start_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, q_start_ptr, out_ptr,
     qk_scale, window,

@@ -260,8 +260,8 @@ class InputBuilder:
                 dev, [num_tokens, num_tokens, num_tokens, len(scored), rows, len(query_start), rows * width,
                       len(pending_dst), len(pending_src)])
             decode_lens = seq_lens
-        if self.device.type == "cpu":
-            d_pos = d_pos.long()  # the CPU RoPE kernel indexes its tables with int64
+        if self.device.type == "cpu" and not self.kernel_tables:
+            d_pos = d_pos.long()  # the CPU RoPE kernel indexes its tables with int64 (Triton's takes the view)
         prefills = [PrefillSeq(len(seq_lens) + int(q), n, s + n, blocks)
                     for q, n, s, blocks in zip(query_start[:-1], prefill_nums, prefill_starts, prefill_lists)]
         meta = self._metadata(num_decodes, decode_lens, decode_lists, prefills,
