@@ -13,7 +13,8 @@ apart from the last requests' tail the engine runs saturated.
 
 On CUDA, `gpu_busy` = the fraction of a tandem run's wall time the GPU spent executing
 kernels, from one more tandem pass of the same request set under the profiler
-(`gpu_busy.py`), after the timed ones; null on CPU.
+(`gpu_busy.py`), after the timed ones, with where the GPU idled (`gpu_idle_edges_ms`, the
+gaps between kernels by size, the largest gaps); null on CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
-from tandem.bench.gpu_busy import profiled_busy_fraction
+from tandem.bench.gpu_busy import GAP_BUCKETS_US, profiled_gpu_figures
 from tandem.bench.report import Figures
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
 from tandem.bench.tandem_runs import run_tandem
@@ -72,16 +73,20 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
             results[name].append(_run_system(name, systems, requests, name, opts.show_progress,
                                              guard=lambda fn: log.run(fn, systems.device)))
             tasks.update(1)
-    gpu_busy = None
+    gpu = dict.fromkeys(GPU_FIGURES)  # null on CPU
     if systems.device.type == "cuda":
         tasks.set_postfix_str("tandem, profiled")
-        gpu_busy = profiled_busy_fraction(
+        gpu = profiled_gpu_figures(
             lambda: run_tandem(systems.llm, requests, desc="profiled", show_progress=False), systems.device)
     tasks.close()
     fig = _figures(spec, requests, systems, results, peaks, opts, repeats)
-    fig["gpu_busy"] = gpu_busy
+    fig.update(gpu)
     fig.update(log.figures())
     return fig
+
+
+GPU_FIGURES = ("gpu_busy", "gpu_idle_edges_ms", "gpu_largest_gaps",
+               *(f"gpu_gaps_{label}_{unit}" for label, _ in GAP_BUCKETS_US for unit in ("count", "ms")))
 
 
 def _run_system(name: str, systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool,
@@ -153,6 +158,10 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
         ("peak_matmul_flops", fig["peak_matmul_flops"] / 1e9, "GFLOP/s"),
         ("mfu", fig["mfu"], "tandem"),
         ("gpu_busy", fig["gpu_busy"], "of tandem's wall time in kernels"),
+        ("gpu_idle_edges_ms", fig["gpu_idle_edges_ms"], "ms before the first kernel and after the last"),
+        *((f"gpu_gaps_{label}", None if fig[f"gpu_gaps_{label}_ms"] is None else
+           f"{fig[f'gpu_gaps_{label}_count']} gaps, {fig[f'gpu_gaps_{label}_ms']:.1f} ms", "between kernels")
+          for label, _ in GAP_BUCKETS_US),
         ("hf_static_mfu", fig["hf_static_mfu"], ""),
         ("hf_sequential_mfu", fig["hf_sequential_mfu"], ""),
         ("hf_static_useful_fraction", fig["hf_static_useful_fraction"], "of generated tokens"),
