@@ -11,8 +11,8 @@
 # GPU_RUN_BUDGET_S (default 560) bounds the whole run: each part gets its own limit or what is
 # left of the budget, whichever is less, so the parts that matter most run first and a part
 # that runs out of time costs only itself. Each part writes its JSON under $OUT as it ends;
-# every log goes to $OUT/bench.log, the tests' to $OUT/tests.log, a timeline to
-# $OUT/progress.log (8 files at most come back from a call). The bench models are built into
+# every log and the timeline (also on stdout) go to $OUT/bench.log, the tests' to
+# $OUT/tests.log: eight files in all, the most a call brings back. The bench models are built into
 # $TANDEM_CACHE_DIR once per machine: llama-1b first, llama-8b in the background while the
 # GPU tests run (the log says when it ended, so a benchmark it overlapped is known).
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ OUT=${OUT:-/tmp/tandem-gpu-out}
 mkdir -p "$OUT"
 START=$(date +%s)
 BUDGET=${GPU_RUN_BUDGET_S:-560}
-log() { echo "[$(date +%T) +$(($(date +%s) - START))s] $*" | tee -a "$OUT/progress.log"; }
+log() { echo "[$(date +%T) +$(($(date +%s) - START))s] $*" | tee -a "$OUT/bench.log"; }
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 # run LIMIT NAME CMD...: CMD under min(LIMIT, what is left), its output appended to bench.log.
 run() {
@@ -44,7 +44,7 @@ built() { ls -d "$TANDEM_CACHE_DIR"/bench-"$1"-* > /dev/null 2>&1; }
 wait_for() { while ! built "$1" && [ "$(left)" -gt 30 ]; do sleep 1; done; built "$1"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
-} 2>&1 | tee -a "$OUT/progress.log"
+} 2>&1 | tee -a "$OUT/bench.log"
 
 # The bench models, built on the host while the GPU tests run.
 log "building llama-1b, then llama-8b, in the background"
@@ -53,7 +53,7 @@ log "building llama-1b, then llama-8b, in the background"
 
 # The GPU tests (GPU_TESTS: other pytest node ids), pytest -v: a test's line survives a killed run.
 part_tests() {
-  local limit=170 budget; budget=$(left)
+  local limit=240 budget; budget=$(left)
   [ "$budget" -lt "$limit" ] && limit=$budget
   log "GPU tests (limit ${limit}s)"
   # shellcheck disable=SC2086
