@@ -1,14 +1,21 @@
-"""Multi-step decoding through the real engine: a step of plain-greedy decodes runs several
-forward passes, each on the tokens the pass before sampled. Output must not change: greedy
-equals transformers, stops land where they would one pass at a time, sampled requests in the
-batch keep their own (seeded) tokens, and every KV block comes back."""
+"""Multi-step decoding through the real engine: a step of decodes runs several forward
+passes, each on the tokens the pass before sampled. Output must not change: greedy equals
+transformers, stops land where they would one pass at a time, sampled requests in the batch
+keep their own (seeded) tokens, and every KV block comes back. The references run one pass a
+step through the host sampler (`host_sampler`), which one-pass steps of decodes otherwise
+leave for the device's (`PassSampler`), as multi-step steps do."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
 
 import pytest
 
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
+from tandem.workers.runner.model_runner import ModelRunner
 from tests.conftest import hf_greedy, mixed_prompts
 
 MAX_TOKENS = 16
@@ -19,14 +26,24 @@ def _token_ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _record_passes(llm: LLM) -> list[int]:
-    """The number of forward passes of every step the engine schedules from now on."""
+@contextmanager
+def host_sampler() -> Iterator[None]:
+    """One-pass steps sample on the host (`Sampler`), as every step did before multi-step."""
+    with mock.patch.object(ModelRunner, "_decodes_sampled_on_device", lambda self, out, inputs: False):
+        yield
+
+
+def _record_passes(llm: LLM, ahead_of: list[frozenset[str]] | None = None) -> list[int]:
+    """The number of forward passes of every step the engine schedules from now on (and, into
+    `ahead_of`, the requests each was scheduled ahead of the tokens of)."""
     scheduler, passes = llm.engine.scheduler, []
     schedule = scheduler.schedule
 
     def record(ahead=frozenset(), max_steps=1, num_ahead=1):
         out = schedule(ahead, max_steps, num_ahead)
         passes.append(out.num_steps)
+        if ahead_of is not None:
+            ahead_of.append(ahead)
         return out
 
     scheduler.schedule = record
@@ -75,7 +92,8 @@ def _run_beside_greedy(model: str, prompts: list[list[int]], other: SamplingPara
 def test_a_seeded_sampled_request_gets_the_same_tokens_in_several_passes(llama_dir: str) -> None:
     prompts = mixed_prompts(seed=9, lengths=(13, 5, 21))
     sampled = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=17, max_tokens=6, ignore_eos=True)
-    one_pass, _ = _run_beside_greedy(llama_dir, prompts, sampled)
+    with host_sampler():
+        one_pass, _ = _run_beside_greedy(llama_dir, prompts, sampled)
     multi, passes = _run_beside_greedy(llama_dir, prompts, sampled, num_scheduler_steps=4)
     assert multi == one_pass  # the sampled request's seeded tokens too, drawn on the device pass by pass
     refs = hf_greedy(llama_dir, prompts, MAX_TOKENS)
@@ -90,7 +108,8 @@ def test_steps_scheduled_ahead_on_several_passes_keep_every_request_s_tokens(lla
     # the seeded sampled request's included; its length limit ends it inside a step.
     prompts = mixed_prompts(seed=9, lengths=(13, 5, 21, 8))
     sampled = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=17, max_tokens=11, ignore_eos=True)
-    one_pass, _ = _run_beside_greedy(llama_dir, prompts, sampled)
+    with host_sampler():
+        one_pass, _ = _run_beside_greedy(llama_dir, prompts, sampled)
     multi, passes = _run_beside_greedy(llama_dir, prompts, sampled, num_scheduler_steps=4, overlap_steps=True)
     assert multi == one_pass
     assert passes.count(4) >= 3
@@ -110,7 +129,8 @@ def test_logprobs_come_from_every_pass_as_one_pass_at_a_time_gives_them(llama_di
         llm.shutdown()
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].cumulative_logprob) for o in outs], passes
 
-    one_pass, _ = run()
+    with host_sampler():
+        one_pass, _ = run()
     multi, passes = run(num_scheduler_steps=4)
     assert multi == one_pass  # tokens, every position's logprobs (chosen and top), their sums
     assert multi[0][0] == hf_greedy(llama_dir, prompts[:1], MAX_TOKENS)[0]
@@ -146,7 +166,8 @@ def test_min_tokens_holds_a_stop_off_inside_several_passes(llama_dir: str, overl
     refs = hf_greedy(llama_dir, prompts, MAX_TOKENS)
     stop = refs[1][2]  # the second request's 3rd token: it would end there without min_tokens
     held = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=7, stop_token_ids=[stop])
-    one_pass, _ = _run_beside_greedy(llama_dir, prompts, held)
+    with host_sampler():
+        one_pass, _ = _run_beside_greedy(llama_dir, prompts, held)
     multi, passes = _run_beside_greedy(llama_dir, prompts, held, num_scheduler_steps=4, overlap_steps=overlap)
     assert multi == one_pass
     assert len(multi[1]) >= 7 and stop not in multi[1][:6] and multi[1][:2] == refs[1][:2]
@@ -159,7 +180,8 @@ def test_penalised_requests_get_the_same_tokens_in_several_passes(llama_dir: str
     for penalised in (SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=10, ignore_eos=True),
                       SamplingParams(temperature=0.8, seed=2, frequency_penalty=0.6, presence_penalty=0.3,
                                      max_tokens=10, ignore_eos=True)):
-        one_pass, _ = _run_beside_greedy(llama_dir, prompts, penalised)
+        with host_sampler():
+            one_pass, _ = _run_beside_greedy(llama_dir, prompts, penalised)
         multi, passes = _run_beside_greedy(llama_dir, prompts, penalised, num_scheduler_steps=4,
                                            overlap_steps=overlap)
         assert multi == one_pass  # the penalised request's tokens too, its counts kept on the device
@@ -218,3 +240,52 @@ def test_cost_figures_count_every_pass(llama_dir: str) -> None:
     (bytes_1, flops_1, steps_1), (bytes_4, flops_4, steps_4) = figures
     assert (steps_1, steps_4) == (17, 5)  # the prefill, then 16 tokens in passes of 4, 4, 4, 4
     assert (bytes_4, flops_4) == (bytes_1, flops_1)  # the same passes, counted in fewer steps
+
+
+def _run_all(model: str, prompts: list[list[int]], params: list[SamplingParams],
+             **options) -> tuple[list[tuple], list[frozenset[str]]]:
+    """Each request's tokens, logprobs and their sum; and the requests each step was scheduled
+    ahead of the tokens of."""
+    llm = LLM(model, **options)
+    ahead: list[frozenset[str]] = []
+    _record_passes(llm, ahead)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].cumulative_logprob) for o in outs], ahead
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_one_pass_steps_of_sampled_decodes_sample_on_the_device_and_are_scheduled_ahead(
+        llama_dir: str, overlap: bool) -> None:
+    # Seeded sampling with top-p / top-k and logprobs, and min_p with min_tokens holding EOS off:
+    # the device's sampler draws what the host's would, and (overlapped) the next step is
+    # scheduled on placeholders for them instead of waiting for them on the host.
+    prompts = mixed_prompts(seed=9, lengths=(13, 5, 21, 8))
+    params = [GREEDY,
+              SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=17, max_tokens=11, ignore_eos=True,
+                             logprobs=2),
+              SamplingParams(temperature=0.7, min_p=0.05, seed=3, max_tokens=MAX_TOKENS, min_tokens=12),
+              GREEDY]
+    with host_sampler():
+        reference, never_ahead = _run_all(llama_dir, prompts, params, overlap_steps=overlap)
+    result, ahead = _run_all(llama_dir, prompts, params, overlap_steps=overlap)
+    assert result == reference
+    assert result[0][0] == hf_greedy(llama_dir, prompts[:1], MAX_TOKENS)[0]
+    assert not any(never_ahead)  # the host sampler's tokens reach the host before the next step
+    if overlap:
+        assert sum(len(a) == 4 for a in ahead) >= 8  # every request's, sampled ones included
+    else:
+        assert not any(ahead)
+
+
+def test_a_penalised_request_keeps_one_pass_steps_from_being_scheduled_ahead(llama_dir: str) -> None:
+    prompts = mixed_prompts(seed=9, lengths=(13, 5, 21))
+    params = [GREEDY, SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=10, ignore_eos=True), GREEDY]
+    with host_sampler():
+        reference, _ = _run_all(llama_dir, prompts, params, overlap_steps=True)
+    result, ahead = _run_all(llama_dir, prompts, params, overlap_steps=True)
+    assert result == reference
+    # Its penalties read every token so far on the host: only once it has ended are the other
+    # two scheduled ahead.
+    assert max(len(a) for a in ahead) == 2

@@ -315,6 +315,9 @@ class ModelRunner:
         if out.num_steps > 1:
             return self._launch_steps(out)
         inputs = self.prepare_inputs(out)
+        plain_greedy = self.step_sampler.all_plain_greedy(inputs, self.states)
+        if not plain_greedy and self._decodes_sampled_on_device(out, inputs):
+            return self._launch_steps(out, inputs)
         if inputs.graph_batch is not None:
             logits = self._scored(self.graphs.run(inputs), inputs)
             hidden = None
@@ -327,7 +330,7 @@ class ModelRunner:
         prompt_logprobs = self.prompt_logprobs(inputs, hidden)
         if self.ctx.tp_rank != 0:
             return None
-        pending = self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs)
+        pending = self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs, plain_greedy)
         where: dict[str, int] = {}
         if pending.device_tokens is not None:  # a step may be scheduled ahead on them: where each is
             index = 0
@@ -338,17 +341,32 @@ class ModelRunner:
         self._keep_sampled(pending, pending.device_tokens, where)
         return pending
 
-    def _launch_steps(self, out: SchedulerOutput) -> PendingOutput:
+    def _decodes_sampled_on_device(self, out: SchedulerOutput, inputs: StepInputs) -> bool:
+        """Whether a one-pass step that the host sampler would take (a sampled row, penalties,
+        logprobs, a row below its min_tokens) is all decodes (one token each: no prompt chunk,
+        no drafts). Then it runs as a multi-step step of one pass: `PassSampler` samples on the
+        device and the tokens stay there, so the next step can be scheduled ahead of them
+        rather than after the host sampler's synchronous copy. TP and PP ranks sample as before."""
+        if self.ctx.tp_size != 1 or self.ctx.pp_size != 1 or inputs.meta.prefills or out.spec_token_ids:
+            return False
+        for group in (out.cached_requests, out.new_requests):
+            for r in group:
+                if r.num_computed_tokens < len(self.states[r.req_id].prompt_token_ids):
+                    return False  # the prompt's last token (it may score prompt logprobs)
+        return True
+
+    def _launch_steps(self, out: SchedulerOutput, inputs: StepInputs | None = None) -> PendingOutput:
         """A multi-step step: `out.num_steps` forward passes of decodes, each fed the tokens
         the pass before it sampled (`PassSampler`), where they are (the device); every pass is
-        launched before any token comes back. On the GPU kernels' tables a pass moves the last
-        one's inputs on in place (a few device ops, no host work per request); otherwise, or
-        where a pass leaves the CUDA graphs (a context past the capture length), its inputs are
-        built again, as a step scheduled ahead is: each request's next token a PENDING_TOKEN,
-        copied in on the device."""
+        launched before any token comes back. `inputs`: the first pass's, if built already. On
+        the GPU kernels' tables a pass moves the last one's inputs on in place (a few device
+        ops, no host work per request); otherwise, or where a pass leaves the CUDA graphs (a
+        context past the capture length), its inputs are built again, as a step scheduled
+        ahead is: each request's next token a PENDING_TOKEN, copied in on the device."""
         assert self.ctx.pp_size == 1 and self.ctx.tp_size == 1, "multi-step decoding runs in one process"
         num_steps = out.num_steps
-        inputs = self.prepare_inputs(out, passes_after=num_steps - 1)
+        if inputs is None:
+            inputs = self.prepare_inputs(out, passes_after=num_steps - 1)
         req_ids = inputs.req_ids
         where = {req_id: i for i, req_id in enumerate(req_ids)}  # a request's row among a pass's tokens
         states = [self.states[req_id] for req_id in req_ids]

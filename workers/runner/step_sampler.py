@@ -39,12 +39,16 @@ class StepSampler:
     eos_token_ids: tuple[int, ...]
 
     def sample(self, inputs: StepInputs, logits: torch.Tensor | None, states: dict[str, RequestView],
-               prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]]) -> PendingOutput:
-        """logits: [scored rows, vocab], the rows of `inputs.logits_rows` flattened in order."""
+               prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]],
+               plain_greedy: bool | None = None) -> PendingOutput:
+        """logits: [scored rows, vocab], the rows of `inputs.logits_rows` flattened in order;
+        `plain_greedy`: `all_plain_greedy` of the step, if the caller has it already."""
         if logits is None:
             return PendingOutput.done(RunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids],
                                                    [None] * len(inputs.req_ids), prompt_logprobs=prompt_logprobs))
-        if not prompt_logprobs and self._all_plain_greedy(inputs, states):
+        if plain_greedy is None:
+            plain_greedy = self.all_plain_greedy(inputs, states)
+        if not prompt_logprobs and plain_greedy:
             return self._greedy_async(inputs, logits)
         rows: list[SamplingRow] = []
         for req_id, idx, draft in zip(inputs.req_ids, inputs.logits_rows, inputs.drafts):
@@ -57,7 +61,9 @@ class StepSampler:
         return PendingOutput.done(self._assemble(inputs, result.token_ids, result.logprobs, logits, rows,
                                                  prompt_logprobs))
 
-    def _all_plain_greedy(self, inputs: StepInputs, states: dict[str, RequestView]) -> bool:
+    def all_plain_greedy(self, inputs: StepInputs, states: dict[str, RequestView]) -> bool:
+        """Every scored row greedy with nothing else to compute (no penalties, logprobs or
+        min_tokens): one argmax samples the step."""
         for req_id, idx in zip(inputs.req_ids, inputs.logits_rows):
             if not idx:
                 continue
