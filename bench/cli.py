@@ -64,6 +64,9 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
         _add_repeats(p, "default 3; offline --quick: 2")
         _add_idle_wait(p, "CPU only: before each run wait up to this long for other processes to go quiet, and "
                        "redo a run they disturbed (up to twice); 0 = measure at once, never redo")
+        p.add_argument("--temperature", type=float, default=0.0,
+                       help="tandem's requests sample at this temperature, each with its own seed (default 0: "
+                       "greedy); transformers stays greedy")
     offline, latency = sub.choices["offline"], sub.choices["latency"]
     offline.add_argument("--num-requests", type=int, default=None, help="requests in the set (default 64; --quick 32)")
     offline.add_argument("--no-hf-sequential", dest="hf_sequential", action="store_false",
@@ -235,7 +238,7 @@ def _bench_options(hooks: RouterHooks, args: argparse.Namespace) -> Any:
     options = hooks.engine_options(args)
     return BenchOptions(model=options.pop("model", None), bench_model=args.bench_model, dtype=options.pop("dtype"),
                         device=args.device, quick=args.quick, repeats=args.repeats, engine_options=options,
-                        idle_wait_s=args.idle_wait)
+                        idle_wait_s=args.idle_wait, temperature=args.temperature)
 
 
 def _run_offline(hooks: RouterHooks, args: argparse.Namespace) -> int:

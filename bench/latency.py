@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
-from tandem.bench.report import Figures, sweep_batches
+from tandem.bench.report import Figures, sampled, sweep_batches
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_device, resolve_model_dir, vocab_size_of
 from tandem.bench.tandem_runs import median_or_nan, run_tandem, time_bare_forward
 from tandem.bench.workload import BenchRequest, fixed_length_requests
@@ -154,7 +154,7 @@ def hf_compiled_figures(tpot_tandem: list[float], tpot_compiled: list[float | No
 
 def _warm_up(systems: Systems, vocab: int, single: BenchRequest) -> None:
     warm = fixed_length_requests(2, 16, 4, vocab, seed=99)
-    result = run_tandem(systems.llm, warm, record_inputs=True, show_progress=False)
+    result = run_tandem(systems.llm, warm, record_inputs=True, show_progress=False, temperature=systems.temperature)
     time_bare_forward(systems.runner, result.decode_inputs, systems.device)
     # At the timed request's shapes too: on a GPU transformers' first call at new attention
     # shapes builds kernel plans step by step (~4x its steady TPOT).
@@ -169,7 +169,8 @@ def _batch1_tandem(systems: Systems, single: list[BenchRequest], show_progress: 
 
 def _sweep_point(systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool) -> tuple[float, float]:
     """(time per decode token, median bare forward on the decode steps' inputs), in seconds."""
-    result = run_tandem(systems.llm, requests, desc=desc, record_inputs=True, show_progress=show_progress)
+    result = run_tandem(systems.llm, requests, desc=desc, record_inputs=True, show_progress=show_progress,
+                        temperature=systems.temperature)
     bare = time_bare_forward(systems.runner, result.decode_inputs, systems.device)
     return result.time_per_decode_token_s, median_or_nan(bare)
 
@@ -183,6 +184,7 @@ def _figures(shape: LatencyShape, systems: Systems, runs: list[_Repeat], opts: B
         "benchmark": "latency", "model": systems.model_dir, "device": str(systems.device),
         "dtype": str(systems.dtype).removeprefix("torch."),
         "num_scheduler_steps": systems.llm.engine.config.scheduler.num_scheduler_steps, "quick": opts.quick,
+        "temperature": opts.temperature,
         "repeats": len(runs),
         "prompt_len": shape.prompt_len, "output_len": shape.output_len,
         "sweep_prompt_len": shape.sweep_prompt_len, "sweep_output_len": shape.sweep_output_len,
@@ -259,4 +261,4 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
 def title(fig: Figures) -> str:
     return (f"tandem bench latency: batch 1, prompt {fig['prompt_len']}, {fig['output_len']} output tokens; "
             f"sweep prompt {fig['sweep_prompt_len']}, {fig['sweep_output_len']} tokens; {fig['device']} "
-            f"{fig['dtype']}; median of {fig['repeats']} repeats")
+            f"{fig['dtype']}; median of {fig['repeats']} repeats{sampled(fig)}")

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
 from tandem.bench.gpu_busy import GAP_BUCKETS_US, profiled_gpu_figures
-from tandem.bench.report import Figures
+from tandem.bench.report import Figures, sampled
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
 from tandem.bench.tandem_runs import run_tandem
 from tandem.bench.workload import (
@@ -77,7 +77,8 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
     if systems.device.type == "cuda":
         tasks.set_postfix_str("tandem, profiled")
         gpu = profiled_gpu_figures(
-            lambda: run_tandem(systems.llm, requests, desc="profiled", show_progress=False), systems.device)
+            lambda: run_tandem(systems.llm, requests, desc="profiled", show_progress=False,
+                               temperature=systems.temperature), systems.device)
     tasks.close()
     fig = _figures(spec, requests, systems, results, peaks, opts, repeats)
     fig.update(gpu)
@@ -95,7 +96,8 @@ def _run_system(name: str, systems: Systems, requests: list[BenchRequest], desc:
     run, but each transformers call separately: their runs are sums of independent calls."""
     guard = guard or (lambda fn: fn())
     if name == "tandem":
-        return guard(lambda: run_tandem(systems.llm, requests, desc=desc, show_progress=show_progress))
+        return guard(lambda: run_tandem(systems.llm, requests, desc=desc, show_progress=show_progress,
+                                        temperature=systems.temperature))
     if name == "hf_static":
         return hf_baseline.run_static(systems.hf_model, requests, systems.device, desc=desc,
                                       show_progress=show_progress, guard=guard)
@@ -114,6 +116,7 @@ def _figures(spec: WorkloadSpec, requests: list[BenchRequest], systems: Systems,
         "benchmark": "offline", "model": systems.model_dir, "device": str(systems.device),
         "dtype": str(systems.dtype).removeprefix("torch."),
         "num_scheduler_steps": systems.llm.engine.config.scheduler.num_scheduler_steps, "quick": opts.quick,
+        "temperature": opts.temperature,
         "repeats": repeats,
         "num_requests": len(requests), "num_prompt_tokens": num_prompt_tokens(requests),
         "num_output_tokens": num_output_tokens(requests),
@@ -171,4 +174,4 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
 def title(fig: Figures) -> str:
     return (f"tandem bench offline: {fig['num_requests']} requests, prompts {fig['prompt_len_min']}-"
             f"{fig['prompt_len_max']}, outputs {fig['output_len_min']}-{fig['output_len_max']} tokens; "
-            f"{fig['device']} {fig['dtype']}; median of {fig['repeats']} repeats")
+            f"{fig['device']} {fig['dtype']}; median of {fig['repeats']} repeats{sampled(fig)}")

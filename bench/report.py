@@ -174,6 +174,12 @@ def plot_offline(path: str, figures: Figures) -> None:
     plt.close(fig)
 
 
+def sampled(figures: Figures) -> str:
+    """A title's note of tandem's sampling temperature (nothing when greedy)."""
+    temperature = figures.get("temperature")
+    return f"; tandem sampling at temperature {temperature:g}" if temperature else ""
+
+
 def sweep_batches(figures: Figures) -> list[int]:
     return sorted(int(k[len("sweep_b"):-len("_tpot_ms")]) for k in figures
                   if k.startswith("sweep_b") and k.endswith("_tpot_ms"))

@@ -27,12 +27,15 @@ class BenchOptions:
     engine_options: dict[str, Any] = field(default_factory=dict)  # extra tandem engine options
     show_progress: bool = True
     idle_wait_s: float = 60.0  # CPU: wait up to this for other processes to go quiet; 0 = never redo
+    temperature: float = 0.0  # tandem's requests: 0 = greedy, else sampled (seeded per request)
 
     def __post_init__(self) -> None:
         if self.repeats is not None and self.repeats < 1:
             raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
         if self.idle_wait_s < 0:
             raise ValueError(f"idle_wait: must be >= 0 seconds, got {self.idle_wait_s}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         check_model_choice(self.model, self.bench_model)
 
     def contention_log(self) -> ContentionLog:
@@ -52,6 +55,7 @@ class Systems:
     model_dir: str
     device: torch.device
     dtype: torch.dtype
+    temperature: float = 0.0  # tandem's requests (BenchOptions.temperature)
 
     @property
     def runner(self) -> Any:
@@ -102,7 +106,7 @@ def load_systems(opts: BenchOptions, request_sets: list[list[BenchRequest]], *, 
     runner = llm.engine.executor.runner
     cost = ModelCost.from_tandem_model(runner.model, runner.dtype.itemsize)
     hf_model = load_hf_model(model_dir, runner.dtype, runner.device) if with_hf else None
-    return Systems(llm, hf_model, cost, model_dir, runner.device, runner.dtype)
+    return Systems(llm, hf_model, cost, model_dir, runner.device, runner.dtype, opts.temperature)
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Any:

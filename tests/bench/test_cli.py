@@ -84,6 +84,20 @@ def test_latency_without_transformers(tmp_path: Path, monkeypatch: pytest.Monkey
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_tandem_sampling_at_a_temperature(tmp_path: Path) -> None:
+    """--temperature: tandem's requests sample (seeded), still to their exact lengths."""
+    fig = bench(tmp_path, "offline", "--model", tiny_model(), "--device", "cpu", "--num-requests", "3",
+                "--temperature", "0.8", "--no-hf-sequential", *SMALLEST)
+    requests = make_workload(replace(OFFLINE_QUICK, num_requests=3), 512)
+    assert (fig["temperature"], fig["num_output_tokens"]) == (0.8, sum(r.output_len for r in requests))
+    assert fig["tandem_output_tok_s"] > 0
+    fig = bench(tmp_path, "latency", "--model", tiny_model(), "--device", "cpu", "--sweep-batches", "1,2",
+                "--no-hf", "--temperature", "1.0", *SMALLEST)
+    assert fig["temperature"] == 1.0
+    for key in ("tpot_tandem_ms", "engine_overhead", "sweep_b2_tok_s"):
+        assert fig[key] > 0, key
+
+
 def test_model_and_bench_model_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
     for command in ("offline", "latency", "serve", "spec", "prefix", "overlap"):
         assert main(["bench", command, "--model", "m", "--bench-model", "llama-1b"]) == 2, command
