@@ -10,16 +10,18 @@
 #
 # GPU_RUN_BUDGET_S (default 560) bounds the whole run: each part gets its own limit or what is
 # left of the budget, whichever is less, so the parts that matter most run first and a part
-# that runs out of time costs only itself. Each part writes its JSON under $OUT as it ends;
-# every log and the timeline (also on stdout) go to $OUT/bench.log, the tests' to
-# $OUT/tests.log: eight files in all, the most a call brings back. The bench models are built into
+# that runs out of time costs only itself. Each benchmark's JSON is added to
+# $OUT/figures.jsonl as it ends (one line each, "part" naming it); every log and the timeline
+# (also on stdout) go to $OUT/bench.log, the tests' to $OUT/tests.log: three files, where a
+# call brings back eight at most. The bench models are built into
 # $TANDEM_CACHE_DIR once per machine: llama-1b first, llama-8b in the background while the
 # GPU tests run (the log says when it ended, so a benchmark it overlapped is known).
 cd "$(dirname "$0")/.."
 . .gpu/setup.sh
 export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache} TQDM_MININTERVAL=10
 OUT=${OUT:-/tmp/tandem-gpu-out}
-mkdir -p "$OUT"
+J=/tmp/gpu-json
+mkdir -p "$OUT" "$J"
 START=$(date +%s)
 BUDGET=${GPU_RUN_BUDGET_S:-560}
 log() { echo "[$(date +%T) +$(($(date +%s) - START))s] $*" | tee -a "$OUT/bench.log"; }
@@ -34,6 +36,11 @@ run() {
   echo "===== $name" >> "$OUT/bench.log"
   timeout "$limit" "$@" >> "$OUT/bench.log" 2>&1
   log "$name rc $?"
+}
+# keep PART: its JSON ($J/PART.json) as one line of $OUT/figures.jsonl.
+keep() {
+  [ -f "$J/$1.json" ] && python3 -c 'import json, sys
+print(json.dumps({"part": sys.argv[1], **json.load(open(sys.argv[2]))}))' "$1" "$J/$1.json" >> "$OUT/figures.jsonl"
 }
 # Commands, not shell functions: `timeout` runs programs.
 TANDEM=(python3 -c 'import sys; from tandem.router.cli import main; sys.exit(main())')
@@ -50,6 +57,10 @@ wait_for() { while ! built "$1" && [ "$(left)" -gt 30 ]; do sleep 1; done; built
 log "building llama-1b, then llama-8b, in the background"
 ( OMP_NUM_THREADS=4 nice -n 10 "${BUILD[@]}" llama-1b > /tmp/build.log 2>&1; log "llama-1b built, rc $?"
   OMP_NUM_THREADS=4 nice -n 19 "${BUILD[@]}" llama-8b >> /tmp/build.log 2>&1; log "llama-8b built, rc $?" ) &
+BUILDER=$!
+# A build still running at the end is stopped: it holds the output open, and the call would
+# wait for it.
+trap 'pkill -P "$BUILDER" 2> /dev/null; kill "$BUILDER" 2> /dev/null' EXIT
 
 # The GPU tests (GPU_TESTS: other pytest node ids), pytest -v: a test's line survives a killed run.
 part_tests() {
@@ -62,41 +73,32 @@ part_tests() {
   log "tests rc $?"
 }
 
-# llama-1b, the full shape (128 tokens at batch 1, 32 in the sweep: multi-step 8 wastes at
-# most one step's passes past the last token): batch-1 TPOT (against transformers eager and
-# compiled, in the same run), engine overhead, the sweep to batch 128; one pass a step, then
-# multi-step 8 (tandem alone).
-part_latency() {
-  wait_for llama-1b || { log "llama-1b not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
-  run 150 "latency llama-1b, one pass a step" "${TANDEM[@]}" bench latency --bench-model llama-1b --device cuda \
-    --repeats 3 --output-json "$OUT/latency_1b.json"
-}
-part_latency_ms8() {
-  wait_for llama-1b || { log "llama-1b not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
-  run 100 "latency llama-1b, multi-step 8" "${TANDEM[@]}" bench latency --bench-model llama-1b --device cuda \
-    --repeats 3 --no-hf --num-scheduler-steps 8 --output-json "$OUT/latency_1b_ms8.json"
+# on MODEL NAME LIMIT ARGS...: `tandem bench ARGS` on a bench model once it is built, its JSON
+# kept as part NAME.
+on() {
+  local model=$1 name=$2 limit=$3; shift 3
+  wait_for "$model" || { log "$model not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
+  run "$limit" "$name" "${TANDEM[@]}" bench "$@" --bench-model "$model" --device cuda --output-json "$J/$name.json"
+  keep "$name"
 }
 
-# llama-1b: the offline set against transformers' static batches, gpu_busy.
-part_offline_ms8() {
-  wait_for llama-1b || { log "llama-1b not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
-  run 150 "offline llama-1b, multi-step 8" "${TANDEM[@]}" bench offline --bench-model llama-1b --device cuda \
-    --repeats 2 --no-hf-sequential --num-scheduler-steps 8 --output-json "$OUT/offline_1b_ms8.json"
-}
-part_offline() {
-  wait_for llama-1b || { log "llama-1b not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
-  run 150 "offline llama-1b, one pass a step" "${TANDEM[@]}" bench offline --bench-model llama-1b --device cuda \
-    --repeats 2 --no-hf-sequential --output-json "$OUT/offline_1b.json"
-}
+# llama-1b, the full shape (128 tokens at batch 1, 32 in the sweep: multi-step 8 wastes at
+# most one step's passes past the last token): batch-1 TPOT (against transformers eager and
+# compiled, in the same run), engine overhead, the sweep to batch 128; then tandem alone with
+# multi-step 8, and sampling (seeded, temperature 1) one pass a step.
+part_latency() { on llama-1b latency_1b 150 latency --repeats 3; }
+part_latency_ms8() { on llama-1b latency_1b_ms8 100 latency --repeats 3 --no-hf --num-scheduler-steps 8; }
+part_latency_sampled() { on llama-1b latency_1b_sampled 100 latency --repeats 3 --no-hf --temperature 1.0; }
+
+# llama-1b: the offline set against transformers' static batches, gpu_busy and the GPU's gaps.
+part_offline_ms8() { on llama-1b offline_1b_ms8 150 offline --repeats 2 --no-hf-sequential --num-scheduler-steps 8; }
+part_offline() { on llama-1b offline_1b 150 offline --repeats 2 --no-hf-sequential; }
 
 # Llama-3-8B's shape: MBU at batch 1, tandem alone (multi-step 8, then one pass a step).
 part_8b() {
-  wait_for llama-8b || { log "llama-8b not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
-  run 130 "latency llama-8b, multi-step 8" "${TANDEM[@]}" bench latency --bench-model llama-8b --device cuda --quick \
-    --repeats 2 --sweep-batches 1,32 --max-num-seqs 32 --no-hf --num-scheduler-steps 8 \
-    --output-json "$OUT/latency_8b_ms8.json"
-  run 90 "latency llama-8b, one pass a step" "${TANDEM[@]}" bench latency --bench-model llama-8b --device cuda --quick \
-    --repeats 2 --sweep-batches 1,32 --max-num-seqs 32 --no-hf --output-json "$OUT/latency_8b.json"
+  on llama-8b latency_8b_ms8 130 latency --quick --repeats 2 --sweep-batches 1,32 --max-num-seqs 32 --no-hf \
+    --num-scheduler-steps 8
+  on llama-8b latency_8b 90 latency --quick --repeats 2 --sweep-batches 1,32 --max-num-seqs 32 --no-hf
 }
 
 # Where a decode step's time goes, and the host's share of it (llama-1b; not in the default run).
@@ -107,10 +109,11 @@ part_breakdown() {
 part_host_step() {
   wait_for llama-1b || return
   run 90 "host step" python3 -m tandem.bench.host_step "$(ls -d "$TANDEM_CACHE_DIR"/bench-llama-1b-*)" \
-    --device cuda --batches 1,32,128 --repeats 2 --num-scheduler-steps 8 --output-json "$OUT/host_step.json"
+    --device cuda --batches 1,32,128 --repeats 2 --num-scheduler-steps 8 --output-json "$J/host_step.json"
+  keep host_step
 }
 
-DEFAULT_PARTS="tests latency latency_ms8 offline_ms8 offline 8b"
+DEFAULT_PARTS="tests latency latency_ms8 latency_sampled offline_ms8 offline 8b"
 PARTS="$DEFAULT_PARTS breakdown host_step"
 parts=("$@")
 # shellcheck disable=SC2206
