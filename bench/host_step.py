@@ -11,7 +11,8 @@ most its own duration of this: host ms per step is the floor of the step time, a
 batch, whatever the device. Medians over the decode steps of one `LLM.generate` per
 batch (prompts of 256 tokens, 129 output tokens each), best of `--repeats`. With
 `--num-scheduler-steps K` (multi-step decoding) a step runs K forward passes, and the figure
-is per pass: the host's work per token of every request.
+is per pass: the host's work per token of every request. With `--temperature T` every request
+samples (seeded by its index) instead of decoding greedily.
 
 The engine is set up as on CUDA on every device (the Triton backend's kernel tables, decode
 steps padded to graph buckets in the graph buffer, steps scheduled ahead of their tokens), so
@@ -47,7 +48,7 @@ def null_model(llm: LLM) -> None:
 
 
 def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: int = 256,
-            max_tokens: int = 129) -> float:
+            max_tokens: int = 129, temperature: float = 0.0) -> float:
     """Median host seconds per decode token of every request at this batch (best of `repeats`
     runs): a step's time over its forward passes (several with multi-step decoding)."""
     engine = llm.engine
@@ -71,7 +72,8 @@ def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: in
     engine.step = timed
     engine.scheduler.schedule = scheduled
     prompts = [{"prompt_token_ids": list(range(10 + i % 7, 10 + prompt_len))} for i in range(batch)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=output_kind)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i if temperature else None,
+                             ignore_eos=True, output_kind=output_kind) for i in range(batch)]
     best = float("inf")
     try:
         for _ in range(repeats):
@@ -90,11 +92,11 @@ def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: in
     return best
 
 
-def _run_streaming(llm: LLM, prompts: list[dict], params: SamplingParams) -> None:
+def _run_streaming(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> None:
     """As a server drives the engine: every step's outputs made (text included)."""
     engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"host-step-{i}", prompt, params)
+    for i, (prompt, request_params) in enumerate(zip(prompts, params)):
+        engine.add_request(f"host-step-{i}", prompt, request_params)
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -127,6 +129,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=129)
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="multi-step decoding: forward passes per step (the host time is per pass)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request samples at this temperature, seeded by its index (default 0: greedy)")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -134,7 +138,8 @@ def main() -> None:
     null_model(llm)
     results = []
     for batch in batches:
-        seconds = measure(llm, batch, args.repeats, args.output_kind, args.prompt_len, args.max_tokens)
+        seconds = measure(llm, batch, args.repeats, args.output_kind, args.prompt_len, args.max_tokens,
+                          args.temperature)
         results.append({"batch": batch, "host_ms_per_step": round(seconds * 1e3, 4),
                         "host_us_per_request": round(seconds * 1e6 / batch, 2),
                         "max_tok_s": round(batch / seconds)})
@@ -144,7 +149,8 @@ def main() -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": args.device, "output_kind": args.output_kind,
-                       "num_scheduler_steps": args.num_scheduler_steps, "results": results}, f, indent=2)
+                       "num_scheduler_steps": args.num_scheduler_steps, "temperature": args.temperature,
+                       "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -13,19 +13,20 @@ from tandem.bench import host_step
 from tandem.workers.runner.model_runner import ModelRunner
 
 
-@pytest.mark.parametrize("kind", ["final", "delta"])
-def test_reports_host_time_per_batch(llama_dir: str, tmp_path: Path, monkeypatch, capsys, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "temperature"), [("final", "0"), ("delta", "0"), ("final", "1.0")])
+def test_reports_host_time_per_batch(llama_dir: str, tmp_path: Path, monkeypatch, capsys, kind: str,
+                                     temperature: str) -> None:
     graph_mode = ModelRunner._graph_mode
     out = tmp_path / "host.json"
     monkeypatch.setattr(sys, "argv", ["host_step", llama_dir, "--batches", "1,3", "--repeats", "1",
                                       "--prompt-len", "20", "--max-tokens", "9", "--output-kind", kind,
-                                      "--output-json", str(out)])
+                                      "--temperature", temperature, "--output-json", str(out)])
     host_step.main()
     assert ModelRunner._graph_mode is graph_mode  # the CUDA-like set-up does not leak
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch")]
     assert [line.split(":")[0] for line in lines] == ["batch    1", "batch    3"]
     figures = json.loads(out.read_text())
-    assert figures["output_kind"] == kind
+    assert (figures["output_kind"], figures["temperature"]) == (kind, float(temperature))
     assert [r["batch"] for r in figures["results"]] == [1, 3]
     for r in figures["results"]:
         assert r["host_ms_per_step"] > 0
