@@ -65,7 +65,7 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
         _add_idle_wait(p, "CPU only: before each run wait up to this long for other processes to go quiet, and "
                        "redo a run they disturbed (up to twice); 0 = measure at once, never redo")
         p.add_argument("--temperature", type=float, default=0.0,
-                       help="tandem's requests sample at this temperature, each with its own seed (default 0: "
+                       help="tandem's requests sample at this temperature, unseeded as most traffic is (default 0: "
                        "greedy); transformers stays greedy")
     offline, latency = sub.choices["offline"], sub.choices["latency"]
     offline.add_argument("--num-requests", type=int, default=None, help="requests in the set (default 64; --quick 32)")

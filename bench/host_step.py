@@ -12,7 +12,8 @@ batch, whatever the device. Medians over the decode steps of one `LLM.generate` 
 batch (prompts of 256 tokens, 129 output tokens each), best of `--repeats`. With
 `--num-scheduler-steps K` (multi-step decoding) a step runs K forward passes, and the figure
 is per pass: the host's work per token of every request. With `--temperature T` every request
-samples (seeded by its index) instead of decoding greedily.
+samples instead of decoding greedily (unseeded; `--seeded`: each request seeded by its index,
+which costs every seeded row its own generator and noise draw a step).
 
 The engine is set up as on CUDA on every device (the Triton backend's kernel tables, decode
 steps padded to graph buckets in the graph buffer, steps scheduled ahead of their tokens), so
@@ -48,7 +49,7 @@ def null_model(llm: LLM) -> None:
 
 
 def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: int = 256,
-            max_tokens: int = 129, temperature: float = 0.0) -> float:
+            max_tokens: int = 129, temperature: float = 0.0, seeded: bool = False) -> float:
     """Median host seconds per decode token of every request at this batch (best of `repeats`
     runs): a step's time over its forward passes (several with multi-step decoding)."""
     engine = llm.engine
@@ -72,7 +73,7 @@ def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: in
     engine.step = timed
     engine.scheduler.schedule = scheduled
     prompts = [{"prompt_token_ids": list(range(10 + i % 7, 10 + prompt_len))} for i in range(batch)]
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i if temperature else None,
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i if seeded else None,
                              ignore_eos=True, output_kind=output_kind) for i in range(batch)]
     best = float("inf")
     try:
@@ -130,7 +131,8 @@ def main() -> None:
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="multi-step decoding: forward passes per step (the host time is per pass)")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="every request samples at this temperature, seeded by its index (default 0: greedy)")
+                        help="every request samples at this temperature (default 0: greedy)")
+    parser.add_argument("--seeded", action="store_true", help="with --temperature: request i has seed i")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -139,7 +141,7 @@ def main() -> None:
     results = []
     for batch in batches:
         seconds = measure(llm, batch, args.repeats, args.output_kind, args.prompt_len, args.max_tokens,
-                          args.temperature)
+                          args.temperature, args.seeded)
         results.append({"batch": batch, "host_ms_per_step": round(seconds * 1e3, 4),
                         "host_us_per_request": round(seconds * 1e6 / batch, 2),
                         "max_tok_s": round(batch / seconds)})
@@ -150,7 +152,7 @@ def main() -> None:
         with open(args.output_json, "w") as f:
             json.dump({"device": args.device, "output_kind": args.output_kind,
                        "num_scheduler_steps": args.num_scheduler_steps, "temperature": args.temperature,
-                       "results": results}, f, indent=2)
+                       "seeded": args.seeded, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

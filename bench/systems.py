@@ -27,7 +27,7 @@ class BenchOptions:
     engine_options: dict[str, Any] = field(default_factory=dict)  # extra tandem engine options
     show_progress: bool = True
     idle_wait_s: float = 60.0  # CPU: wait up to this for other processes to go quiet; 0 = never redo
-    temperature: float = 0.0  # tandem's requests: 0 = greedy, else sampled (seeded per request)
+    temperature: float = 0.0  # tandem's requests: 0 = greedy, else sampled (unseeded)
 
     def __post_init__(self) -> None:
         if self.repeats is not None and self.repeats < 1:

@@ -79,8 +79,8 @@ class _StepCapture:
 
 def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", record_inputs: bool = False,
                show_progress: bool = True, temperature: float = 0.0) -> TandemRun:
-    """Run `requests` with ignore_eos to their exact output lengths: greedily, or sampled at
-    `temperature` with request i seeded i (the same tokens every run)."""
+    """Run `requests` with ignore_eos to their exact output lengths: greedily, or sampled
+    (unseeded) at `temperature`."""
     engine = llm.engine
     assert not engine.has_unfinished_requests(), "the engine must be idle"
     engine.pool.reset_prefix_cache()  # repeats of a request set must not hit each other's prefixes
@@ -93,10 +93,10 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
     decode_start = None
     with _StepCapture(engine.executor.runner) as capture:
         start = time.perf_counter()
-        for index, (request_id, req) in enumerate(zip(ids, requests)):
+        for request_id, req in zip(ids, requests):
             # As LLM.generate asks: one output per request, when it finishes.
-            params = SamplingParams(temperature=temperature, seed=index if temperature else None,
-                                    max_tokens=req.output_len, ignore_eos=True, output_kind="final")
+            params = SamplingParams(temperature=temperature, max_tokens=req.output_len, ignore_eos=True,
+                                    output_kind="final")
             engine.add_request(request_id, {"prompt_token_ids": req.prompt_token_ids}, params)
         while engine.has_unfinished_requests():
             capture.last = None
