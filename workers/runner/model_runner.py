@@ -315,9 +315,11 @@ class ModelRunner:
         if out.num_steps > 1:
             return self._launch_steps(out)
         inputs = self.prepare_inputs(out)
-        plain_greedy = self.step_sampler.all_plain_greedy(inputs, self.states)
-        if not plain_greedy and self._decodes_sampled_on_device(out, inputs):
-            return self._launch_steps(out, inputs)
+        plain_greedy = None  # the sampler works it out, on the rank that samples
+        if self.ctx.tp_size == 1 and self.ctx.pp_size == 1:
+            plain_greedy = self.step_sampler.all_plain_greedy(inputs, self.states)
+            if not plain_greedy and self._decodes_sampled_on_device(out, inputs):
+                return self._launch_steps(out, inputs)
         if inputs.graph_batch is not None:
             logits = self._scored(self.graphs.run(inputs), inputs)
             hidden = None
@@ -346,8 +348,9 @@ class ModelRunner:
         logprobs, a row below its min_tokens) is all decodes (one token each: no prompt chunk,
         no drafts). Then it runs as a multi-step step of one pass: `PassSampler` samples on the
         device and the tokens stay there, so the next step can be scheduled ahead of them
-        rather than after the host sampler's synchronous copy. TP and PP ranks sample as before."""
-        if self.ctx.tp_size != 1 or self.ctx.pp_size != 1 or inputs.meta.prefills or out.spec_token_ids:
+        rather than after the host sampler's synchronous copy. In one process only (TP and PP
+        groups sample on the host)."""
+        if inputs.meta.prefills or out.spec_token_ids:
             return False
         for group in (out.cached_requests, out.new_requests):
             for r in group:
