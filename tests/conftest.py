@@ -10,7 +10,10 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
+from unittest import mock
 
 import pytest
 import torch
@@ -84,6 +87,16 @@ def _hf_greedy_one(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int)
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers greedy output, one prompt at a time (no padding effects)."""
     return [list(_hf_greedy_one(model_dir, tuple(p), max_new_tokens)) for p in prompts]
+
+
+@contextmanager
+def host_sampler() -> Iterator[None]:
+    """One-pass steps sample on the host (`Sampler`), as every step did before steps of decodes
+    sampled on the device (`ModelRunner._decodes_sampled_on_device`): the reference for them."""
+    from tandem.workers.runner.model_runner import ModelRunner
+
+    with mock.patch.object(ModelRunner, "_decodes_sampled_on_device", lambda self, out, inputs: False):
+        yield
 
 
 def hf_logits(model_dir: str, token_ids: list[int]):

@@ -3,6 +3,7 @@ KV sizing by profiling and memory given back at shutdown. Skipped without CUDA."
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
-from tests.conftest import ARCHITECTURES, hf_greedy, mixed_prompts, tiny_model
+from tests.conftest import ARCHITECTURES, hf_greedy, host_sampler, mixed_prompts, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -78,11 +79,33 @@ def test_multi_step_steps_scheduled_ahead_with_a_sampled_request(llama_dir: str)
                                max_tokens=MAX_TOKENS, ignore_eos=True)
     # The fraction bounds the card's whole use, the first engine's 0.3 included.
     one_pass = LLM(llama_dir, device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.6)
-    for engine in (llm, one_pass):
-        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], penalised, use_tqdm=False)
-        tokens.append([o.outputs[0].token_ids for o in outs])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], penalised, use_tqdm=False)
+    tokens.append([o.outputs[0].token_ids for o in outs])
+    with host_sampler():
+        outs = one_pass.generate([{"prompt_token_ids": p} for p in prompts], penalised, use_tqdm=False)
+    tokens.append([o.outputs[0].token_ids for o in outs])
     assert tokens[-2] == tokens[-1]
     one_pass.shutdown()
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
+def test_one_pass_sampled_decodes_on_the_device_match_the_host_sampler(llama_dir: str) -> None:
+    # One pass a step, overlapped, graphs on: steps of decodes with a seeded sampled row (and
+    # logprobs) sample on the device and are scheduled ahead; the host sampler gives the same.
+    prompts = mixed_prompts(seed=7)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             logprobs=2)
+    params = [sampled] + [GREEDY] * (len(prompts) - 1)
+    llm = LLM(llama_dir, device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3)
+    assert llm.engine.overlap_steps and llm.engine.executor.runner.graphs is not None
+    results = []
+    for host in (False, True):
+        with host_sampler() if host else contextlib.nullcontext():
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    assert results[0] == results[1]
+    assert [tokens for tokens, _ in results[0][1:]] == hf_greedy(llama_dir, prompts[1:], MAX_TOKENS)
     llm.engine.pool.check_all_free()
     llm.shutdown()
 

@@ -7,16 +7,11 @@ leave for the device's (`PassSampler`), as multi-step steps do."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from unittest import mock
-
 import pytest
 
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
-from tandem.workers.runner.model_runner import ModelRunner
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import hf_greedy, host_sampler, mixed_prompts
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -24,13 +19,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 def _token_ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
-
-
-@contextmanager
-def host_sampler() -> Iterator[None]:
-    """One-pass steps sample on the host (`Sampler`), as every step did before multi-step."""
-    with mock.patch.object(ModelRunner, "_decodes_sampled_on_device", lambda self, out, inputs: False):
-        yield
 
 
 def _record_passes(llm: LLM, ahead_of: list[frozenset[str]] | None = None) -> list[int]:
