@@ -107,7 +107,7 @@ def run_latency(opts: BenchOptions, shape: LatencyShape | None = None, *, hf_com
             tasks.set_postfix_str(f"repeat {rep + 1}/{repeats}: {name} batch 1")
             if name == "tandem":
                 run.tpot_tandem, run.bare_forward = log.run(
-                    lambda: _batch1_tandem(systems, single, opts.show_progress), device)
+                    lambda: _sweep_point(systems, single, "tandem batch 1", opts.show_progress), device)
             elif name == "hf":
                 run.tpot_hf = log.run(lambda: hf_baseline.time_per_output_token(systems.hf_model, single[0], device),
                                       device)
@@ -160,11 +160,6 @@ def _warm_up(systems: Systems, vocab: int, single: BenchRequest) -> None:
     # shapes builds kernel plans step by step (~4x its steady TPOT).
     if systems.hf_model is not None:
         hf_baseline.time_per_output_token(systems.hf_model, single, systems.device)
-
-
-def _batch1_tandem(systems: Systems, single: list[BenchRequest], show_progress: bool) -> tuple[float, float]:
-    """(TPOT, median bare forward on its decode steps' inputs), in seconds."""
-    return _sweep_point(systems, single, "tandem batch 1", show_progress)
 
 
 def _sweep_point(systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool) -> tuple[float, float]:
