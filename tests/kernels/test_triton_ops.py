@@ -18,10 +18,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from tandem.workers.kernels.triton_ops import (
+from tandem.workers.kernels.triton_attention import write_kv  # noqa: E402
+from tandem.workers.kernels.triton_ops import (  # noqa: E402
     fused_add_rms_norm,
     rms_norm,
     rope_,
+    rope_write_kv,
     silu_and_mul,
 )
 
@@ -195,6 +197,58 @@ def test_rope_contiguous_q_k() -> None:
     assert_ulps(q, q_ref, 2, torch.maximum(scale_q, q.abs().double()))
     assert_ulps(k, k_ref, 2, torch.maximum(k_ref.abs().double() + 1e-3, k.abs().double()))
     assert torch.equal(q[0], q_ref[0])  # position 0: cos 1, sin 0 -> identity
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,index_dtype,heads,kv_heads,head_dim", [
+    (torch.float32, torch.float32, torch.int64, 4, 2, 16),
+    (torch.bfloat16, torch.bfloat16, torch.int32, 6, 1, 64),   # GQA 6:1, one decode-like KV head
+    (torch.float16, torch.float16, torch.int32, 3, 3, 96),     # MHA; half 48 is not a power of two
+    (torch.bfloat16, torch.float32, torch.int32, 4, 2, 16),    # a cache wider than the model dtype
+])
+def test_rope_write_kv_equals_rope_then_write_kv(dtype: torch.dtype, cache_dtype: torch.dtype,
+                                                 index_dtype: torch.dtype, heads: int, kv_heads: int,
+                                                 head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    tokens, num_slots, max_pos = 6, 24, 64
+    cos = randn(max_pos, head_dim, dtype=dtype, gen=gen)  # halves differ: both are read
+    sin = randn(max_pos, head_dim, dtype=dtype, gen=gen)
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, gen=gen, scale=3.0)
+    before = qkv.clone()
+    pos = torch.randint(0, max_pos, (tokens,), generator=gen).to(index_dtype).to(DEVICE)
+    slots = torch.tensor([13, -1, 0, 23, -7, 4], dtype=index_dtype, device=DEVICE)  # < 0: padding rows
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        key_cache = torch.full((num_slots, kv_heads, head_dim), 7.0, dtype=cache_dtype, device=DEVICE)
+        return key_cache, key_cache.clone()
+
+    ref_qkv = qkv.clone()
+    ref_q, ref_k, ref_v = views(ref_qkv)
+    ref_kc, ref_vc = caches()
+    rope_(ref_q, ref_k, cos, sin, pos)
+    write_kv(ref_k, ref_v, ref_kc, ref_vc, slots)
+
+    q, k, v = views(qkv)
+    key_cache, value_cache = caches()
+    rope_write_kv(q, k, v, cos, sin, pos, key_cache, value_cache, slots)
+
+    assert torch.equal(q, ref_q)  # the same bits as RoPE alone
+    assert torch.equal(key_cache, ref_kc) and torch.equal(value_cache, ref_vc)  # padding slots untouched
+    assert torch.equal(qkv[:, heads * head_dim:], before[:, heads * head_dim:])  # k and v left as they were
+    written = slots.long() >= 0
+    assert not torch.equal(key_cache[slots.long()[written]], k[written].to(cache_dtype))  # the cache's k is rotated
+
+
+def test_rope_write_kv_empty_step() -> None:
+    cos, sin = rope_tables(8, 16, torch.float32)
+    q, k = torch.zeros(0, 2, 16, device=DEVICE), torch.zeros(0, 1, 16, device=DEVICE)
+    cache = torch.zeros(4, 1, 16, device=DEVICE)
+    index = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    rope_write_kv(q, k, k, cos, sin, index, cache, cache.clone(), index)
+    assert bool((cache == 0).all())
 
 
 # ----------------------------------------------------------------------------- SiLU and mul

@@ -1,4 +1,5 @@
-"""Fused elementwise/row kernels for the decode step: RMSNorm (+ residual add), RoPE, SiLU-and-mul.
+"""Fused elementwise/row kernels for the decode step: RMSNorm (+ residual add), RoPE (alone, or
+with the step's KV write), SiLU-and-mul.
 
 Each op is ONE Triton launch (the torch versions are 6-14 kernels per layer, and a CUDA-graph
 decode step is launch-bound). Everything the launch needs is derived from shapes and strides
@@ -124,6 +125,21 @@ def _rope_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_l
     tl.store(lo_ptr + HALF, _round(x2 * cos_hi + x1 * sin_hi, dtype), mask=mask)
 
 
+@triton.jit
+def _rope_row(cos_ptr, sin_ptr, pos, cs_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # Position `pos`'s (cos_lo, sin_lo, cos_hi, sin_hi), each [1, BLOCK_HALF] float32. Both
+    # halves of the table are read (not assumed duplicated), so any table gives the reference's
+    # exact operands.
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    dmask = dims < HALF
+    cs_row = pos * cs_stride + dims
+    cos_lo = tl.load(cos_ptr + cs_row, mask=dmask, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + cs_row + HALF, mask=dmask, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + cs_row, mask=dmask, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + cs_row + HALF, mask=dmask, other=0.0).to(tl.float32)
+    return cos_lo, sin_lo, cos_hi, sin_hi
+
+
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # a view into a step's packed inputs
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, pos_stride,
                  q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, cs_stride,
@@ -133,19 +149,46 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, pos_stride,
     # One program per token does q and k: the cos/sin row is gathered once for both.
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token * pos_stride).to(tl.int64)  # int32 or int64 positions
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    dmask = dims < HALF
-    cs_row = pos * cs_stride + dims
-    # Both halves of the table are read (not assumed duplicated), so any table gives the
-    # reference's exact operands.
-    cos_lo = tl.load(cos_ptr + cs_row, mask=dmask, other=0.0).to(tl.float32)
-    cos_hi = tl.load(cos_ptr + cs_row + HALF, mask=dmask, other=0.0).to(tl.float32)
-    sin_lo = tl.load(sin_ptr + cs_row, mask=dmask, other=0.0).to(tl.float32)
-    sin_hi = tl.load(sin_ptr + cs_row + HALF, mask=dmask, other=0.0).to(tl.float32)
+    cos_lo, sin_lo, cos_hi, sin_hi = _rope_row(cos_ptr, sin_ptr, pos, cs_stride, HALF, BLOCK_HALF)
     _rope_heads(q_ptr, token, q_tok_stride, q_head_stride, n_q_heads, cos_lo, sin_lo, cos_hi, sin_hi,
                 HALF, BLOCK_HQ, BLOCK_HALF)
     _rope_heads(k_ptr, token, k_tok_stride, k_head_stride, n_k_heads, cos_lo, sin_lo, cos_hi, sin_hi,
                 HALF, BLOCK_HK, BLOCK_HALF)
+
+
+# The positions and the slot mapping are views into a step's packed inputs (per-step offsets).
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
+def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                          q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride, v_head_stride,
+                          cs_stride, c_slot_stride, c_head_stride, n_q_heads, n_kv_heads,
+                          HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                          BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per token: q rotated in place; k rotated straight into its cache slot (the
+    # same expression and rounding as `_rope_heads`, so the cache holds exactly the keys that
+    # RoPE then `write_kv` would write); v copied into its slot. slot < 0 (a padding row)
+    # writes nothing to the caches.
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos_lo, sin_lo, cos_hi, sin_hi = _rope_row(cos_ptr, sin_ptr, pos, cs_stride, HALF, BLOCK_HALF)
+    _rope_heads(q_ptr, token, q_tok_stride, q_head_stride, n_q_heads, cos_lo, sin_lo, cos_hi, sin_hi,
+                HALF, BLOCK_HQ, BLOCK_HALF)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_HK)[:, None]
+        dims = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = (heads < n_kv_heads) & (dims < HALF)
+        k_lo = k_ptr + token * k_tok_stride + heads * k_head_stride + dims
+        x1 = tl.load(k_lo, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(k_lo + HALF, mask=mask, other=0.0).to(tl.float32)
+        dtype = k_ptr.dtype.element_ty
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        dst = k_cache_ptr + slot * c_slot_stride + heads * c_head_stride + dims
+        tl.store(dst, _round(x1 * cos_lo - x2 * sin_lo, dtype).to(cache_dtype), mask=mask)
+        tl.store(dst + HALF, _round(x2 * cos_hi + x1 * sin_hi, dtype).to(cache_dtype), mask=mask)
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        v_mask = (heads < n_kv_heads) & (cols < HEAD_DIM)
+        v = tl.load(v_ptr + token * v_tok_stride + heads * v_head_stride + cols, mask=v_mask)
+        tl.store(v_cache_ptr + slot * c_slot_stride + heads * c_head_stride + cols, v.to(cache_dtype), mask=v_mask)
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
@@ -173,6 +216,42 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         q, k, cos, sin, positions, positions.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), n_q, n_k,
         HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=num_warps)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  positions: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """`rope_(q, k, ...)` then `write_kv(k, v, ...)` (triton_attention.py) in one launch: q is
+    rotated in place, the rotated k and v go into their cache slots (slot < 0 skipped). k itself
+    is left as it was: on the kernels' path attention reads keys from the cache only.
+
+    q [num_tokens, num_heads, head_dim], k / v [num_tokens, num_kv_heads, head_dim] (strided
+    views of a fused qkv output; last dim contiguous); caches [slots, num_kv_heads, head_dim];
+    positions, slot_mapping int32/int64 [num_tokens] (contiguous)."""
+    num_tokens, n_q, head_dim = q.shape
+    n_k = k.shape[1]
+    assert k.shape == (num_tokens, n_k, head_dim) and v.shape == k.shape and head_dim % 2 == 0
+    assert k.dtype == q.dtype and v.dtype == q.dtype
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be contiguous"
+    assert cos.shape == sin.shape and cos.shape[-1] == head_dim and cos.stride(-1) == 1
+    assert cos.stride(0) == sin.stride(0) and sin.stride(-1) == 1
+    assert key_cache.shape[1:] == k.shape[1:] and value_cache.shape == key_cache.shape
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(2) == 1
+    assert positions.shape == (num_tokens,) and positions.stride(0) == 1
+    assert positions.dtype in (torch.int32, torch.int64) and slot_mapping.dtype in (torch.int32, torch.int64)
+    assert slot_mapping.shape[0] >= num_tokens and slot_mapping.stride(0) == 1
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_hq, block_hk = triton.next_power_of_2(n_q), triton.next_power_of_2(n_k)
+    num_warps = max(1, min(8, block_hq * block_half // 512))  # as rope_: q's tile is the bigger
+    _rope_write_kv_kernel[(num_tokens,)](
+        q, k, v, cos, sin, positions, slot_mapping, key_cache, value_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), key_cache.stride(0), key_cache.stride(1), n_q, n_k,
+        HALF=half, HEAD_DIM=head_dim, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=num_warps)
 
 
 # ----------------------------------------------------------------------------- SiLU and mul

@@ -24,7 +24,8 @@ an online softmax, so no gathered copy is written and read again.
 On CUDA, a step whose metadata carries `KernelTables` (the runner builds them when the
 Triton backend is on) runs three Triton launches per layer whatever its shape: the KV
 write, flash-decoding over the decode rows, and one variable-length causal kernel over
-every other row (workers/kernels/triton_attention.py). Nothing is gathered, no mask is
+every other row (workers/kernels/triton_attention.py). The Llama layers fold the KV write
+into their RoPE launch (`kv_written`), so theirs is two. Nothing is gathered, no mask is
 built and no per-sequence loop runs on the host, so the step is CUDA-graph capturable.
 The torch path stays for every other device and dtype, and wherever Triton is missing.
 """
@@ -252,13 +253,16 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def kernel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                     window: int | None) -> torch.Tensor:
-    """The Triton path: [num_tokens, num_heads * head_dim], three launches whatever the step."""
+                     window: int | None, kv_written: bool = False) -> torch.Tensor:
+    """The Triton path: [num_tokens, num_heads * head_dim], three launches whatever the step
+    (two with `kv_written`: this step's K/V are in the cache already, written by the launch
+    that applied RoPE)."""
     from tandem.workers.kernels import triton_attention as kernels
 
     tables = meta.gpu
     num_tokens, num_heads, head_dim = query.shape
-    kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    if not kv_written:
+        kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     n = meta.num_decodes
     if n:
