@@ -80,7 +80,7 @@ def idle_figures(intervals_ns: Iterable[tuple[float, float]], wall_ns: float, to
 
 def profiled_gpu_figures(run: Callable[[], object], device: torch.device) -> Figures:
     """Run `run()` once under the profiler: `gpu_busy` (the fraction of its wall time the GPU
-    spent in kernels) and where it idled (`idle_figures`)."""
+    spent in kernels), `gpu_kernels` (how many ran) and where it idled (`idle_figures`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -94,7 +94,7 @@ def profiled_gpu_figures(run: Callable[[], object], device: torch.device) -> Fig
     events = prof.profiler.kineto_results.events()
     kernels = [(e.start_ns(), e.end_ns()) for e in events
                if e.device_type() == DeviceType.CUDA and not e.name().startswith(_NOT_KERNELS)]
-    return {"gpu_busy": busy_fraction(kernels, wall_ns), **idle_figures(kernels, wall_ns)}
+    return {"gpu_busy": busy_fraction(kernels, wall_ns), "gpu_kernels": len(kernels), **idle_figures(kernels, wall_ns)}
 
 
 # The GPU-side events that are copies, not kernels (kineto's names for them).

@@ -23,7 +23,9 @@ phase's time per token), tokens/s = B / TPOT, MFU and MBU of a decode step, and 
 overhead. Decoding counts as compute-bound from the first batch whose MFU >= its MBU (the
 resource closer to its peak is the one that binds); the roofline ridge (matmul FLOP/s over
 copy bandwidth) predicts the same crossover from the probes alone and is reported beside it.
-Every figure is the median over repeats.
+Every figure is the median over repeats. On CUDA, `replay_b1_*` and `replay_b{largest}_*` say
+how busy the GPU is inside the decode passes themselves (`replay_figures`): the ceiling that
+kernel launch gaps leave for `gpu_busy`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
+from tandem.bench.gpu_busy import GAP_BUCKETS_US, profiled_gpu_figures
 from tandem.bench.report import Figures, sampled, sweep_batches
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_device, resolve_model_dir, vocab_size_of
 from tandem.bench.tandem_runs import median_or_nan, run_tandem, time_bare_forward
@@ -124,6 +127,8 @@ def run_latency(opts: BenchOptions, shape: LatencyShape | None = None, *, hf_com
         runs.append(run)
     tasks.close()
     fig = _figures(shape, systems, runs, opts)
+    for batch in (1, max(shape.sweep_batches)):
+        fig.update(replay_figures(systems, single if batch == 1 else sweep[batch], batch))
     fig.update(hf_compiled_figures([r.tpot_tandem for r in runs], [r.tpot_hf_compiled for r in runs],
                                    compiled_error))
     fig.update(log.figures())
@@ -160,6 +165,41 @@ def _warm_up(systems: Systems, vocab: int, single: BenchRequest) -> None:
     # shapes builds kernel plans step by step (~4x its steady TPOT).
     if systems.hf_model is not None:
         hf_baseline.time_per_output_token(systems.hf_model, single, systems.device)
+
+
+def replay_figures(systems: Systems, requests: list[BenchRequest], batch: int) -> Figures:
+    """On CUDA, where the GPU idles inside the forward passes themselves: the decode steps of one
+    run of `requests` replayed back to back under the profiler (no host sync between them, so
+    the device never waits for the host), as `replay_b{batch}_gpu_busy`, kernels per pass
+    (`replay_b{batch}_kernels_per_pass`) and the mean gap between kernels in microseconds
+    (`replay_b{batch}_mean_gap_us`). Inside a CUDA graph each gap is the launch of the next
+    kernel, so this is the ceiling of `gpu_busy` for decode steps at this batch. Null elsewhere."""
+    if systems.device.type != "cuda":
+        return replay_summary(None, 0, batch)
+    result = run_tandem(systems.llm, requests, record_inputs=True, show_progress=False,
+                        temperature=systems.temperature)
+    steps = result.decode_inputs
+    runner = systems.runner
+
+    def replay() -> None:
+        for step in steps:
+            if step.graph_batch is not None:
+                runner.graphs.buffer[:step.staged.numel()].copy_(step.staged)
+            runner.forward(step)
+
+    replay()  # anything a first pass compiles or allocates, outside the profile
+    return replay_summary(profiled_gpu_figures(replay, systems.device), len(steps), batch)
+
+
+def replay_summary(gpu: Figures | None, num_passes: int, batch: int) -> Figures:
+    """`replay_figures`' three figures from a profile of `num_passes` passes (all null without one)."""
+    names = [f"replay_b{batch}_{name}" for name in ("gpu_busy", "kernels_per_pass", "mean_gap_us")]
+    if gpu is None or not num_passes:
+        return dict.fromkeys(names)
+    num_gaps = sum(gpu[f"gpu_gaps_{label}_count"] for label, _ in GAP_BUCKETS_US)
+    gap_ms = sum(gpu[f"gpu_gaps_{label}_ms"] for label, _ in GAP_BUCKETS_US)
+    return dict(zip(names, (gpu["gpu_busy"], gpu["gpu_kernels"] / num_passes,
+                            gap_ms * 1e3 / num_gaps if num_gaps else None)))
 
 
 def _sweep_point(systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool) -> tuple[float, float]:
@@ -248,6 +288,11 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
                      f"MFU {fig[f'sweep_b{b}_mfu']:.2f} MBU {fig[f'sweep_b{b}_mbu']:.2f} "
                      f"overhead {fig[f'sweep_b{b}_engine_overhead']:.2f}"))
     rows.append(("decode_tok_s_at_128", fig["decode_tok_s_at_128"], "tok/s"))
+    for name, value in fig.items():
+        if name.startswith("replay_b") and name.endswith("_gpu_busy") and value is not None:
+            prefix = name.removesuffix("_gpu_busy")
+            rows.append((prefix, f"GPU busy {value:.3f}", f"{fig[f'{prefix}_kernels_per_pass']:.0f} kernels a pass, "
+                                                          f"mean gap {fig[f'{prefix}_mean_gap_us']:.2f} us"))
     rows.append(("compute_bound_from_batch", fig["compute_bound_from_batch"], "measured (MFU >= MBU)"))
     rows.append(("roofline_crossover_batch", fig["roofline_crossover_batch"], "predicted by the probes"))
     return rows

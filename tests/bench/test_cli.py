@@ -53,6 +53,8 @@ def test_latency_on_a_bench_model_with_hf_compiled(tmp_path: Path, monkeypatch: 
     assert fig["tpot_ratio_vs_hf_compiled"] == pytest.approx(fig["tpot_tandem_ms"] / fig["tpot_hf_compiled_ms"])
     assert fig["hf_compiled_error"] is None
     assert fig["decode_tok_s_at_128"] is None  # the CPU sweep stops below 128
+    for b in (1, 2):  # profiled replays are CUDA's (the profiler's CUDA activity)
+        assert [fig[f"replay_b{b}_{name}"] for name in ("gpu_busy", "kernels_per_pass", "mean_gap_us")] == [None] * 3
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 

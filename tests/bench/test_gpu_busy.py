@@ -35,3 +35,16 @@ def test_idle_figures_of_a_run_without_kernels() -> None:
     assert fig["gpu_idle_edges_ms"] == 2.0
     assert fig["gpu_largest_gaps"] == []
     assert fig["gpu_gaps_over_2ms_count"] == 0
+
+
+def test_replay_summary_is_per_pass_with_the_mean_gap_of_every_size() -> None:
+    from tandem.bench.latency import replay_summary
+
+    # Three passes of two kernels each: 100 us busy in 1 ms wall; five gaps, 10 + 30 + 300 us.
+    kernels_ns = [(0, 10_000), (20_000, 40_000), (70_000, 80_000), (90_000, 110_000), (410_000, 430_000),
+                  (440_000, 460_000)]
+    gpu = {"gpu_busy": 0.1, "gpu_kernels": len(kernels_ns), **idle_figures(kernels_ns, 1_000_000)}
+    assert replay_summary(gpu, 3, 4) == {"replay_b4_gpu_busy": 0.1, "replay_b4_kernels_per_pass": 2.0,
+                                         "replay_b4_mean_gap_us": (10 + 30 + 10 + 300 + 10) / 5}
+    assert replay_summary(None, 0, 1) == dict.fromkeys(
+        ["replay_b1_gpu_busy", "replay_b1_kernels_per_pass", "replay_b1_mean_gap_us"])
