@@ -223,10 +223,11 @@ class GroupEngine:
         passes = sched_out.num_steps
         self.counters.record_step(num_tokens * passes, sched_out.num_context_tokens, sched_out.num_attention_pairs,
                                   len(result.req_ids) * passes, seconds, num_passes=passes)
-        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
-            drafts = sched_out.spec_token_ids.get(req_id)
-            if drafts and tokens:
-                self.spec_policy.record(req_id, len(drafts), len(tokens) - 1)
+        if sched_out.spec_token_ids:
+            for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
+                drafts = sched_out.spec_token_ids.get(req_id)
+                if drafts and tokens:
+                    self.spec_policy.record(req_id, len(drafts), len(tokens) - 1)
         for req_id, (first, entries) in result.prompt_logprobs.items():
             req = self.scheduler.requests.get(req_id)
             state = self.states.get(req.parent_id) if req is not None and req.index == 0 else None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tandem.workers.config import CacheConfig, SchedulerConfig
 from tandem.workers.core.block_pool import BlockPool
 from tandem.workers.core.kv_cache_manager import KVCacheManager
-from tandem.workers.core.request import PENDING_TOKEN, Request, RequestStatus
+from tandem.workers.core.request import PENDING_TOKEN, Request, RequestStatus, token_slice
 from tandem.workers.core.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -33,7 +33,7 @@ from tandem.workers.core.scheduler_output import (
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class StepUpdate:
     """What one step did to one request, for the engine's output processing."""
 
@@ -104,30 +104,42 @@ class Scheduler:
         preempted = False
         placeholders = [r for r in self.running
                         if r.request_id in ahead and r.num_tokens + num_ahead < r.max_total_tokens] if ahead else []
+        pending_tokens = [PENDING_TOKEN] * num_ahead
         for req in placeholders:
-            req.output_token_ids.extend([PENDING_TOKEN] * num_ahead)
+            req.output_token_ids.extend(pending_tokens)
             req.num_pending = num_ahead
-        decoding: list[Request] = []
-        prefilling: list[Request] = []
+        # (request, its tokens, KV slots to reserve past them): decodes first, then prefill
+        # chunks. This loop runs for every running request every step, so the lengths are read
+        # once here and the common allocation (no new block) is worked out inline.
+        decoding: list[tuple[Request, int, int]] = []
+        prefilling: list[tuple[Request, int, int]] = []
+        lookahead = self.config.num_lookahead_slots
         for req in self.running:
-            (prefilling if req.is_prefill else decoding).append(req)
+            num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if req.num_computed_tokens < num_tokens - 1:
+                prefilling.append((req, num_tokens, 0))
+            else:
+                decoding.append((req, num_tokens, lookahead))
         scheduled: list[Request] = []
-        for req in decoding + prefilling:
+        bs = self.block_size
+        running = RequestStatus.RUNNING
+        for req, num_tokens, num_lookahead in decoding + prefilling:
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:
                 continue  # ahead: its next token is still on the device and must be its last
             if req.spec_token_ids:
                 # Drafts ride along only with a whole decode, and never past the length limit.
-                room = req.max_total_tokens - req.num_tokens - 1
+                room = req.max_total_tokens - num_tokens - 1
                 fits = num_new == 1 and budget > len(req.spec_token_ids)
                 req.spec_token_ids = req.spec_token_ids[:max(0, room)] if fits else []
                 num_new += len(req.spec_token_ids)
-            lookahead = self.config.num_lookahead_slots if not req.is_prefill else 0
-            allocated = self.kv.allocate_slots(req, num_new, num_lookahead=lookahead) is not None
+            # Its blocks already hold the new slots (KVCacheManager.num_new_blocks <= 0), or not.
+            allocated = -(-(req.num_computed_tokens + num_new + num_lookahead) // bs) <= len(req.block_ids) or \
+                self.kv.allocate_slots(req, num_new, num_lookahead=num_lookahead) is not None
             while not allocated and not ahead:  # ahead: no preemption on guessed tokens; it waits
                 victim = max(self.running, key=lambda r: r.arrival_seq)
                 self._preempt(victim)
@@ -139,8 +151,8 @@ class Scheduler:
                     budget += out.num_scheduled_tokens.pop(victim.request_id)
                 if victim is req:
                     break
-                allocated = self.kv.allocate_slots(req, num_new, num_lookahead=lookahead) is not None
-            if req.status != RequestStatus.RUNNING or not allocated:
+                allocated = self.kv.allocate_slots(req, num_new, num_lookahead=num_lookahead) is not None
+            if req.status is not running or not allocated:
                 continue
             scheduled.append(req)
             budget -= num_new
@@ -233,25 +245,28 @@ class Scheduler:
         return True
 
     def _add_to_output(self, out: SchedulerOutput, req: Request) -> None:
+        # Runs for every scheduled request every step: lengths are read once, and the diff's
+        # tokens (a decode's one or two, past the prompt) are sliced straight off the outputs.
         req_id = req.request_id
         num_new = out.num_scheduled_tokens[req_id]
+        prompt, outputs, block_ids = req.prompt_token_ids, req.output_token_ids, req.block_ids
+        num_prompt = len(prompt)
+        num_tokens = num_prompt + len(outputs)
+        computed = req.num_computed_tokens
         sent = self._sent_tokens.get(req_id)
         if sent is None:
             out.new_requests.append(NewRequestData(
-                req_id, list(req.prompt_token_ids), list(req.output_token_ids),
-                req.sampling_params, list(req.block_ids), req.num_computed_tokens))
-            self._sent_tokens[req_id] = req.num_tokens
-            self._block_ids_sent[req_id] = len(req.block_ids)
+                req_id, list(prompt), list(outputs), req.sampling_params, list(block_ids), computed))
         else:
             n_blocks = self._block_ids_sent[req_id]
-            out.cached_requests.append(CachedRequestData(
-                req_id, req.tokens_from(sent), req.block_ids[n_blocks:], req.num_computed_tokens, n_blocks))
-            self._sent_tokens[req_id] = req.num_tokens
-            self._block_ids_sent[req_id] = len(req.block_ids)
+            tokens = outputs[sent - num_prompt:] if sent >= num_prompt else token_slice(prompt, outputs, sent,
+                                                                                         num_tokens)
+            out.cached_requests.append(CachedRequestData(req_id, tokens, block_ids[n_blocks:], computed, n_blocks))
+        self._sent_tokens[req_id] = num_tokens
+        self._block_ids_sent[req_id] = len(block_ids)
         if req.spec_token_ids:
             out.spec_token_ids[req_id] = list(req.spec_token_ids)
-        computed = req.num_computed_tokens
-        if computed < req.num_prompt_tokens:
+        if computed < num_prompt:
             req.num_prefill_chunks += 1
         # Model cost figures: the KV this step reads, and its (query, key) pairs.
         steps = out.num_steps
@@ -289,9 +304,11 @@ class Scheduler:
         updates: list[StepUpdate] = []
         num_generated = 0
         spec = sched_out.spec_token_ids
+        requests = self.requests
+        running = RequestStatus.RUNNING
         for req_id, tokens, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
-            req = self.requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            req = requests.get(req_id)
+            if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
             num_drafts = len(spec.get(req_id, ())) if spec else 0
             if num_drafts:
@@ -328,10 +345,21 @@ class Scheduler:
         stop_ids = params.stop_token_ids
         eos = () if params.ignore_eos else req.eos_token_ids
         min_tokens = params.min_tokens
-        max_outputs = req.max_total_tokens - req.num_prompt_tokens
+        max_outputs = req.max_total_tokens - len(req.prompt_token_ids)
         outputs = req.output_token_ids
         pending = req.num_pending
         num_known = len(outputs) - pending  # output tokens known before these
+        if len(tokens) == 1 and pending <= 1:  # a step's one token (every decode step): no loop
+            token = tokens[0]
+            if pending:
+                outputs[-1] = token
+                req.num_pending = 0
+            else:
+                outputs.append(token)
+            num_known += 1
+            if num_known >= min_tokens and (token in stop_ids or token in eos):
+                return 1, RequestStatus.FINISHED_STOPPED
+            return 1, RequestStatus.FINISHED_LENGTH if num_known >= max_outputs else None
         num_kept = 0
         status = None
         for token in tokens:

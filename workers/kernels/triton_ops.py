@@ -109,10 +109,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 # ----------------------------------------------------------------------------- RoPE
 
 @triton.jit
-def _rope_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi, sin_hi,
-                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    # Rotates all heads of one token: a [BLOCK_H, BLOCK_HALF] tile for each half of head_dim.
-    # cos_*/sin_*: [1, BLOCK_HALF] float32 rows broadcast over the heads.
+def _rotated_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi, sin_hi,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # All heads of one token rotated: (low halves, high halves), each a [BLOCK_H, BLOCK_HALF]
+    # tile rounded once to the tensor's dtype, and the tiles' mask. cos_*/sin_*: [1, BLOCK_HALF]
+    # float32 rows broadcast over the heads.
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < n_heads) & (dims < HALF)
@@ -121,8 +122,25 @@ def _rope_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_l
     x2 = tl.load(lo_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     # rotate_half(x) = cat(-x2, x1): out_lo = x1*cos - x2*sin, out_hi = x2*cos + x1*sin.
     dtype = base_ptr.dtype.element_ty
-    tl.store(lo_ptr, _round(x1 * cos_lo - x2 * sin_lo, dtype), mask=mask)
-    tl.store(lo_ptr + HALF, _round(x2 * cos_hi + x1 * sin_hi, dtype), mask=mask)
+    return _round(x1 * cos_lo - x2 * sin_lo, dtype), _round(x2 * cos_hi + x1 * sin_hi, dtype), mask
+
+
+@triton.jit
+def _head_tile(BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # (head index [BLOCK_H, 1], dim index [1, BLOCK_HALF]) of a `_rotated_heads` tile.
+    return tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_HALF)[None, :]
+
+
+@triton.jit
+def _rope_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi, sin_hi,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # Rotates all heads of one token in place.
+    lo, hi, mask = _rotated_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi,
+                                  sin_hi, HALF, BLOCK_H, BLOCK_HALF)
+    heads, dims = _head_tile(BLOCK_H, BLOCK_HALF)
+    lo_ptr = base_ptr + token * tok_stride + heads * head_stride + dims
+    tl.store(lo_ptr, lo, mask=mask)
+    tl.store(lo_ptr + HALF, hi, mask=mask)
 
 
 @triton.jit
@@ -163,9 +181,9 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_p
                           cs_stride, c_slot_stride, c_head_stride, n_q_heads, n_kv_heads,
                           HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr,
                           BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    # One program per token: q rotated in place; k rotated straight into its cache slot (the
-    # same expression and rounding as `_rope_heads`, so the cache holds exactly the keys that
-    # RoPE then `write_kv` would write); v copied into its slot. slot < 0 (a padding row)
+    # One program per token: q rotated in place; k rotated straight into its cache slot (by
+    # `_rotated_heads`, as RoPE alone rotates, so the cache holds exactly the keys that RoPE
+    # then `write_kv` would write); v copied into its slot. slot < 0 (a padding row)
     # writes nothing to the caches.
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -174,17 +192,13 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_p
                 HALF, BLOCK_HQ, BLOCK_HALF)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
-        heads = tl.arange(0, BLOCK_HK)[:, None]
-        dims = tl.arange(0, BLOCK_HALF)[None, :]
-        mask = (heads < n_kv_heads) & (dims < HALF)
-        k_lo = k_ptr + token * k_tok_stride + heads * k_head_stride + dims
-        x1 = tl.load(k_lo, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(k_lo + HALF, mask=mask, other=0.0).to(tl.float32)
-        dtype = k_ptr.dtype.element_ty
+        k_lo, k_hi, mask = _rotated_heads(k_ptr, token, k_tok_stride, k_head_stride, n_kv_heads, cos_lo, sin_lo,
+                                          cos_hi, sin_hi, HALF, BLOCK_HK, BLOCK_HALF)
+        heads, dims = _head_tile(BLOCK_HK, BLOCK_HALF)
         cache_dtype = k_cache_ptr.dtype.element_ty
         dst = k_cache_ptr + slot * c_slot_stride + heads * c_head_stride + dims
-        tl.store(dst, _round(x1 * cos_lo - x2 * sin_lo, dtype).to(cache_dtype), mask=mask)
-        tl.store(dst + HALF, _round(x2 * cos_hi + x1 * sin_hi, dtype).to(cache_dtype), mask=mask)
+        tl.store(dst, k_lo.to(cache_dtype), mask=mask)
+        tl.store(dst + HALF, k_hi.to(cache_dtype), mask=mask)
         cols = tl.arange(0, BLOCK_D)[None, :]
         v_mask = (heads < n_kv_heads) & (cols < HEAD_DIM)
         v = tl.load(v_ptr + token * v_tok_stride + heads * v_head_stride + cols, mask=v_mask)

@@ -119,6 +119,10 @@ class StepSampler:
     def _assemble(self, inputs: StepInputs, token_ids: list[int], logprobs: list, logits: torch.Tensor | None,
                   rows: list[SamplingRow] | None,
                   prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]]) -> RunnerOutput:
+        if rows is None and not prompt_logprobs and len(token_ids) == len(inputs.req_ids) and not any(inputs.drafts):
+            # Plain greedy, one scored row a request and no drafts (every decode step): the
+            # request's token is its row's.
+            return RunnerOutput(inputs.req_ids, [[token] for token in token_ids], logprobs)
         sampled: list[list[int]] = []
         out_logprobs: list[list | None] = []
         num_drafts = num_accepted = 0
