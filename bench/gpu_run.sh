@@ -68,9 +68,12 @@ part_tests() {
   local limit=270 budget; budget=$(left)
   [ "$budget" -lt "$limit" ] && limit=$budget
   log "GPU tests (limit ${limit}s)"
+  # A test still running after 80 s writes every thread's stack to the log (pytest's own
+  # faulthandler), and pytest-timeout, where installed, fails it at 100 s: a hung test says
+  # where it hangs and leaves the rest their time.
   # shellcheck disable=SC2086
-  timeout "$limit" python3 -m pytest -v -p no:cacheprovider --durations=0 \
-    ${GPU_TESTS:-tests/model/test_gpu_path.py tests/gpu} > "$OUT/tests.log" 2>&1
+  timeout "$limit" python3 -m pytest -v -p no:cacheprovider --durations=0 -o faulthandler_timeout=80 \
+    -o timeout=100 ${GPU_TESTS:-tests/model/test_gpu_path.py tests/gpu} > "$OUT/tests.log" 2>&1
   log "tests rc $?"
 }
 
