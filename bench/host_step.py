@@ -2,13 +2,13 @@
 
 `python -m tandem.bench.host_step MODEL_DIR [--batches 1,32,128,256] [--device cpu]`
 
-The model's forward returns a zero hidden state and its logits one zero a row, so
-what is left of a step is what the host does for it: scheduling, the scheduler's diff,
-the runner's input building and its one copy, sampling's bookkeeping, the scheduler's
-update and the outputs. With steps overlapped (as on CUDA), a device step can hide at
-most its own duration of this: host ms per step is the floor of the step time, and
-`1000 * batch / host ms` the most output tokens a second the engine can give at that
-batch, whatever the device. Medians over the decode steps of one `LLM.generate` per
+The model's forward returns a zero hidden state and its logits make one plain text token
+the greedy choice (a short row: no vocabulary-wide argmax), so what is left of a step is
+what the host does for it: scheduling, the scheduler's diff, the runner's input building
+and its one copy, sampling's bookkeeping, the scheduler's update and the outputs. With
+steps overlapped (as on CUDA), a device step can hide at most its own duration of this:
+host ms per step is the floor of the step time, and `1000 * batch / host ms` the most
+output tokens a second the engine can give at that batch, whatever the device. Medians over the decode steps of one `LLM.generate` per
 batch (prompts of 256 tokens, 129 output tokens each), best of `--repeats`. With
 `--num-scheduler-steps K` (multi-step decoding) a step runs K forward passes, and the figure
 is per pass: the host's work per token of every request. With `--temperature T` every request
@@ -35,17 +35,24 @@ from tandem.workers import LLM, SamplingParams
 from tandem.workers.runner.model_runner import ModelRunner
 
 
-def null_model(llm: LLM) -> None:
-    """Replace the model's work with zeros of the right shapes (in place, on this process's runner)."""
+def null_model(llm: LLM) -> int:
+    """Replace the model's work with zeros of the right shapes (in place, on this process's runner);
+    returns the token every greedy row then picks."""
     runner = llm.engine.executor.runner
     model = runner.model
     hidden = torch.zeros(runner.config.scheduler.max_num_batched_tokens + 1024, runner.hf_config.hidden_size,
                          dtype=runner.dtype, device=runner.device)
-    # One logit a row: greedy picks token 0 at once, so sampling costs only its host part
-    # (on CPU an argmax over the whole vocabulary is the device's work done by the host).
-    logits = torch.zeros(hidden.shape[0], 1, dtype=runner.dtype, device=runner.device)
+    # Logits up to one plain text token, which is their largest: greedy picks it at once, so
+    # sampling costs only its host part (on CPU an argmax over the whole vocabulary is the
+    # device's work done by the host). A text token, not a special one (token 0 is often BOS):
+    # a skipped special token adds no text, so streaming's detokenizer window would grow by it
+    # every step, a cost no real output has.
+    token = llm.tokenizer.encode(" the", add_special_tokens=False)[-1]
+    logits = torch.zeros(hidden.shape[0], token + 1, dtype=runner.dtype, device=runner.device)
+    logits[:, token] = 1.0
     model.forward = lambda input_ids, positions, meta, hidden_in=None: hidden[:positions.shape[0]]
     model.compute_logits = lambda h: logits[:h.shape[0]]
+    return token
 
 
 def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: int = 256,

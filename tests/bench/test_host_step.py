@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tandem.bench import host_step
+from tandem.workers import SamplingParams
 from tandem.workers.runner.model_runner import ModelRunner
 
 
@@ -39,7 +40,9 @@ def test_graph_buckets_and_kernel_tables_on_cpu(llama_dir: str) -> None:
     """The measured engine takes CUDA's host path: decode steps padded into the graph buffer,
     the Triton backend's tables, steps scheduled ahead of their tokens."""
     llm = host_step._cuda_like_llm(llama_dir, "cpu", 4)
-    host_step.null_model(llm)
+    token = host_step.null_model(llm)
+    # A plain text token: a skipped special one would grow streaming's detokenizer window.
+    assert token not in llm.tokenizer.all_special_ids and llm.tokenizer.decode([token]).strip()
     runner = llm.engine.executor.runner
     assert runner.graphs is not None and runner.builder.kernel_tables and llm.engine.overlap_steps
     seen = []
@@ -54,4 +57,7 @@ def test_graph_buckets_and_kernel_tables_on_cpu(llama_dir: str) -> None:
     host_step.measure(llm, 3, 1, "final", prompt_len=20, max_tokens=5)
     assert seen[0] == (None, False)  # the prefill
     assert seen[-1] == (4, True)  # 3 decodes pad to the bucket of 4, their tokens still on the device
+    [out] = llm.generate([{"prompt_token_ids": list(range(10, 30))}],
+                         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == [token] * 3
     llm.shutdown()
