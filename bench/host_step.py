@@ -8,8 +8,9 @@ what the host does for it: scheduling, the scheduler's diff, the runner's input 
 and its one copy, sampling's bookkeeping, the scheduler's update and the outputs. With
 steps overlapped (as on CUDA), a device step can hide at most its own duration of this:
 host ms per step is the floor of the step time, and `1000 * batch / host ms` the most
-output tokens a second the engine can give at that batch, whatever the device. Medians over the decode steps of one `LLM.generate` per
-batch (prompts of 256 tokens, 129 output tokens each), best of `--repeats`. With
+output tokens a second the engine can give at that batch, whatever the device. Medians
+over the decode steps of one `LLM.generate` per batch (prompts of 256 tokens, 129 output
+tokens each), best of `--repeats`. With
 `--num-scheduler-steps K` (multi-step decoding) a step runs K forward passes, and the figure
 is per pass: the host's work per token of every request. With `--temperature T` every request
 samples instead of decoding greedily (unseeded; `--seeded`: each request seeded by its index,
