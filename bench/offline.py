@@ -86,7 +86,7 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
     return fig
 
 
-GPU_FIGURES = ("gpu_busy", "gpu_idle_edges_ms", "gpu_largest_gaps",
+GPU_FIGURES = ("gpu_busy", "gpu_kernels", "gpu_idle_edges_ms", "gpu_largest_gaps",
                *(f"gpu_gaps_{label}_{unit}" for label, _ in GAP_BUCKETS_US for unit in ("count", "ms")))
 
 

@@ -26,7 +26,7 @@ def test_offline(tmp_path: Path) -> None:
     requests = make_workload(replace(OFFLINE_QUICK, num_requests=3), 512)
     assert (fig["num_requests"], fig["repeats"], fig["quick"], fig["device"]) == (3, 1, True, "cpu")
     assert fig["num_output_tokens"] == sum(r.output_len for r in requests)
-    for key in ("gpu_busy", "gpu_idle_edges_ms", "gpu_largest_gaps", "gpu_gaps_200us_2ms_count"):
+    for key in ("gpu_busy", "gpu_kernels", "gpu_idle_edges_ms", "gpu_largest_gaps", "gpu_gaps_200us_2ms_count"):
         assert fig[key] is None, key  # measured on CUDA only
     for key in ("tandem_output_tok_s", "hf_static_output_tok_s", "hf_sequential_output_tok_s", "mfu",
                 "peak_matmul_flops", "model_flops", "wall_s", "process_cpu_share"):

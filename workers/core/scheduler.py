@@ -110,7 +110,7 @@ class Scheduler:
             req.num_pending = num_ahead
         # (request, its tokens, KV slots to reserve past them): decodes first, then prefill
         # chunks. This loop runs for every running request every step, so the lengths are read
-        # once here and the common allocation (no new block) is worked out inline.
+        # once here.
         decoding: list[tuple[Request, int, int]] = []
         prefilling: list[tuple[Request, int, int]] = []
         lookahead = self.config.num_lookahead_slots
@@ -121,7 +121,6 @@ class Scheduler:
             else:
                 decoding.append((req, num_tokens, lookahead))
         scheduled: list[Request] = []
-        bs = self.block_size
         running = RequestStatus.RUNNING
         for req, num_tokens, num_lookahead in decoding + prefilling:
             if budget <= 0:
@@ -137,9 +136,7 @@ class Scheduler:
                 fits = num_new == 1 and budget > len(req.spec_token_ids)
                 req.spec_token_ids = req.spec_token_ids[:max(0, room)] if fits else []
                 num_new += len(req.spec_token_ids)
-            # Its blocks already hold the new slots (KVCacheManager.num_new_blocks <= 0), or not.
-            allocated = -(-(req.num_computed_tokens + num_new + num_lookahead) // bs) <= len(req.block_ids) or \
-                self.kv.allocate_slots(req, num_new, num_lookahead=num_lookahead) is not None
+            allocated = self.kv.allocate_slots(req, num_new, num_lookahead=num_lookahead) is not None
             while not allocated and not ahead:  # ahead: no preemption on guessed tokens; it waits
                 victim = max(self.running, key=lambda r: r.arrival_seq)
                 self._preempt(victim)
@@ -245,8 +242,7 @@ class Scheduler:
         return True
 
     def _add_to_output(self, out: SchedulerOutput, req: Request) -> None:
-        # Runs for every scheduled request every step: lengths are read once, and the diff's
-        # tokens (a decode's one or two, past the prompt) are sliced straight off the outputs.
+        # Runs for every scheduled request every step: the lengths are read once.
         req_id = req.request_id
         num_new = out.num_scheduled_tokens[req_id]
         prompt, outputs, block_ids = req.prompt_token_ids, req.output_token_ids, req.block_ids
@@ -259,9 +255,8 @@ class Scheduler:
                 req_id, list(prompt), list(outputs), req.sampling_params, list(block_ids), computed))
         else:
             n_blocks = self._block_ids_sent[req_id]
-            tokens = outputs[sent - num_prompt:] if sent >= num_prompt else token_slice(prompt, outputs, sent,
-                                                                                         num_tokens)
-            out.cached_requests.append(CachedRequestData(req_id, tokens, block_ids[n_blocks:], computed, n_blocks))
+            out.cached_requests.append(CachedRequestData(req_id, token_slice(prompt, outputs, sent, num_tokens),
+                                                         block_ids[n_blocks:], computed, n_blocks))
         self._sent_tokens[req_id] = num_tokens
         self._block_ids_sent[req_id] = len(block_ids)
         if req.spec_token_ids:
@@ -349,17 +344,6 @@ class Scheduler:
         outputs = req.output_token_ids
         pending = req.num_pending
         num_known = len(outputs) - pending  # output tokens known before these
-        if len(tokens) == 1 and pending <= 1:  # a step's one token (every decode step): no loop
-            token = tokens[0]
-            if pending:
-                outputs[-1] = token
-                req.num_pending = 0
-            else:
-                outputs.append(token)
-            num_known += 1
-            if num_known >= min_tokens and (token in stop_ids or token in eos):
-                return 1, RequestStatus.FINISHED_STOPPED
-            return 1, RequestStatus.FINISHED_LENGTH if num_known >= max_outputs else None
         num_kept = 0
         status = None
         for token in tokens:

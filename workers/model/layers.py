@@ -249,7 +249,6 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
-
     def rotate_and_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
         """On the Triton kernels' path: q rotated in place and the rotated k and v written to

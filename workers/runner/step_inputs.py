@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tandem.workers.core.request import PENDING_TOKEN, token_slice
+from tandem.workers.core.request import PENDING_TOKEN, token_at, token_slice
 from tandem.workers.core.scheduler_output import SchedulerOutput
 from tandem.workers.model.attention import AttentionMetadata, KernelTables, PrefillSeq
 from tandem.workers.runner.block_table import BlockTable
@@ -170,7 +170,7 @@ class InputBuilder:
             start = computed[req_id]
             prompt, outputs = state.prompt_token_ids, state.output_token_ids
             num_prompt = len(prompt)
-            token = outputs[start - num_prompt] if start >= num_prompt else prompt[start]  # token_at, inlined
+            token = token_at(prompt, outputs, start)
             if token == PENDING_TOKEN:  # scheduled ahead: the token is on the device
                 pending_dst.append(i)
                 pending_src.append(pending_source[req_id])
