@@ -78,9 +78,32 @@ def idle_figures(intervals_ns: Iterable[tuple[float, float]], wall_ns: float, to
     return fig
 
 
-def profiled_gpu_figures(run: Callable[[], object], device: torch.device) -> Figures:
+# Kernel names as the table shows them: C++ template kernels (cuBLAS, CUTLASS) run to hundreds
+# of characters, and their first ones name them.
+KERNEL_NAME_CHARS = 90
+
+
+def kernel_table(kernels: Iterable[tuple[str, float, float]], num_passes: int = 1, top: int = 15) -> list[list]:
+    """The `top` kernels by total time, as [name, launches per pass, mean us, share of all kernel
+    time]: what a pass is made of, so the next fusion can be chosen by what it would remove.
+    `kernels`: (name, start ns, end ns); `num_passes` divides the launch counts."""
+    by_name: dict[str, list[float]] = {}
+    for name, start, end in kernels:
+        entry = by_name.setdefault(name[:KERNEL_NAME_CHARS], [0, 0.0])
+        entry[0] += 1
+        entry[1] += end - start
+    total = sum(ns for _, ns in by_name.values())
+    rows = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return [[name, count / max(1, num_passes), ns / count / 1e3, ns / total if total else 0.0]
+            for name, (count, ns) in rows]
+
+
+def profiled_gpu_figures(run: Callable[[], object], device: torch.device, num_passes: int = 1) -> Figures:
     """Run `run()` once under the profiler: `gpu_busy` (the fraction of its wall time the GPU
-    spent in kernels), `gpu_kernels` (how many ran) and where it idled (`idle_figures`)."""
+    spent in kernels), `gpu_kernels` (how many ran), where it idled (`idle_figures`), the
+    kernels that took the time (`gpu_kernel_table`, launches per one of `num_passes` passes) and
+    `gpu_profiled_wall_ms` (the profiler adds host time per launch, so a caller can set it
+    against the same work unprofiled)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -92,9 +115,11 @@ def profiled_gpu_figures(run: Callable[[], object], device: torch.device) -> Fig
         wall_ns = time.perf_counter_ns() - start
     # The raw events: building the profiler's FunctionEvents for ~10^6 kernels takes minutes.
     events = prof.profiler.kineto_results.events()
-    kernels = [(e.start_ns(), e.end_ns()) for e in events
-               if e.device_type() == DeviceType.CUDA and not e.name().startswith(_NOT_KERNELS)]
-    return {"gpu_busy": busy_fraction(kernels, wall_ns), "gpu_kernels": len(kernels), **idle_figures(kernels, wall_ns)}
+    named = [(e.name(), e.start_ns(), e.end_ns()) for e in events
+             if e.device_type() == DeviceType.CUDA and not e.name().startswith(_NOT_KERNELS)]
+    kernels = [(start, end) for _, start, end in named]
+    return {"gpu_busy": busy_fraction(kernels, wall_ns), "gpu_kernels": len(kernels), **idle_figures(kernels, wall_ns),
+            "gpu_kernel_table": kernel_table(named, num_passes), "gpu_profiled_wall_ms": wall_ns / 1e6}
 
 
 # The GPU-side events that are copies, not kernels (kineto's names for them).

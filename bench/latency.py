@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -44,7 +45,7 @@ from tandem.bench.report import Figures, sampled, sweep_batches
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_device, resolve_model_dir, vocab_size_of
 from tandem.bench.tandem_runs import median_or_nan, run_tandem, time_bare_forward
 from tandem.bench.workload import BenchRequest, fixed_length_requests
-from tandem.workers.device_peaks import copy_bandwidth, gemv_read_bandwidth, matmul_flops
+from tandem.workers.device_peaks import copy_bandwidth, gemv_read_bandwidth, matmul_flops, sync
 
 
 @dataclass(frozen=True)
@@ -171,9 +172,14 @@ def replay_figures(systems: Systems, requests: list[BenchRequest], batch: int) -
     """On CUDA, where the GPU idles inside the forward passes themselves: the decode steps of one
     run of `requests` replayed back to back under the profiler (no host sync between them, so
     the device never waits for the host), as `replay_b{batch}_gpu_busy`, kernels per pass
-    (`replay_b{batch}_kernels_per_pass`) and the mean gap between kernels in microseconds
-    (`replay_b{batch}_mean_gap_us`). Inside a CUDA graph each gap is the launch of the next
-    kernel, so this is the ceiling of `gpu_busy` for decode steps at this batch. Null elsewhere."""
+    (`replay_b{batch}_kernels_per_pass`), the mean gap between kernels in microseconds
+    (`replay_b{batch}_mean_gap_us`) and the kernels a pass is made of
+    (`replay_b{batch}_kernel_table`: name, launches a pass, mean us, share of kernel time).
+    Inside a CUDA graph each gap is the launch of the next kernel, so this is the ceiling of
+    `gpu_busy` for decode steps at this batch. The same replay timed without the profiler gives
+    `replay_b{batch}_profiler_slowdown` (profiled wall / unprofiled) and
+    `replay_b{batch}_gpu_busy_unprofiled` (the profiled kernel time over the unprofiled wall:
+    the busy fraction if the profiler lengthens the gaps, not the kernels). Null elsewhere."""
     if systems.device.type != "cuda":
         return replay_summary(None, 0, batch)
     result = run_tandem(systems.llm, requests, record_inputs=True, show_progress=False,
@@ -188,18 +194,36 @@ def replay_figures(systems: Systems, requests: list[BenchRequest], batch: int) -
             runner.forward(step)
 
     replay()  # anything a first pass compiles or allocates, outside the profile
-    return replay_summary(profiled_gpu_figures(replay, systems.device), len(steps), batch)
+    walls = []
+    for _ in range(3):
+        sync(systems.device)
+        start = time.perf_counter()
+        replay()
+        sync(systems.device)
+        walls.append(time.perf_counter() - start)
+    gpu = profiled_gpu_figures(replay, systems.device, num_passes=len(steps))
+    return replay_summary(gpu, len(steps), batch, unprofiled_ms=statistics.median(walls) * 1e3)
 
 
-def replay_summary(gpu: Figures | None, num_passes: int, batch: int) -> Figures:
-    """`replay_figures`' three figures from a profile of `num_passes` passes (all null without one)."""
-    names = [f"replay_b{batch}_{name}" for name in ("gpu_busy", "kernels_per_pass", "mean_gap_us")]
+REPLAY_FIGURES = ("gpu_busy", "kernels_per_pass", "mean_gap_us", "kernel_table", "profiler_slowdown",
+                  "gpu_busy_unprofiled")
+
+
+def replay_summary(gpu: Figures | None, num_passes: int, batch: int, unprofiled_ms: float | None = None) -> Figures:
+    """`replay_figures`' figures from a profile of `num_passes` passes and the same passes'
+    unprofiled wall time (all null without a profile)."""
+    names = [f"replay_b{batch}_{name}" for name in REPLAY_FIGURES]
     if gpu is None or not num_passes:
         return dict.fromkeys(names)
     num_gaps = sum(gpu[f"gpu_gaps_{label}_count"] for label, _ in GAP_BUCKETS_US)
     gap_ms = sum(gpu[f"gpu_gaps_{label}_ms"] for label, _ in GAP_BUCKETS_US)
+    slowdown = busy_unprofiled = None
+    if unprofiled_ms:
+        slowdown = gpu["gpu_profiled_wall_ms"] / unprofiled_ms
+        busy_unprofiled = min(1.0, gpu["gpu_busy"] * slowdown)
     return dict(zip(names, (gpu["gpu_busy"], gpu["gpu_kernels"] / num_passes,
-                            gap_ms * 1e3 / num_gaps if num_gaps else None)))
+                            gap_ms * 1e3 / num_gaps if num_gaps else None, gpu["gpu_kernel_table"], slowdown,
+                            busy_unprofiled), strict=True))
 
 
 def _sweep_point(systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool) -> tuple[float, float]:
@@ -291,8 +315,10 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
     for name, value in fig.items():
         if name.startswith("replay_b") and name.endswith("_gpu_busy") and value is not None:
             prefix = name.removesuffix("_gpu_busy")
-            rows.append((prefix, f"GPU busy {value:.3f}", f"{fig[f'{prefix}_kernels_per_pass']:.0f} kernels a pass, "
-                                                          f"mean gap {fig[f'{prefix}_mean_gap_us']:.2f} us"))
+            detail = (f"{fig[f'{prefix}_kernels_per_pass']:.0f} kernels a pass, mean gap "
+                      f"{fig[f'{prefix}_mean_gap_us']:.2f} us, "
+                      f"profiler slowdown {fig[f'{prefix}_profiler_slowdown']:.3f}")
+            rows.append((prefix, f"GPU busy {value:.3f}", detail))
     rows.append(("compute_bound_from_batch", fig["compute_bound_from_batch"], "measured (MFU >= MBU)"))
     rows.append(("roofline_crossover_batch", fig["roofline_crossover_batch"], "predicted by the probes"))
     return rows

@@ -26,7 +26,8 @@ def test_offline(tmp_path: Path) -> None:
     requests = make_workload(replace(OFFLINE_QUICK, num_requests=3), 512)
     assert (fig["num_requests"], fig["repeats"], fig["quick"], fig["device"]) == (3, 1, True, "cpu")
     assert fig["num_output_tokens"] == sum(r.output_len for r in requests)
-    for key in ("gpu_busy", "gpu_kernels", "gpu_idle_edges_ms", "gpu_largest_gaps", "gpu_gaps_200us_2ms_count"):
+    for key in ("gpu_busy", "gpu_busy_unprofiled", "gpu_kernels", "gpu_kernel_table", "gpu_idle_edges_ms",
+                "gpu_largest_gaps", "gpu_gaps_200us_2ms_count"):
         assert fig[key] is None, key  # measured on CUDA only
     for key in ("tandem_output_tok_s", "hf_static_output_tok_s", "hf_sequential_output_tok_s", "mfu",
                 "peak_matmul_flops", "model_flops", "wall_s", "process_cpu_share"):
@@ -54,7 +55,9 @@ def test_latency_on_a_bench_model_with_hf_compiled(tmp_path: Path, monkeypatch: 
     assert fig["hf_compiled_error"] is None
     assert fig["decode_tok_s_at_128"] is None  # the CPU sweep stops below 128
     for b in (1, 2):  # profiled replays are CUDA's (the profiler's CUDA activity)
-        assert [fig[f"replay_b{b}_{name}"] for name in ("gpu_busy", "kernels_per_pass", "mean_gap_us")] == [None] * 3
+        names = ("gpu_busy", "kernels_per_pass", "mean_gap_us", "kernel_table", "profiler_slowdown",
+                 "gpu_busy_unprofiled")
+        assert [fig[f"replay_b{b}_{name}"] for name in names] == [None] * 6
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 

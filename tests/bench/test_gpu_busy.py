@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.bench.gpu_busy import busy_fraction, idle_figures, merged, union_length
+from tandem.bench.gpu_busy import busy_fraction, idle_figures, kernel_table, merged, union_length
 
 
 def test_union_counts_overlaps_once_and_gaps_not_at_all() -> None:
@@ -43,8 +43,30 @@ def test_replay_summary_is_per_pass_with_the_mean_gap_of_every_size() -> None:
     # Three passes of two kernels each: 100 us busy in 1 ms wall; five gaps, 10 + 30 + 300 us.
     kernels_ns = [(0, 10_000), (20_000, 40_000), (70_000, 80_000), (90_000, 110_000), (410_000, 430_000),
                   (440_000, 460_000)]
-    gpu = {"gpu_busy": 0.1, "gpu_kernels": len(kernels_ns), **idle_figures(kernels_ns, 1_000_000)}
-    assert replay_summary(gpu, 3, 4) == {"replay_b4_gpu_busy": 0.1, "replay_b4_kernels_per_pass": 2.0,
-                                         "replay_b4_mean_gap_us": (10 + 30 + 10 + 300 + 10) / 5}
+    table = [["gemv", 1.0, 10.0, 0.5]]
+    gpu = {"gpu_busy": 0.1, "gpu_kernels": len(kernels_ns), **idle_figures(kernels_ns, 1_000_000),
+           "gpu_kernel_table": table, "gpu_profiled_wall_ms": 1.0}
+    # The same passes took 0.8 ms unprofiled: the profiler made them 1.25x longer.
+    assert replay_summary(gpu, 3, 4, unprofiled_ms=0.8) == {
+        "replay_b4_gpu_busy": 0.1, "replay_b4_kernels_per_pass": 2.0,
+        "replay_b4_mean_gap_us": (10 + 30 + 10 + 300 + 10) / 5, "replay_b4_kernel_table": table,
+        "replay_b4_profiler_slowdown": 1.25, "replay_b4_gpu_busy_unprofiled": 0.125}
+    assert replay_summary(gpu, 3, 4)["replay_b4_profiler_slowdown"] is None  # no unprofiled timing
     assert replay_summary(None, 0, 1) == dict.fromkeys(
-        ["replay_b1_gpu_busy", "replay_b1_kernels_per_pass", "replay_b1_mean_gap_us"])
+        ["replay_b1_gpu_busy", "replay_b1_kernels_per_pass", "replay_b1_mean_gap_us", "replay_b1_kernel_table",
+         "replay_b1_profiler_slowdown", "replay_b1_gpu_busy_unprofiled"])
+
+
+def test_kernel_table_ranks_kernels_by_total_time_with_launches_per_pass() -> None:
+    # Two passes: each a 30 us GEMV, two 5 us norms and one 4 us kernel with a long templated name.
+    long_name = "void cutlass::Kernel<" + "x" * 200 + ">"
+    kernels = []
+    for p in range(2):
+        t = p * 1_000_000
+        kernels += [("gemv", t, t + 30_000), ("rms_norm", t + 31_000, t + 36_000),
+                    ("rms_norm", t + 37_000, t + 42_000), (long_name, t + 43_000, t + 47_000)]
+    table = kernel_table(kernels, num_passes=2)
+    assert table == [["gemv", 1.0, 30.0, 60 / 88], ["rms_norm", 2.0, 5.0, 20 / 88],
+                     [long_name[:90], 1.0, 4.0, 8 / 88]]
+    assert kernel_table(kernels, num_passes=2, top=1) == table[:1]
+    assert kernel_table([]) == []
