@@ -32,12 +32,15 @@ def test_a_varied_workload_needs_one_specialisation_per_kernel_variant(monkeypat
                   overlap_steps=True)
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         llm.shutdown()
-    # The Llama layers apply RoPE and write the KV in one launch (_rope_write_kv_kernel).
+    # The Llama layers rotate and write decode rows inside the decode launch; prefill rows with
+    # _rope_write_kv_kernel.
     assert set(seen) == {"_rms_norm_kernel", "_rope_write_kv_kernel", "_prefill_kernel",
                          "_silu_and_mul_kernel", "_decode_split_kernel", "_decode_combine_kernel"}
     for kernel, keys in seen.items():
         runtime = {key for key, _ in keys}
         assert len(runtime) == 1, f"{kernel}: {len(runtime)} runtime specialisations: {sorted(runtime)}"
+    # Every decode launch applied RoPE and wrote its rows' K/V itself.
+    assert {dict(constexprs)["ROPE"] for _, constexprs in seen["_decode_split_kernel"]} == {True}
     constexpr_variants = {kernel: len(keys) for kernel, keys in seen.items()}
     # RMSNorm with and without the residual; decode with one split (written directly) and several.
     assert constexpr_variants == {"_rms_norm_kernel": 2, "_rope_write_kv_kernel": 1,

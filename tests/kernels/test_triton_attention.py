@@ -18,6 +18,8 @@ from tandem.workers.kernels.triton_attention import (
     prefill_attention,
     write_kv,
 )
+from tandem.workers.kernels.triton_decode import DecodeRope, rope_fuses
+from tandem.workers.kernels.triton_ops import rope_write_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SENTINEL = 7.0
@@ -147,6 +149,65 @@ def test_decode_matches_reference(group: int, kv_heads: int, head_dim: int, bloc
         v = gather(value_cache, tables[b], n, block_size)
         ref = ref_attention(query[b:b + 1], k, v, [n - 1], scale, window)[0]
         torch.testing.assert_close(out[b].double(), ref, rtol=tol, atol=tol)
+
+
+FUSED_ROPE_CASES = [
+    # (group, kv_heads, head_dim, block_size, seq_lens, window, num_splits, dtype, cache_dtype)
+    pytest.param(2, 2, 16, 4, [1, 9, 300], 0, 1, torch.float32, torch.float32, id="fp32-direct"),
+    pytest.param(4, 1, 32, 16, [5, 270, 33], 0, 3, torch.float32, torch.float32, id="fp32-3splits-gqa4"),
+    pytest.param(2, 2, 64, 8, [40, 17], 0, 8, torch.bfloat16, torch.bfloat16, id="bf16-more-splits-than-tiles"),
+    pytest.param(6, 1, 16, 4, [20, 7], 9, 2, torch.float16, torch.float16, id="fp16-gqa6-window"),
+    pytest.param(1, 3, 16, 4, [12, 3], 0, 2, torch.bfloat16, torch.float32, id="mha-cache-wider"),
+    pytest.param(2, 2, 24, 4, [12, 30], 0, 2, torch.float32, torch.float32, id="head-dim-24-two-launches"),
+]
+
+
+@pytest.mark.parametrize("group,kv_heads,head_dim,block_size,seq_lens,window,num_splits,dtype,cache_dtype",
+                         FUSED_ROPE_CASES)
+def test_decode_with_rope_equals_rope_write_kv_then_decode(group: int, kv_heads: int, head_dim: int,
+                                                           block_size: int, seq_lens: list[int], window: int,
+                                                           num_splits: int, dtype: torch.dtype,
+                                                           cache_dtype: torch.dtype) -> None:
+    """One launch that rotates q and writes the new key and value before attending gives the
+    same bits, in the output and in both caches, as `rope_write_kv` followed by a plain decode;
+    a padding row (slot < 0, length 1) writes nothing and its output is left to the padding."""
+    gen = torch.Generator().manual_seed(head_dim + 3 * sum(seq_lens) + num_splits)
+    heads, batch = group * kv_heads, len(seq_lens) + 1  # the last row pads a graph bucket
+    lens_list = seq_lens + [1]
+    tables, num_blocks = make_block_tables(lens_list, block_size, gen)
+    key_cache, value_cache = make_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, gen)
+    max_pos = max(lens_list) + 8
+    cos = torch.randn(max_pos, head_dim, generator=gen).to(dtype).to(DEVICE)  # halves differ: both are read
+    sin = torch.randn(max_pos, head_dim, generator=gen).to(dtype).to(DEVICE)
+    qkv = (torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen) * 2).to(dtype).to(DEVICE)
+    positions = torch.tensor([n - 1 for n in lens_list], dtype=torch.int32, device=DEVICE)
+    last = [tables[b, (n - 1) // block_size].item() * block_size + (n - 1) % block_size
+            for b, n in enumerate(seq_lens)]
+    slots = torch.tensor(last + [-1], dtype=torch.int64, device=DEVICE)
+    lens = torch.tensor(lens_list, dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return q.view(batch, heads, head_dim), k.view(batch, kv_heads, head_dim), v.view(batch, kv_heads, head_dim)
+
+    ref_q, ref_k, ref_v = views(qkv.clone())
+    ref_kc, ref_vc = key_cache.clone(), value_cache.clone()
+    ref_out = torch.full_like(ref_q, SENTINEL)
+    rope_write_kv(ref_q, ref_k, ref_v, cos, sin, positions, ref_kc, ref_vc, slots)
+    decode_attention(ref_q, ref_kc, ref_vc, tables, lens, block_size, scale, window, ref_out, num_splits)
+
+    q, k, v = views(qkv.clone())
+    out = torch.full_like(q, SENTINEL)
+    decode_attention(q, key_cache, value_cache, tables, lens, block_size, scale, window, out, num_splits,
+                     DecodeRope(k, v, cos, sin, positions, slots))
+
+    real = len(seq_lens)
+    assert torch.equal(out[:real], ref_out[:real])
+    assert torch.equal(key_cache, ref_kc) and torch.equal(value_cache, ref_vc)
+    assert not torch.equal(ref_kc[slots[:real]], ref_k[:real].to(cache_dtype))  # the cache's new keys are rotated
+    if rope_fuses(head_dim):  # one launch: q itself is left as it was
+        assert torch.equal(q, views(qkv)[0])
 
 
 def test_decode_splits_agree_with_one_split() -> None:

@@ -5,7 +5,8 @@ contiguous, num_slots = num_blocks * block_size; position p of a sequence lives 
 block_table[p // block_size] * block_size + p % block_size.
 
 - `write_kv`: scatter a step's K/V into their slots (one launch, slot < 0 skipped).
-- `decode_attention` (triton_decode.py): one query token per row, flash-decoding splits.
+- `decode_attention` (triton_decode.py): one query token per row, flash-decoding splits; with
+  `DecodeRope` it applies RoPE and writes the row's K/V itself, in the same launch.
 - `prefill_attention` (triton_prefill.py): packed varlen causal queries, chunked prefill.
 - `default_num_splits`: a split count for decode that fills the GPU.
 
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.workers.kernels.triton_decode import decode_attention, default_num_splits
+from tandem.workers.kernels.triton_decode import DecodeRope, decode_attention, default_num_splits
 from tandem.workers.kernels.triton_prefill import prefill_attention
 
 
@@ -77,4 +78,4 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     )
 
 
-__all__ = ["decode_attention", "default_num_splits", "prefill_attention", "write_kv"]
+__all__ = ["DecodeRope", "decode_attention", "default_num_splits", "prefill_attention", "write_kv"]

@@ -7,6 +7,12 @@ of its KV head (the G heads are the M side of tl.dot, padded to 16, the smallest
 Stage 2 (`_decode_combine_kernel`) merges the splits' partial outputs by their log-sum-exp.
 With num_splits == 1 stage 1 writes `out` directly and stage 2 is skipped.
 
+With ROPE (`DecodeRope`), stage 1 also applies RoPE and writes the step's K/V: each program
+rotates its G query heads as it loads them, and the split holding the row's new position
+writes the rotated key and the value to their slot before it reads any key. A decode layer's
+attention is then one launch where it would be two (RoPE + KV write, then attention), and the
+bits are the same (`_rotate_and_write_new_kv`).
+
 Scores live in the log2 domain (scale * log2(e) folded into the exp2 argument, one FMA per
 score) so the softmax uses exp2, a single MUFU instruction on NVIDIA GPUs.
 """
@@ -14,12 +20,14 @@ score) so the softmax uses exp2, a single MUFU instruction on NVIDIA GPUs.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from tandem.workers.kernels.decode_splits import default_num_splits
+from tandem.workers.kernels.triton_ops import head_tile, rope_row, rope_write_kv, rotated_heads
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima: exp2(-inf - NEG_BIG) is 0 and
@@ -80,23 +88,62 @@ def online_softmax_step(acc, l_i, m_i, s, v_ptrs, v_mask, qk_scale, DOT_PREC: tl
     return acc, l_i, m_new
 
 
+@triton.jit
+def _rotate_and_write_new_kv(q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                             v_cache_ptr, b64, kvh, seq_len, start, end, head_off, stride_qb, stride_qh,
+                             stride_kb, stride_kh, stride_vb, stride_vh, stride_rope, stride_cs,
+                             G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """RoPE and the KV write of a decode row, inside the attention launch: this program's G query
+    heads rotated (returned as the [BLOCK_G, BLOCK_D] q tile), and, by the one split whose keys
+    hold the row's new position (seq_len - 1), the rotated key and the value of its KV head
+    written to their cache slot (slot < 0: a padding row, nothing written) before any key is
+    read. Both rotate through `rotated_heads`, as `rope_write_kv` does, so q and the cache get
+    the same bits as that launch followed by a plain decode. HEAD_DIM == BLOCK_D (a power of
+    two): the two rotated halves are joined into one tile."""
+    HALF: tl.constexpr = BLOCK_D // 2
+    pos = tl.load(pos_ptr + b64).to(tl.int64)
+    cos_lo, sin_lo, cos_hi, sin_hi = rope_row(cos_ptr, sin_ptr, pos, stride_rope, HALF, HALF)
+    lo, hi, _ = rotated_heads(q_ptr + kvh * G * stride_qh, b64, stride_qb, stride_qh, G, cos_lo, sin_lo, cos_hi,
+                              sin_hi, HALF, BLOCK_G, HALF)
+    q = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_G, BLOCK_D))  # [lo | hi] per head
+    slot = tl.load(slot_ptr + b64).to(tl.int64)
+    new = seq_len - 1
+    if (slot >= 0) & (start <= new) & (new < end):
+        # Two head rows (the second masked off): the smallest tile `rotated_heads` is given.
+        k_lo, k_hi, mask = rotated_heads(k_new_ptr + kvh * stride_kh, b64, stride_kb, stride_kh, 1, cos_lo, sin_lo,
+                                         cos_hi, sin_hi, HALF, 2, HALF)
+        heads, dims = head_tile(2, HALF)
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        dst = slot * stride_cs + head_off + heads * 0 + dims
+        tl.store(k_cache_ptr + dst, k_lo.to(cache_dtype), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, k_hi.to(cache_dtype), mask=mask)
+        cols = tl.arange(0, BLOCK_D)
+        v = tl.load(v_new_ptr + b64 * stride_vb + kvh * stride_vh + cols)
+        tl.store(v_cache_ptr + slot * stride_cs + head_off + cols, v.to(cache_dtype))
+    # The key tiles below read the slot just written: every thread's store lands first.
+    tl.debug_barrier()
+    return q
+
+
 # Arguments that change from step to step are not specialised on (Triton would compile a new
 # variant when one happens to be 1 or a multiple of 16), nor is the alignment of the tables,
 # which are views into a step's packed inputs at per-step offsets (16-byte aligned or not):
 # one compile per model, at start-up.
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "pos_ptr", "slot_ptr"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
+    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,   # ROPE only
     qk_scale, window, num_splits,
     stride_qb, stride_qh,          # query [B, H, D], last dim contiguous
     stride_cs, stride_ch,          # caches [slots, kv_heads, D], last dim contiguous
     stride_bt,                     # block_tables [B, max_blocks]
     stride_ob, stride_oh,          # out [B, H, D]
+    stride_kb, stride_kh, stride_vb, stride_vh, stride_rope,   # ROPE: new k, v [B, kv_heads, D]; cos/sin rows
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, ROPE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -121,8 +168,15 @@ def _decode_split_kernel(
     heads = kvh * G + offs_g                                     # [BLOCK_G] query heads
     b64 = b.to(tl.int64)
 
-    q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)   # [BLOCK_G, BLOCK_D]
+    head_off = kvh * stride_ch
+    if ROPE:
+        q = _rotate_and_write_new_kv(q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                                     v_cache_ptr, b64, kvh, seq_len, start, end, head_off, stride_qb, stride_qh,
+                                     stride_kb, stride_kh, stride_vb, stride_vh, stride_rope, stride_cs, G,
+                                     BLOCK_D, BLOCK_G)
+    else:
+        q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)   # [BLOCK_G, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -130,7 +184,6 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b64 * stride_bt
-    head_off = kvh * stride_ch
 
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n                                # [BLOCK_N] key positions
@@ -188,14 +241,36 @@ def _decode_combine_kernel(
              o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+class DecodeRope(NamedTuple):
+    """What a decode launch needs to apply RoPE and write this step's K/V itself: the rows' new
+    k and v ([B, kv_heads, head_dim], not yet rotated; strided views of a fused qkv output),
+    the cos/sin tables ([max_positions, head_dim]), positions and slots ([B], int32/int64;
+    slot < 0 writes nothing)."""
+    key: torch.Tensor
+    value: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def rope_fuses(head_dim: int) -> bool:
+    """Whether the decode kernel applies RoPE itself: a power-of-two head_dim of at least 16
+    (the rotated halves join into one tile with no padding between them)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
-                     window: int, out: torch.Tensor, num_splits: int) -> None:
+                     window: int, out: torch.Tensor, num_splits: int, rope: DecodeRope | None = None) -> None:
     """Paged decode attention, written into `out` [B, num_heads, head_dim].
 
     query [B, num_heads, head_dim]; key_cache/value_cache [num_slots, num_kv_heads, head_dim];
     block_tables int32 [B, max_blocks]; seq_lens int32 [B] (including this step's token);
-    window 0 = full context, else the last `window` keys. No host syncs: CUDA-graph safe.
+    window 0 = full context, else the last `window` keys. With `rope`, query is not rotated yet
+    and this step's K/V are not in the cache: the launch rotates q and writes the rotated key
+    and the value first (`rope_write_kv` then a plain decode, in one launch, where
+    `rope_fuses(head_dim)`; the two launches elsewhere). No host syncs: CUDA-graph safe.
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
@@ -207,8 +282,23 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     assert num_splits >= 1
     if batch == 0:
         return
+    if rope is not None and not rope_fuses(head_dim):
+        rope_write_kv(query, rope.key, rope.value, rope.cos, rope.sin, rope.positions, key_cache, value_cache,
+                      rope.slot_mapping)
+        rope = None
     if query.stride(2) != 1:
         query = query.contiguous()
+    fused = rope is not None
+    if fused:
+        assert rope.key.shape == (batch, num_kv_heads, head_dim) and rope.value.shape == rope.key.shape
+        assert rope.key.stride(2) == 1 and rope.value.stride(2) == 1 and rope.key.dtype == query.dtype
+        assert rope.cos.shape == rope.sin.shape and rope.cos.shape[-1] == head_dim
+        assert rope.cos.stride(-1) == 1 and rope.cos.stride(0) == rope.sin.stride(0) and rope.sin.stride(-1) == 1
+        assert rope.positions.shape[0] >= batch and rope.positions.stride(0) == 1
+        assert rope.slot_mapping.shape[0] >= batch and rope.slot_mapping.stride(0) == 1
+        k_new, v_new, cos, sin, positions, slots = rope
+    else:
+        k_new = v_new = cos = sin = positions = slots = query  # unused placeholders
     group = num_heads // num_kv_heads
     block_d = head_dim_block(head_dim)
     block_n, warps, stages = decode_tile(block_d, key_cache.element_size())
@@ -222,14 +312,16 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens,
         out, part_out, part_lse,
+        k_new, v_new, cos, sin, positions, slots,
         scale * LOG2E, window, num_splits,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
         G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, DIRECT=direct, DOT_PREC=dot_precision(query.dtype),
-        UPCAST=interpreter_upcast(query.dtype),
+        UPCAST=interpreter_upcast(query.dtype), ROPE=fused,
         num_warps=warps, num_stages=stages,
     )
     if not direct:
@@ -244,9 +336,11 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 __all__ = [
     "LOG2E",
     "NEG_BIG",
+    "DecodeRope",
     "decode_attention",
     "default_num_splits",
     "dot_precision",
     "head_dim_block",
     "interpreter_upcast",
+    "rope_fuses",
 ]

@@ -109,7 +109,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 # ----------------------------------------------------------------------------- RoPE
 
 @triton.jit
-def _rotated_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi, sin_hi,
+def rotated_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi, sin_hi,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # All heads of one token rotated: (low halves, high halves), each a [BLOCK_H, BLOCK_HALF]
     # tile rounded once to the tensor's dtype, and the tiles' mask. cos_*/sin_*: [1, BLOCK_HALF]
@@ -126,8 +126,8 @@ def _rotated_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, si
 
 
 @triton.jit
-def _head_tile(BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    # (head index [BLOCK_H, 1], dim index [1, BLOCK_HALF]) of a `_rotated_heads` tile.
+def head_tile(BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # (head index [BLOCK_H, 1], dim index [1, BLOCK_HALF]) of a `rotated_heads` tile.
     return tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_HALF)[None, :]
 
 
@@ -135,16 +135,16 @@ def _head_tile(BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
 def _rope_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi, sin_hi,
                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # Rotates all heads of one token in place.
-    lo, hi, mask = _rotated_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi,
+    lo, hi, mask = rotated_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi,
                                   sin_hi, HALF, BLOCK_H, BLOCK_HALF)
-    heads, dims = _head_tile(BLOCK_H, BLOCK_HALF)
+    heads, dims = head_tile(BLOCK_H, BLOCK_HALF)
     lo_ptr = base_ptr + token * tok_stride + heads * head_stride + dims
     tl.store(lo_ptr, lo, mask=mask)
     tl.store(lo_ptr + HALF, hi, mask=mask)
 
 
 @triton.jit
-def _rope_row(cos_ptr, sin_ptr, pos, cs_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def rope_row(cos_ptr, sin_ptr, pos, cs_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # Position `pos`'s (cos_lo, sin_lo, cos_hi, sin_hi), each [1, BLOCK_HALF] float32. Both
     # halves of the table are read (not assumed duplicated), so any table gives the reference's
     # exact operands.
@@ -167,7 +167,7 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, pos_stride,
     # One program per token does q and k: the cos/sin row is gathered once for both.
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token * pos_stride).to(tl.int64)  # int32 or int64 positions
-    cos_lo, sin_lo, cos_hi, sin_hi = _rope_row(cos_ptr, sin_ptr, pos, cs_stride, HALF, BLOCK_HALF)
+    cos_lo, sin_lo, cos_hi, sin_hi = rope_row(cos_ptr, sin_ptr, pos, cs_stride, HALF, BLOCK_HALF)
     _rope_heads(q_ptr, token, q_tok_stride, q_head_stride, n_q_heads, cos_lo, sin_lo, cos_hi, sin_hi,
                 HALF, BLOCK_HQ, BLOCK_HALF)
     _rope_heads(k_ptr, token, k_tok_stride, k_head_stride, n_k_heads, cos_lo, sin_lo, cos_hi, sin_hi,
@@ -182,19 +182,19 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_p
                           HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr,
                           BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program per token: q rotated in place; k rotated straight into its cache slot (by
-    # `_rotated_heads`, as RoPE alone rotates, so the cache holds exactly the keys that RoPE
+    # `rotated_heads`, as RoPE alone rotates, so the cache holds exactly the keys that RoPE
     # then `write_kv` would write); v copied into its slot. slot < 0 (a padding row)
     # writes nothing to the caches.
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    cos_lo, sin_lo, cos_hi, sin_hi = _rope_row(cos_ptr, sin_ptr, pos, cs_stride, HALF, BLOCK_HALF)
+    cos_lo, sin_lo, cos_hi, sin_hi = rope_row(cos_ptr, sin_ptr, pos, cs_stride, HALF, BLOCK_HALF)
     _rope_heads(q_ptr, token, q_tok_stride, q_head_stride, n_q_heads, cos_lo, sin_lo, cos_hi, sin_hi,
                 HALF, BLOCK_HQ, BLOCK_HALF)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
-        k_lo, k_hi, mask = _rotated_heads(k_ptr, token, k_tok_stride, k_head_stride, n_kv_heads, cos_lo, sin_lo,
+        k_lo, k_hi, mask = rotated_heads(k_ptr, token, k_tok_stride, k_head_stride, n_kv_heads, cos_lo, sin_lo,
                                           cos_hi, sin_hi, HALF, BLOCK_HK, BLOCK_HALF)
-        heads, dims = _head_tile(BLOCK_HK, BLOCK_HALF)
+        heads, dims = head_tile(BLOCK_HK, BLOCK_HALF)
         cache_dtype = k_cache_ptr.dtype.element_ty
         dst = k_cache_ptr + slot * c_slot_stride + heads * c_head_stride + dims
         tl.store(dst, k_lo.to(cache_dtype), mask=mask)

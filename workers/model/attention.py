@@ -24,8 +24,10 @@ an online softmax, so no gathered copy is written and read again.
 On CUDA, a step whose metadata carries `KernelTables` (the runner builds them when the
 Triton backend is on) runs three Triton launches per layer whatever its shape: the KV
 write, flash-decoding over the decode rows, and one variable-length causal kernel over
-every other row (workers/kernels/triton_attention.py). The Llama layers fold the KV write
-into their RoPE launch (`kv_written`), so theirs is two. Nothing is gathered, no mask is
+every other row (workers/kernels/triton_attention.py). The Llama layers hand RoPE to these
+launches (`KernelRope`): the decode kernel rotates its rows and writes their K/V itself, and
+one `rope_write_kv` launch does the other rows', so a decode step's attention is one launch
+(plus flash-decoding's combine) and a mixed step's three. Nothing is gathered, no mask is
 built and no per-sequence loop runs on the host, so the step is CUDA-graph capturable.
 The torch path stays for every other device and dtype, and wherever Triton is missing.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -251,24 +254,43 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
+class KernelRope(NamedTuple):
+    """RoPE for `kernel_attention` to apply: the cos/sin tables ([max_positions, head_dim], the
+    query's dtype) and the step's positions."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+
+
 def kernel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                     window: int | None, kv_written: bool = False) -> torch.Tensor:
-    """The Triton path: [num_tokens, num_heads * head_dim], three launches whatever the step
-    (two with `kv_written`: this step's K/V are in the cache already, written by the launch
-    that applied RoPE)."""
+                     window: int | None, rope: KernelRope | None = None) -> torch.Tensor:
+    """The Triton path: [num_tokens, num_heads * head_dim].
+
+    With `rope`, q and k are not rotated yet, and RoPE and this step's KV write happen in the
+    attention launches: the decode rows' inside the decode kernel, the other rows' in one
+    `rope_write_kv` launch before the variable-length kernel. A pure decode step's attention is
+    then one launch (two where flash-decoding combines splits), a mixed step's three. Without
+    `rope` q and k are rotated already, and one `write_kv` launch writes K/V first."""
     from tandem.workers.kernels import triton_attention as kernels
 
     tables = meta.gpu
     num_tokens, num_heads, head_dim = query.shape
-    if not kv_written:
-        kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     n = meta.num_decodes
+    if rope is None:
+        kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    elif num_tokens > n:
+        from tandem.workers.kernels.triton_ops import rope_write_kv
+
+        rope_write_kv(query[n:], key[n:], value[n:], rope.cos, rope.sin, rope.positions[n:], key_cache, value_cache,
+                      meta.slot_mapping[n:])
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if n:
+        decode_rope = None if rope is None else kernels.DecodeRope(key[:n], value[:n], rope.cos, rope.sin,
+                                                                   rope.positions[:n], meta.slot_mapping[:n])
         kernels.decode_attention(query[:n], key_cache, value_cache, tables.decode_block_tables,
                                  tables.decode_seq_lens, meta.block_size, scale, window or 0, out[:n],
-                                 tables.num_splits)
+                                 tables.num_splits, decode_rope)
     if num_tokens > n:
         kernels.prefill_attention(query[n:], key_cache, value_cache, tables.prefill_block_tables,
                                   tables.prefill_seq_lens, tables.prefill_query_start, tables.prefill_max_query_len,

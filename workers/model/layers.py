@@ -249,16 +249,12 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
-    def rotate_and_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
-        """On the Triton kernels' path: q rotated in place and the rotated k and v written to
-        their cache slots, in one launch (k itself is not rotated: attention there reads keys from
-        the cache). False, with nothing done, where that kernel does not run."""
-        gpu = gpu_kernels.active_for(q)
-        if gpu is None or self.cos.dtype != q.dtype:
-            return False
-        gpu.rope_write_kv(q, k, v, self.cos, self.sin, positions, key_cache, value_cache, slot_mapping)
-        return True
+    def kernel_tables(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) for the Triton kernels to apply RoPE inside attention (`kernel_attention`'s
+        `rope`), or None where those kernels do not run on q."""
+        if gpu_kernels.active_for(q) is None or self.cos.dtype != q.dtype:
+            return None
+        return self.cos, self.sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch import nn
 from tandem.workers.distributed.overlap import Pending, chunk_bounds, settle, split_metadata
 from tandem.workers.distributed.parallel import ParallelContext, stage_layers
 from tandem.workers.kernels import gpu_kernels
-from tandem.workers.model.attention import AttentionMetadata, kernel_attention, paged_attention
+from tandem.workers.model.attention import AttentionMetadata, KernelRope, kernel_attention, paged_attention
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.model.layers import (
     ColumnParallelLinear,
@@ -62,10 +62,10 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if meta.gpu is not None and self.rope.rotate_and_write_kv(positions, q, k, v, self.key_cache,
-                                                                  self.value_cache, meta.slot_mapping):
+        tables = self.rope.kernel_tables(q) if meta.gpu is not None else None
+        if tables is not None:  # RoPE and the KV write inside the attention launches
             return kernel_attention(q, k, v, self.key_cache, self.value_cache, meta, self.scale, self.window,
-                                    kv_written=True)
+                                    KernelRope(*tables, positions))
         q, k = self.rope(positions, q, k)
         return paged_attention(q, k, v, self.key_cache, self.value_cache, meta, self.scale, self.window)
 
