@@ -25,6 +25,8 @@ from triton.runtime.interpreter import InterpretedFunction
 # kernel name -> {(runtime key, constexpr key)}; the runtime key is what varies without a
 # constexpr changing (values, alignment).
 Seen = dict[str, set[tuple[tuple, tuple]]]
+# (kernel's module, kernel name, launch key): what `cuda_compile.py` needs to build the variant.
+Launch = tuple[str, str, tuple[tuple, tuple]]
 
 
 def launch_key(kernel: InterpretedFunction, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, tuple]:
@@ -40,7 +42,9 @@ def launch_key(kernel: InterpretedFunction, args: tuple, kwargs: dict[str, Any])
         value = bound[name]
         if param.annotation in (tl.constexpr, "tl.constexpr"):
             constexprs.append((name, str(value) if isinstance(value, torch.dtype) else value))
-        elif not isinstance(value, float):  # floats are never specialised on
+        elif isinstance(value, float):  # never specialised on
+            runtime.append((name, "fp32", None))
+        else:
             runtime.append((name, *native_specialize_impl(BaseBackend, value, False, name not in no_value,
                                                           name not in no_align)))
     options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in sig.parameters))  # num_warps, ...
@@ -48,13 +52,17 @@ def launch_key(kernel: InterpretedFunction, args: tuple, kwargs: dict[str, Any])
 
 
 @contextmanager
-def recorded_specializations() -> Iterator[Seen]:
-    """Every interpreted kernel launch inside the block, by kernel: the keys it was launched with."""
+def recorded_specializations(launches: set[Launch] | None = None) -> Iterator[Seen]:
+    """Every interpreted kernel launch inside the block, by kernel: the keys it was launched with
+    (and, into `launches`, each with its kernel's module)."""
     seen: Seen = defaultdict(set)
     run = InterpretedFunction.run
 
     def recording_run(self: InterpretedFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-        seen[self.fn.__name__].add(launch_key(self, args, kwargs))
+        key = launch_key(self, args, kwargs)
+        seen[self.fn.__name__].add(key)
+        if launches is not None:
+            launches.add((self.fn.__module__, self.fn.__name__, key))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run

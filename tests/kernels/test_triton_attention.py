@@ -159,6 +159,8 @@ FUSED_ROPE_CASES = [
     pytest.param(6, 1, 16, 4, [20, 7], 9, 2, torch.float16, torch.float16, id="fp16-gqa6-window"),
     pytest.param(1, 3, 16, 4, [12, 3], 0, 2, torch.bfloat16, torch.float32, id="mha-cache-wider"),
     pytest.param(2, 2, 24, 4, [12, 30], 0, 2, torch.float32, torch.float32, id="head-dim-24-two-launches"),
+    # The 8B model's heads, pipelined 128-key tiles: the new key is read back in the last one.
+    pytest.param(4, 2, 128, 16, [1000, 77, 129], 0, 4, torch.bfloat16, torch.bfloat16, id="bf16-d128-long"),
 ]
 
 
