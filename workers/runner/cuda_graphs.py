@@ -1,6 +1,6 @@
 """Decode steps as CUDA graphs: one captured forward (+ logits) per batch-size bucket.
 
-A decode step's ~11 kernels per layer cost more to launch from Python than to run at small
+A decode step's ~8 kernels per layer cost more to launch from Python than to run at small
 batches. Each bucket (1, 2, 4, 8, then every 8 up to max_num_seqs) is captured once at
 start-up; a decode batch is padded to the smallest bucket that holds it and replays it.
 
