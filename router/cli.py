@@ -46,7 +46,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "help": "CPU float32: do not keep a copy of each linear weight in MKL's packed layout "
                 "(saves about the linear weights' size in memory; batched decode runs slower)"}),
     EngineFlag(("--enforce-eager",), {
-        "action": "store_true", "help": "CUDA: run every step eagerly (no CUDA graphs for decode steps)"}),
+        "action": "store_true", "help": "CUDA: run every step eagerly (no CUDA graphs)"}),
+    EngineFlag(("--no-mixed-step-graphs",), {
+        "dest": "mixed_step_graphs", "action": "store_false",
+        "help": "CUDA: steps with prompt chunks beside decodes run eagerly (only pure decode steps replay graphs)"}),
     EngineFlag(("--max-seq-len-to-capture",), {
         "type": int, "help": "CUDA: decode steps with a longer sequence run eagerly (default 8192)"}),
     EngineFlag(("--attention-backend",), {

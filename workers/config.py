@@ -40,6 +40,9 @@ class ModelConfig:
     # Decode steps whose longest sequence is longer run eagerly: a graph's block-table buffer
     # is this wide, and every step copies it whole (vLLM's name and default).
     max_seq_len_to_capture: int = 8192
+    # CUDA: steps that carry prompt chunks beside decodes (up to 512 tokens) replay graphs too,
+    # per token bucket; False: only pure decode steps do (vLLM's FULL_DECODE_ONLY).
+    mixed_step_graphs: bool = True
     # auto: the Triton kernels on CUDA, torch elsewhere; triton on CPU needs TRITON_INTERPRET=1.
     attention_backend: str = "auto"
     # Prepare and launch step N+1 before turning step N's tokens into text, so the host's work

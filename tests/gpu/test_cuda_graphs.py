@@ -49,6 +49,33 @@ def test_overlapped_steps_with_graphs_match(llama_dir: str) -> None:
     llm.shutdown()
 
 
+@pytest.mark.parametrize("mixed_step_graphs", [True, False])
+def test_mixed_steps_replay_their_graphs_and_match(llama_dir: str, mixed_step_graphs: bool) -> None:
+    # Six prompts, four sequences at a time, a 64-token budget: prompts arrive while others
+    # decode and long ones come in chunks beside decodes; those steps replay the mixed graphs
+    # (the first one a lone chunk that scores nothing but writes its KV).
+    prompts = mixed_prompts(seed=9, lengths=(60, 3, 30, 9, 5, 22))
+    llm = LLM(llama_dir, device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+              gpu_memory_utilization=0.3, mixed_step_graphs=mixed_step_graphs)
+    runner = llm.engine.executor.runner
+    replays: list[int] = []
+    if mixed_step_graphs:
+        assert sorted(runner.mixed_graphs.graphs) == [16, 32, 48, 64]  # every bucket captured
+        run = runner.mixed_graphs.run
+
+        def counted(inputs):
+            replays.append(inputs.graph_tokens)
+            return run(inputs)
+
+        runner.mixed_graphs.run = counted
+    else:
+        assert runner.mixed_graphs is None
+    assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert (replays[0] == 64 and len(replays) >= 4) if mixed_step_graphs else not replays
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_multi_step_decoding_with_graphs_on_and_off_matches(llama_dir: str, enforce_eager: bool) -> None:
     # Every pass of a step launched before any token comes back: replays read their inputs from

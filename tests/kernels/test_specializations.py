@@ -20,18 +20,20 @@ from tests.kernels.specializations import recorded_specializations  # noqa: E402
 
 def test_a_varied_workload_needs_one_specialisation_per_kernel_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     # Decode steps go through the graph buckets' buffer as on CUDA (eagerly: no capture on CPU),
-    # prefills are chunked (16-token budget) and mixed with decodes, and pure-decode steps run
-    # four passes in place, scheduled ahead: every way a step's views are cut.
+    # prefills are chunked (16-token budget) and mixed with decodes (padded to the mixed graphs'
+    # buckets, and, in a second engine without them, at their own sizes), and pure-decode steps
+    # run four passes in place, scheduled ahead: every way a step's views are cut.
     monkeypatch.setattr(ModelRunner, "_graph_mode", lambda self: "eager")
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 500) for _ in range(rng.randrange(1, 40))] for _ in range(10)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 14), ignore_eos=True) for _ in prompts]
     with recorded_specializations() as seen:
-        llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", attention_backend="triton",
-                  max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_scheduler_steps=4,
-                  overlap_steps=True)
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        llm.shutdown()
+        for mixed_step_graphs in (True, False):
+            llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", attention_backend="triton",
+                      max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_scheduler_steps=4,
+                      overlap_steps=True, mixed_step_graphs=mixed_step_graphs)
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            llm.shutdown()
     # The Llama layers rotate and write decode rows inside the decode launch; prefill rows with
     # _rope_write_kv_kernel.
     assert set(seen) == {"_rms_norm_kernel", "_rope_write_kv_kernel", "_prefill_kernel",
@@ -39,10 +41,14 @@ def test_a_varied_workload_needs_one_specialisation_per_kernel_variant(monkeypat
     for kernel, keys in seen.items():
         runtime = {key for key, _ in keys}
         assert len(runtime) == 1, f"{kernel}: {len(runtime)} runtime specialisations: {sorted(runtime)}"
-    # Every decode launch applied RoPE and wrote its rows' K/V itself.
-    assert {dict(constexprs)["ROPE"] for _, constexprs in seen["_decode_split_kernel"]} == {True}
+    # Decode launches apply RoPE and write their rows' K/V themselves, except in mixed steps
+    # padded to a graph bucket, where one rope_write_kv launch covers every token.
+    decodes = {(dict(c)["ROPE"], dict(c)["DIRECT"]) for _, c in seen["_decode_split_kernel"]}
+    # (ROPE, DIRECT): decode steps with one split (written directly) and several; the mixed
+    # bucket's four decode rows, one split.
+    assert decodes == {(True, True), (True, False), (False, True)}
     constexpr_variants = {kernel: len(keys) for kernel, keys in seen.items()}
-    # RMSNorm with and without the residual; decode with one split (written directly) and several.
+    # RMSNorm with and without the residual.
     assert constexpr_variants == {"_rms_norm_kernel": 2, "_rope_write_kv_kernel": 1,
-                                  "_prefill_kernel": 1, "_silu_and_mul_kernel": 1, "_decode_split_kernel": 2,
+                                  "_prefill_kernel": 1, "_silu_and_mul_kernel": 1, "_decode_split_kernel": 3,
                                   "_decode_combine_kernel": 1}

@@ -106,6 +106,35 @@ def test_overlapped_steps_equal_transformers(llama_dir: str, padded_graphs) -> N
     llm.shutdown()
 
 
+def test_mixed_steps_through_padded_mixed_buckets_equal_transformers(llama_dir: str, padded_graphs) -> None:
+    # Four sequences at a time, five prompts: the fifth arrives while the others decode, and
+    # long prompts come in chunks (a 48-token budget) beside decodes. Those steps pad to the
+    # mixed buckets (16, 32, 48 tokens), scheduled ahead on the last step's tokens. The first
+    # step is a lone chunk that scores nothing: its graph still writes its KV.
+    prompts = mixed_prompts(seed=21, lengths=(60, 3, 30, 9, 5))
+    llm = _llm(llama_dir, max_num_seqs=4, max_num_batched_tokens=48, block_size=4, overlap_steps=True)
+    runner = llm.engine.executor.runner
+    assert runner.mixed_graphs.buckets == [16, 32, 48]
+    seen: list[tuple[int | None, int | None, int, int]] = []
+    build = runner.builder.build
+
+    def record(out, states, table, graph=None, source=None, **kwargs):
+        inputs = build(out, states, table, graph, source, **kwargs)
+        seen.append((inputs.graph_tokens, inputs.graph_batch, out.total_num_scheduled_tokens,
+                     len(inputs.meta.prefills)))
+        return inputs
+
+    runner.builder.build = record
+    assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert seen[0] == (48, None, 48, 1)
+    mixed = [(tokens, real) for tokens, _, real, chunks in seen if chunks]
+    assert mixed and all(tokens is not None and real <= tokens for tokens, real in mixed)  # every one padded
+    assert any(real < tokens for tokens, real in mixed)  # with padding tokens
+    assert any(batch is not None for _, batch, _, _ in seen)  # pure decode steps: the decode buckets
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
 def test_ngram_speculation_through_the_varlen_kernel(llama_dir: str) -> None:
     # Verification steps score 1 + k tokens per request: the variable-length kernel's rows.
     base = mixed_prompts(seed=6, lengths=(10,))[0]

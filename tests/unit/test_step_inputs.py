@@ -9,7 +9,7 @@ import torch
 from tandem.workers.core.request import PENDING_TOKEN, SamplingParams
 from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.workers.runner.block_table import BlockTable
-from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder
+from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, MixedTarget, mixed_layout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 SCRATCH = 50
@@ -107,3 +107,34 @@ def test_decode_step_padded_to_its_graph_bucket() -> None:
     # Everything landed in the graph's own buffer: ids, positions, slots, lengths, tables, pending.
     assert buffer[:16].tolist() == [PENDING_TOKEN, 35, 0, 0, 9, 5, 0, 0, 37, 49, 200, 200, 10, 6, 1, 1]
     assert buffer[28:30].tolist() == [0, 1]
+
+
+def test_mixed_step_padded_to_its_graph_bucket() -> None:
+    # a, c decoding; b, d prompt chunks: 7 tokens padded to a bucket of 8 tokens, 3 decode rows
+    # and 3 prefill sequences, tables 3 wide. Stale values (-9) must not survive where the
+    # graph reads them.
+    out, states, table = _step()
+    sizes = mixed_layout(8, 3, 3, 3)
+    assert sizes == [8, 8, 8, 6, 3, 3, 4, 9, 3, 3, 9]
+    buffer = torch.full((sum(sizes),), -9, dtype=torch.int32)
+    target = MixedTarget(tokens=8, decodes=3, prefills=3, width=3, buffer=buffer, num_splits=5)
+    inputs = _builder(kernel_tables=True, host_lists=False).build(out, states, table, target, {"a": 5})
+    assert (inputs.graph_tokens, inputs.graph_batch) == (8, None)
+    assert inputs.req_ids == ["a", "c", "b", "d"]
+    assert inputs.input_ids.tolist() == [PENDING_TOKEN, 35, 5, 6, 40, 41, 42, 0]
+    assert inputs.positions.tolist() == [9, 5, 4, 5, 0, 1, 2, 0]
+    assert inputs.meta.slot_mapping.tolist() == [37, 49, 84, 85, 12, 13, 14, -1]  # padding writes no KV
+    assert inputs.logits_rows == [[0], [1], [3], []]
+    assert inputs.logits_index.tolist() == [0, 1, 3, 0, 0, 0]  # the scored rows first, then padding
+    assert inputs.pending_dst.tolist() == [0] and inputs.pending_src.tolist() == [5]
+    meta = inputs.meta
+    assert meta.num_decodes == 2 and meta.decode_seq_lens == [10, 6]
+    assert [(p.q_start, p.q_len, p.ctx_len) for p in meta.prefills] == [(2, 2, 6), (4, 3, 3)]
+    gpu = meta.gpu
+    assert gpu.fixed_layout and gpu.num_splits == 5 and gpu.prefill_max_query_len == 8
+    assert gpu.decode_seq_lens.tolist() == [10, 6, 0]  # the padding row attends to nothing
+    assert gpu.decode_block_tables[:2].tolist() == [[7, 8, 9], [11, 12, 0]]
+    assert gpu.decode_block_tables[2].tolist() == [-9, -9, -9]  # never read (length 0), never copied
+    assert gpu.prefill_seq_lens.tolist() == [6, 3, 0]
+    assert gpu.prefill_query_start.tolist() == [2, 4, 7, 7]  # among all the step's tokens; padding: empty
+    assert gpu.prefill_block_tables.tolist() == [[20, 21, 0], [3, 4, 0], [0, 0, 0]]

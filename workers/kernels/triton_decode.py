@@ -298,7 +298,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         assert rope.slot_mapping.shape[0] >= batch and rope.slot_mapping.stride(0) == 1
         k_new, v_new, cos, sin, positions, slots = rope
     else:
-        k_new = v_new = cos = sin = positions = slots = query  # unused placeholders
+        k_new = v_new = cos = sin = query  # unused placeholders, typed as the fused launch's
+        positions = slots = seq_lens
     group = num_heads // num_kv_heads
     block_d = head_dim_block(head_dim)
     block_n, warps, stages = decode_tile(block_d, key_cache.element_size())

@@ -77,6 +77,11 @@ class KernelTables:
     prefill_seq_lens: torch.Tensor | None  # [num_prefills] context length after this step
     prefill_query_start: torch.Tensor | None  # [num_prefills + 1] offsets among the prefill rows
     prefill_max_query_len: int
+    # A mixed step padded to a CUDA-graph bucket (mixed_graphs.py): decode_* hold a fixed number
+    # of rows (those past the step's decodes have length 0) and prefill_* a fixed number of
+    # sequences (length-0 queries past the step's), with query offsets among all the step's
+    # tokens. Every shape is the bucket's, whatever the step holds.
+    fixed_layout: bool = False
 
 
 @dataclass
@@ -276,6 +281,8 @@ def kernel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     tables = meta.gpu
     num_tokens, num_heads, head_dim = query.shape
+    if tables.fixed_layout:
+        return _fixed_layout_attention(query, key, value, key_cache, value_cache, meta, scale, window, rope)
     n = meta.num_decodes
     if rope is None:
         kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
@@ -295,6 +302,34 @@ def kernel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         kernels.prefill_attention(query[n:], key_cache, value_cache, tables.prefill_block_tables,
                                   tables.prefill_seq_lens, tables.prefill_query_start, tables.prefill_max_query_len,
                                   meta.block_size, scale, window or 0, out[n:])
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def _fixed_layout_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
+                            rope: KernelRope | None) -> torch.Tensor:
+    """`kernel_attention` over a padded mixed step (`KernelTables.fixed_layout`), with the same
+    three launches whatever the step holds: RoPE and the KV write over every token (padding
+    tokens have slot -1), decode attention over the bucket's decode rows (rows past the step's
+    decodes have no keys and come out zero), then the variable-length kernel over every token
+    at its sequence's offset, which writes the prefill rows over those zeros."""
+    from tandem.workers.kernels import triton_attention as kernels
+    from tandem.workers.kernels.triton_ops import rope_write_kv
+
+    tables = meta.gpu
+    num_tokens, num_heads, head_dim = query.shape
+    if rope is None:
+        kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    else:
+        rope_write_kv(query, key, value, rope.cos, rope.sin, rope.positions, key_cache, value_cache,
+                      meta.slot_mapping)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    d = tables.decode_seq_lens.shape[0]
+    kernels.decode_attention(query[:d], key_cache, value_cache, tables.decode_block_tables, tables.decode_seq_lens,
+                             meta.block_size, scale, window or 0, out[:d], tables.num_splits)
+    kernels.prefill_attention(query, key_cache, value_cache, tables.prefill_block_tables, tables.prefill_seq_lens,
+                              tables.prefill_query_start, tables.prefill_max_query_len, meta.block_size, scale,
+                              window or 0, out)
     return out.view(num_tokens, num_heads * head_dim)
 
 

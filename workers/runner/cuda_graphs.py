@@ -94,10 +94,11 @@ class DecodeGraphs:
         return self.logits[batch]
 
     # ---- capture -------------------------------------------------------------------------------
-    def capture(self, show_progress: bool = True) -> None:
-        """Capture every bucket, largest first; a failure leaves the rest eager, with a warning."""
+    def capture(self, pool: tuple[int, int] | None = None, show_progress: bool = True) -> None:
+        """Capture every bucket, largest first, into `pool` (a new one if None); a failure leaves
+        decode steps eager, with a warning."""
         assert self.device.type == "cuda", "CUDA graphs need CUDA"
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         started = time.perf_counter()
         buckets = sorted(self.buckets, reverse=True)

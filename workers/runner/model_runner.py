@@ -30,7 +30,8 @@ from tandem.workers.model.loader import load_weights
 from tandem.workers.runner import gpu_memory
 from tandem.workers.runner.block_table import BlockTable
 from tandem.workers.runner.cuda_graphs import DecodeGraphs, GraphLayout
-from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, StepInputs, advance_decodes
+from tandem.workers.runner.mixed_graphs import MixedGraphs
+from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, MixedTarget, StepInputs, advance_decodes
 from tandem.workers.runner.step_sampler import StepSampler
 from tandem.workers.sample.pass_sampler import PassSampler
 from tandem.workers.sample.sampler import Sampler, compute_logprobs
@@ -70,6 +71,7 @@ class ModelRunner:
         self.block_table = BlockTable(self._max_blocks_per_seq())
         self.builder: InputBuilder | None = None  # made with the KV cache (it knows the scratch block)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None  # steps with prompt chunks beside decodes
         self.activation_bytes = 0  # CUDA: peak activation memory of the largest step (profiled)
         # The last step's sampled tokens where they are (device), and request -> index among
         # them (of its last pass, for a multi-step step): a step scheduled ahead reads its
@@ -103,10 +105,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             # The largest steps the scheduler may send, profiled without a KV cache: what
             # they allocate must stay free beside it (graphs: their own pool, as large as
-            # the largest decode step's).
+            # the largest decode step's, or mixed step's, which is at most a prefill's).
             prefill, decode = gpu_memory.profile_steps(self, self.config.scheduler)
             self.activation_bytes = prefill
-            reserve = prefill + (decode if self._graph_mode() == "capture" else 0)
+            graphs = 0
+            if self._graph_mode() == "capture":
+                graphs = max(decode, prefill) if self._mixed_graphs_wanted() else decode
+            reserve = prefill + graphs
             return gpu_memory.kv_budget(self.device, cache.gpu_memory_utilization, reserve)
         from tandem.workers.config import DEFAULT_CPU_KV_CACHE_BYTES
         return cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
@@ -130,9 +135,16 @@ class ModelRunner:
             layout = GraphLayout(self.config.scheduler.max_num_seqs, self._max_blocks_per_seq(self._capture_len()),
                                  self.block_size, num_blocks, self._capture_len())
             self.graphs = DecodeGraphs(self._decode_forward, layout, self.device, self._num_splits)
+            if self._mixed_graphs_wanted():
+                self.mixed_graphs = MixedGraphs(self._mixed_forward, layout,
+                                                self.config.scheduler.max_num_batched_tokens, self.device,
+                                                self._num_splits)
             if mode == "capture":
                 with torch.inference_mode():
-                    self.graphs.capture(show_progress)
+                    pool = torch.cuda.graph_pool_handle()  # one pool: the larger mixed graphs first
+                    if self.mixed_graphs is not None:
+                        self.mixed_graphs.capture(pool, show_progress)
+                    self.graphs.capture(pool, show_progress)
 
     def _graph_mode(self) -> str | None:
         """"capture" (CUDA, the Triton kernels, one stage, not enforce_eager): decode steps replay
@@ -143,6 +155,13 @@ class ModelRunner:
         if self.device.type == "cuda" and self.use_gpu_kernels:
             return "capture"
         return None
+
+    def _mixed_graphs_wanted(self) -> bool:
+        """Mixed steps get graphs where decode steps do, unless turned off (`mixed_step_graphs`):
+        on the Triton kernels (their padded layout is the kernels'), in one process's forward
+        (TP's overlapped micro-chunks cut a step's tensors at run time)."""
+        return (self._graph_mode() is not None and self.use_gpu_kernels and self.config.model.mixed_step_graphs
+                and not self.ctx.overlaps_comm)
 
     def _max_blocks_per_seq(self, max_len: int | None = None) -> int:
         max_len = (max_len or self.max_model_len) + self.config.scheduler.num_lookahead_slots + 1
@@ -158,9 +177,10 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drop the model, caches and graphs, and give their device memory back."""
-        if self.graphs is not None:
-            self.graphs.release()
-        self.graphs = None
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.mixed_graphs = None
         self.builder = None
         self.model = None
         self.host_cache = []
@@ -269,23 +289,30 @@ class ModelRunner:
             self._last_sampled = (tokens, where)
             pending.on_device = frozenset(where)
 
-    def _graph_target(self, out: SchedulerOutput) -> GraphTarget | None:
-        """A pure decode step (one token per request, no drafts, no prompt position to score for
-        prompt logprobs: those need the hidden states) that a graph bucket holds, on the last
-        stage that runs whole steps."""
-        if self.graphs is None or out.spec_token_ids or len(out.num_scheduled_tokens) > self.graphs.max_batch \
-                or out.total_num_scheduled_tokens != len(out.num_scheduled_tokens):
+    def _graph_target(self, out: SchedulerOutput) -> GraphTarget | MixedTarget | None:
+        """A step a graph bucket holds, on the last stage that runs whole steps: a pure decode
+        step (one token per request) in a decode bucket, a mixed step in a mixed one. Neither
+        with drafts, nor with a prompt position to score for prompt logprobs (those need the
+        hidden states), nor with a context past the graphs' block tables."""
+        sched = out.num_scheduled_tokens
+        if self.graphs is None or out.spec_token_ids or len(sched) > self.graphs.max_batch:
+            return None
+        pure_decode = out.total_num_scheduled_tokens == len(sched)
+        if not pure_decode and self.mixed_graphs is None:
             return None
         capture_len = self.graphs.max_context
         for group in (out.cached_requests, out.new_requests):
             for r in group:
-                if r.num_computed_tokens >= capture_len:
+                if r.num_computed_tokens + sched[r.req_id] > capture_len:
                     return None  # a context past the graphs' block tables: eager
                 state = self.states[r.req_id]
                 if state.sampling_params.prompt_logprobs is not None \
                         and r.num_computed_tokens < len(state.prompt_token_ids) - 1:
-                    return None  # a 1-token prompt chunk whose logits score the next prompt token
-        return self.graphs.target(len(out.num_scheduled_tokens))
+                    return None  # a prompt chunk whose logits score the next prompt tokens
+        if pure_decode:
+            return self.graphs.target(len(sched))
+        num_prefills = sum(1 for n in sched.values() if n != 1)
+        return self.mixed_graphs.target(out.total_num_scheduled_tokens, num_prefills)
 
     def execute(self, out: SchedulerOutput, hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor | None:
         """Run one step. Non-last pipeline stages return hidden states for the next stage."""
@@ -320,8 +347,8 @@ class ModelRunner:
             plain_greedy = self.step_sampler.all_plain_greedy(inputs, self.states)
             if not plain_greedy and self._decodes_sampled_on_device(out, inputs):
                 return self._launch_steps(out, inputs)
-        if inputs.graph_batch is not None:
-            logits = self._scored(self.graphs.run(inputs), inputs)
+        if inputs.graph_batch is not None or inputs.graph_tokens is not None:
+            logits = self._graph_logits(inputs)
             hidden = None
         else:
             hidden = self.model(inputs.input_ids if self.ctx.is_first_stage else None, inputs.positions,
@@ -407,21 +434,34 @@ class ModelRunner:
         return pending
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """A decode step's logits at every (padded) row: what a CUDA graph captures."""
+        """A decode step's logits at every (padded) row: what a decode CUDA graph captures."""
         return self.model.compute_logits(self.model(input_ids, positions, meta))
+
+    def _mixed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                       logits_index: torch.Tensor) -> torch.Tensor:
+        """A mixed step's logits at its (padded) scored rows: what a mixed CUDA graph captures."""
+        return self.model.compute_logits(self.model(input_ids, positions, meta)[logits_index])
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The bare model on prepared inputs (graph replay for graph steps), logits of the
         scored rows: what benchmarks compare the whole engine step against."""
-        if inputs.graph_batch is not None:
-            return self._scored(self.graphs.run(inputs), inputs)
+        if inputs.graph_batch is not None or inputs.graph_tokens is not None:
+            return self._graph_logits(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_index])
 
+    def _graph_logits(self, inputs: StepInputs) -> torch.Tensor | None:
+        """A graph step's logits at its scored rows (None if it scores none)."""
+        if inputs.graph_tokens is not None:  # the scored rows come first, in order
+            logits = self.mixed_graphs.run(inputs)  # run even if it scores none: it writes the chunks' KV
+            num_scored = inputs.num_scored
+            return logits[:num_scored] if num_scored else None
+        return self._scored(self.graphs.run(inputs), inputs)
+
     @staticmethod
     def _scored(logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
-        """A graph step's scored rows: its first rows in order, unless a 1-token prefill chunk
-        in the batch scores nothing."""
+        """A decode graph step's scored rows: its first rows in order, unless a 1-token prefill
+        chunk in the batch scores nothing."""
         rows = [r for req_rows in inputs.logits_rows for r in req_rows]
         if not rows:
             return None

@@ -51,7 +51,8 @@ class StepInputs:
     drafts: list[list[int]]
     # Requests asking for prompt logprobs: (req_id, first prompt index scored, token rows, prompt tokens)
     prompt_rows: list[tuple[str, int, list[int], list[int]]] = field(default_factory=list)
-    graph_batch: int | None = None  # the CUDA-graph bucket this step is padded to
+    graph_batch: int | None = None  # the decode CUDA-graph bucket this step is padded to
+    graph_tokens: int | None = None  # the mixed CUDA-graph bucket (tokens) this step is padded to
     staged: torch.Tensor | None = None  # the packed int32 inputs on the device (all views above)
     # Token indices holding PENDING_TOKEN, and where their tokens are among the previous step's
     # sampled ones (int32, on the device): the runner copies them in before the forward.
@@ -71,6 +72,32 @@ class GraphTarget:
     width: int
     buffer: torch.Tensor  # int32 device buffer the captured graph reads, laid out as above
     num_splits: int  # flash-decoding splits captured into the bucket's graph
+
+
+@dataclass(frozen=True)
+class MixedTarget:
+    """Where a padded mixed step goes (prompt chunks beside decodes): a token bucket, its decode
+    rows and prefill sequence slots, its table width, its input buffer (`mixed_layout`)."""
+
+    tokens: int
+    decodes: int
+    prefills: int
+    width: int
+    buffer: torch.Tensor  # int32 device buffer the captured graph reads
+    num_splits: int  # flash-decoding splits of the decode rows, captured into the graph
+
+
+def mixed_layout(tokens: int, decodes: int, prefills: int, width: int) -> list[int]:
+    """Sizes of a padded mixed step's segments, in buffer order:
+
+        | input_ids T | positions T | slot_mapping T | logits_index D + P | decode seq_lens D
+        | prefill seq_lens P | query_start P + 1 | prefill tables P x W | pending dst D | pending src D
+        | decode tables D x W |
+
+    The decode tables come last: a step writes only its own decodes' rows of them (the other
+    rows have length 0 and are never read), so the one copy stops at its last decode row."""
+    return [tokens, tokens, tokens, decodes + prefills, decodes, prefills, prefills + 1, prefills * width, decodes,
+            decodes, decodes * width]
 
 
 class StagingBuffer:
@@ -131,11 +158,12 @@ class InputBuilder:
         self.staging = StagingBuffer(device)
 
     def build(self, out: SchedulerOutput, states: dict[str, RequestView], block_table: BlockTable,
-              graph: GraphTarget | None = None, pending_source: dict[str, int] | None = None,
+              graph: GraphTarget | MixedTarget | None = None, pending_source: dict[str, int] | None = None,
               advance: int = 0, passes_after: int = 0) -> StepInputs:
         """`pending_source`: request -> its token's index among the previous step's sampled
         tokens, for requests scheduled ahead on a PENDING_TOKEN. `graph`: a step of single-token
-        rows only, padded to the graph's bucket. Multi-step decoding: `advance` is the forward
+        rows only, padded to a decode graph's bucket (GraphTarget), or a mixed step padded to a
+        mixed graph's (MixedTarget). Multi-step decoding: `advance` is the forward
         pass this is (its rows that many tokens further on than the step's first pass), and
         `passes_after` how many passes follow it, which the block tables are made wide enough
         for (`advance_decodes` moves these inputs on in place)."""
@@ -151,6 +179,9 @@ class InputBuilder:
             order = sorted(sched, key=lambda r: sched[r] != 1)
             num_decodes = sum(1 for r in order if sched[r] == 1)
         num_reqs = len(order)
+        mixed = graph if isinstance(graph, MixedTarget) else None
+        if mixed is not None:
+            graph = None  # the decode-graph padding below is not this step's
         rows = graph.batch if graph is not None else num_reqs
 
         # Decode rows, in plain Python.
@@ -215,7 +246,10 @@ class InputBuilder:
                                     state.prompt_token_ids[start + 1:last + 1]))
 
         all_ends = seq_lens + [s + n for s, n in zip(prefill_starts, prefill_nums)]
-        width = graph.width if graph is not None else -(-(max(all_ends) + passes_after) // bs)
+        if mixed is not None:
+            width = mixed.width
+        else:
+            width = graph.width if graph is not None else -(-(max(all_ends) + passes_after) // bs)
         if graph is None:
             tables = block_table.rows(np.asarray(table_rows, dtype=np.int64), width)
         else:
@@ -235,6 +269,18 @@ class InputBuilder:
             positions_np, slots_np = positions, slots
         num_tokens = len(input_ids)
         pending = pending_dst + pending_src
+        prefills = [PrefillSeq(len(seq_lens) + int(q), n, s + n, blocks)
+                    for q, n, s, blocks in zip(query_start[:-1], prefill_nums, prefill_starts, prefill_lists)]
+        if mixed is not None:
+            scored = [r for req_rows in logits_rows for r in req_rows]
+            d_ids, d_pos, meta, d_scored, d_dst, d_src = self._mixed_inputs(
+                mixed, input_ids, positions_np, slots_np, scored, seq_lens, all_ends[num_decodes:], query_start,
+                tables, pending_dst, pending_src, decode_lists, prefills)
+            inputs = StepInputs(d_ids, d_pos, meta, order, logits_rows, d_scored, drafts, prompt_rows,
+                                staged=mixed.buffer, graph_tokens=mixed.tokens)
+            if pending_dst:
+                inputs.pending_dst, inputs.pending_src = d_dst, d_src
+            return inputs
         if graph is not None:  # pad the decode batch to its bucket: rows read the scratch block only
             pad = rows - num_reqs
             tables[num_reqs:, 0] = self.scratch_block
@@ -244,7 +290,7 @@ class InputBuilder:
                 decode_lists += [[self.scratch_block]] * pad
             dev = self.staging.upload([np.asarray(head, dtype=np.int32), tables.reshape(-1),
                                        np.asarray(pending, dtype=np.int32)], graph.buffer)
-            d_ids, d_pos, d_slots, d_lens, d_tables, d_dst, d_src = _split(
+            d_ids, d_pos, d_slots, d_lens, d_tables, d_dst, d_src = split_views(
                 dev, [rows, rows, rows, rows, rows * width, len(pending_dst), len(pending_src)])
             d_scored = d_ids[:0]  # a graph step scores its first len(order) rows, in order
             d_qstart = None
@@ -256,22 +302,62 @@ class InputBuilder:
                                        np.asarray(slots_np, dtype=np.int32),
                                        np.asarray(scored + all_ends, dtype=np.int32), query_start,
                                        tables.reshape(-1), np.asarray(pending, dtype=np.int32)])
-            d_ids, d_pos, d_slots, d_scored, d_lens, d_qstart, d_tables, d_dst, d_src = _split(
+            d_ids, d_pos, d_slots, d_scored, d_lens, d_qstart, d_tables, d_dst, d_src = split_views(
                 dev, [num_tokens, num_tokens, num_tokens, len(scored), rows, len(query_start), rows * width,
                       len(pending_dst), len(pending_src)])
             decode_lens = seq_lens
         if self.device.type == "cpu" and not self.kernel_tables:
             d_pos = d_pos.long()  # the CPU RoPE kernel indexes its tables with int64 (Triton's takes the view)
-        prefills = [PrefillSeq(len(seq_lens) + int(q), n, s + n, blocks)
-                    for q, n, s, blocks in zip(query_start[:-1], prefill_nums, prefill_starts, prefill_lists)]
         meta = self._metadata(num_decodes, decode_lens, decode_lists, prefills,
                               d_slots, d_lens, d_tables.view(rows, width), d_qstart, max(prefill_nums, default=0),
                               graph)
         inputs = StepInputs(d_ids, d_pos, meta, order, logits_rows, d_scored, drafts, prompt_rows,
-                            graph.batch if graph is not None else None, dev)
+                            graph_batch=graph.batch if graph is not None else None, staged=dev)
         if pending_dst:
             inputs.pending_dst, inputs.pending_src = d_dst, d_src
         return inputs
+
+    def _mixed_inputs(self, target: MixedTarget, input_ids: list[int], positions, slots, scored: list[int],
+                      decode_lens: list[int], prefill_ends: list[int], query_start: np.ndarray, tables: np.ndarray,
+                      pending_dst: list[int], pending_src: list[int], decode_lists: list[list[int]],
+                      prefills: list[PrefillSeq]):
+        """A mixed step padded to `target`'s bucket, copied into its buffer (`mixed_layout`):
+        (input_ids, positions, metadata, logits_index, pending dst, pending src), each the
+        bucket's size. Padding tokens write no KV (slot -1), padding decode rows and prefill
+        sequences have nothing to attend (length 0, empty queries at the end)."""
+        t, d, p, w = target.tokens, target.decodes, target.prefills, target.width
+        num_tokens, num_decodes, num_prefills = len(input_ids), len(decode_lens), len(prefill_ends)
+        head = np.zeros(3 * t + d + p + d + p + p + 1, dtype=np.int32)
+        head[:num_tokens] = input_ids
+        head[t:t + num_tokens] = positions
+        head[2 * t:3 * t] = -1
+        head[2 * t:2 * t + num_tokens] = slots
+        at = 3 * t
+        head[at:at + len(scored)] = scored
+        at += d + p
+        head[at:at + num_decodes] = decode_lens
+        at += d
+        head[at:at + num_prefills] = prefill_ends
+        at += p
+        head[at:at + p + 1] = num_tokens  # padding sequences: empty queries past the last token
+        head[at:at + num_prefills + 1] = query_start + num_decodes  # offsets among all the step's tokens
+        prefill_tables = np.zeros((p, w), dtype=np.int32)
+        prefill_tables[:num_prefills] = tables[num_decodes:]
+        pending = np.zeros(2 * d, dtype=np.int32)
+        pending[:len(pending_dst)] = pending_dst
+        pending[d:d + len(pending_src)] = pending_src
+        self.staging.upload([head, prefill_tables.reshape(-1), pending, tables[:num_decodes].reshape(-1)],
+                            target.buffer)
+        d_ids, d_pos, d_slots, d_scored, d_lens, p_lens, q_start, p_tables, d_dst, d_src, d_tables = split_views(
+            target.buffer, mixed_layout(t, d, p, w))
+        gpu = KernelTables(decode_block_tables=d_tables.view(d, w), decode_seq_lens=d_lens,
+                           num_splits=target.num_splits, prefill_block_tables=p_tables.view(p, w),
+                           prefill_seq_lens=p_lens, prefill_query_start=q_start, prefill_max_query_len=t,
+                           fixed_layout=True)
+        meta = AttentionMetadata(slot_mapping=d_slots, num_decodes=num_decodes,
+                                 decode_block_tables=decode_lists or None, decode_seq_lens=decode_lens or None,
+                                 prefills=prefills, block_size=self.block_size, gpu=gpu)
+        return d_ids, d_pos, meta, d_scored, d_dst[:len(pending_dst)], d_src[:len(pending_src)]
 
     def _metadata(self, num_decodes: int, decode_lens: list[int], decode_lists: list[list[int]],
                   prefills: list[PrefillSeq], slots: torch.Tensor, d_lens: torch.Tensor, d_tables: torch.Tensor,
@@ -316,7 +402,7 @@ def advance_decodes(inputs: StepInputs, tokens: torch.Tensor, block_size: int) -
     inputs.meta.slot_mapping[:n] = blocks * block_size + positions % block_size
 
 
-def _split(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+def split_views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     views, offset = [], 0
     for size in sizes:
         views.append(flat[offset:offset + size])

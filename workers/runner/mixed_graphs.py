@@ -1,0 +1,143 @@
+"""Mixed steps as CUDA graphs: prompt chunks beside decodes, one captured forward (+ the
+scored rows' logits) per token-count bucket.
+
+A step that admits a request carries a prompt chunk beside the running decodes. Run eagerly
+it launches every kernel from Python (~180 for a 16-layer model), which at a few hundred
+tokens takes the host longer than the GPU takes to run them, so under a stream of arrivals
+the decodes wait on the host at every admission. Each bucket (16 to 512 tokens) is captured
+once at start-up; a step of up to `MAX_PREFILLS` prompt chunks and at most the bucket's tokens
+is padded to it and replays it. Larger steps are the GPU's work many times over, and run
+eagerly.
+
+A bucket of T tokens holds D = min(max_num_seqs, T) decode rows and `MAX_PREFILLS` prefill
+sequences; the step's inputs land in one persistent int32 buffer laid out as
+`step_inputs.mixed_layout` says, with one host-to-device copy. Attention runs over the padded
+shapes (`KernelTables.fixed_layout`): padding tokens write no KV, padding rows and sequences
+attend to nothing. The graphs share the decode graphs' memory pool and are captured before
+them (their activations are the larger).
+
+Without capture (the runner's "eager" graph mode, which CPU tests use) the same buffer,
+bucketing and padding run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from tandem.workers.model.attention import AttentionMetadata, KernelTables
+from tandem.workers.runner.cuda_graphs import GraphLayout
+from tandem.workers.runner.step_inputs import MixedTarget, StepInputs, mixed_layout, split_views
+
+logger = logging.getLogger(__name__)
+
+# (input_ids, positions, meta, logits_index) -> logits [len(logits_index), vocab]
+MixedForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
+
+# Prompt chunks a mixed graph holds: a step admitting more runs eagerly.
+MAX_PREFILLS = 16
+# Tokens of the largest mixed graph: past it a step's GEMMs take the GPU far longer than
+# launching its kernels takes the host.
+MAX_MIXED_TOKENS = 512
+
+
+def mixed_buckets(max_tokens: int) -> list[int]:
+    """Token buckets: every 16 to 64, every 32 to 256, every 64 to 512, the last one
+    `max_tokens` where that is smaller (a step never holds more)."""
+    steps = list(range(16, 65, 16)) + list(range(96, 257, 32)) + list(range(320, MAX_MIXED_TOKENS + 1, 64))
+    top = min(max_tokens, MAX_MIXED_TOKENS)
+    return [b for b in steps if b < top] + [top]
+
+
+class MixedGraphs:
+    def __init__(self, forward: MixedForward, layout: GraphLayout, max_tokens: int, device: torch.device,
+                 num_splits: Callable[[int, int], int]) -> None:
+        self.forward = forward
+        self.buckets = mixed_buckets(max_tokens)
+        self.width = layout.width
+        self.block_size = layout.block_size
+        self.device = device
+        self.decodes = {t: min(layout.max_batch, t) for t in self.buckets}
+        # Each bucket's flash-decoding splits, fixed at capture for the longest context.
+        self.splits = {t: num_splits(self.decodes[t], layout.max_context) for t in self.buckets}
+        top = self.buckets[-1]
+        self.buffer = torch.zeros(sum(mixed_layout(top, self.decodes[top], MAX_PREFILLS, self.width)),
+                                  dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.memory_bytes = 0
+
+    def target(self, num_tokens: int, num_prefills: int) -> MixedTarget | None:
+        """The bucket a mixed step of `num_tokens` tokens with `num_prefills` prompt chunks pads
+        to, or None if none holds it (its decodes always fit: D >= min(max_num_seqs, tokens))."""
+        if num_prefills > MAX_PREFILLS:
+            return None
+        for t in self.buckets:
+            if t >= num_tokens:
+                return MixedTarget(t, self.decodes[t], MAX_PREFILLS, self.width, self.buffer, self.splits[t])
+        return None
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [D + MAX_PREFILLS, vocab] of a padded mixed step whose inputs are in the buffer:
+        its scored rows first, in order."""
+        graph = self.graphs.get(inputs.graph_tokens)
+        if graph is None:
+            return self.forward(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
+        graph.replay()
+        return self.logits[inputs.graph_tokens]
+
+    # ---- capture -------------------------------------------------------------------------------
+    def capture(self, pool: tuple[int, int], show_progress: bool = True) -> None:
+        """Capture every bucket, largest first, into `pool`; a failure leaves mixed steps eager."""
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        started = time.perf_counter()
+        try:
+            for tokens in tqdm(sorted(self.buckets, reverse=True), desc="capturing mixed-step graphs", unit="graph",
+                               disable=not show_progress, leave=False):
+                self._capture_one(tokens, pool)
+        except Exception as exc:  # a failed capture costs these graphs, not the engine
+            logger.warning("mixed-step graph capture failed (%s: %s); mixed steps run eagerly",
+                           type(exc).__name__, exc)
+            self.graphs.clear()
+            self.logits.clear()
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        logger.info("captured %d mixed-step graphs (%d..%d tokens) in %.1f s, %.0f MiB", len(self.graphs),
+                    self.buckets[0], self.buckets[-1], time.perf_counter() - started, self.memory_bytes / 2**20)
+
+    def _capture_one(self, tokens: int, pool: tuple[int, int]) -> None:
+        ids, positions, meta, logits_index = self.static_inputs(tokens)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the kernels and settles cuBLAS's workspace outside the graph
+                self.forward(ids, positions, meta, logits_index)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.logits[tokens] = self.forward(ids, positions, meta, logits_index)
+        self.graphs[tokens] = graph
+
+    def static_inputs(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Views of the buffer as a step of the bucket sees them, holding an all-padding step:
+        no token writes KV, no row or sequence attends."""
+        d, p, w = self.decodes[tokens], MAX_PREFILLS, self.width
+        self.buffer.zero_()
+        ids, positions, slots, logits_index, d_lens, p_lens, q_start, p_tables, _, _, d_tables = split_views(
+            self.buffer, mixed_layout(tokens, d, p, w))
+        slots.fill_(-1)
+        gpu = KernelTables(decode_block_tables=d_tables.view(d, w), decode_seq_lens=d_lens,
+                           num_splits=self.splits[tokens], prefill_block_tables=p_tables.view(p, w),
+                           prefill_seq_lens=p_lens, prefill_query_start=q_start, prefill_max_query_len=tokens,
+                           fixed_layout=True)
+        meta = AttentionMetadata(slot_mapping=slots, num_decodes=0, decode_block_tables=None, decode_seq_lens=None,
+                                 prefills=[], block_size=self.block_size, gpu=gpu)
+        return ids, positions, meta, logits_index
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.logits.clear()
