@@ -40,6 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
+from tandem.bench.arrivals import arrival_figures
 from tandem.bench.gpu_busy import GAP_BUCKETS_US, profiled_gpu_figures
 from tandem.bench.report import Figures, sampled, sweep_batches
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_device, resolve_model_dir, vocab_size_of
@@ -130,6 +131,7 @@ def run_latency(opts: BenchOptions, shape: LatencyShape | None = None, *, hf_com
     fig = _figures(shape, systems, runs, opts)
     for batch in (1, max(shape.sweep_batches)):
         fig.update(replay_figures(systems, single if batch == 1 else sweep[batch], batch))
+    fig.update(arrival_figures(systems.llm, vocab, repeats, systems.temperature))
     fig.update(hf_compiled_figures([r.tpot_tandem for r in runs], [r.tpot_hf_compiled for r in runs],
                                    compiled_error))
     fig.update(log.figures())
@@ -319,6 +321,10 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
                       f"{fig[f'{prefix}_mean_gap_us']:.2f} us, "
                       f"profiler slowdown {fig[f'{prefix}_profiler_slowdown']:.3f}")
             rows.append((prefix, f"GPU busy {value:.3f}", detail))
+    if fig.get("arrivals_step_ms") is not None:
+        rows.append(("arrivals_step_ms", f"{fig['arrivals_step_ms']:.3f} ms",
+                     f"eager mixed steps {fig['arrivals_step_ms_eager_mixed']:.3f} ms: "
+                     f"{fig['arrivals_mixed_graph_speedup']:.2f}x with mixed-step graphs"))
     rows.append(("compute_bound_from_batch", fig["compute_bound_from_batch"], "measured (MFU >= MBU)"))
     rows.append(("roofline_crossover_batch", fig["roofline_crossover_batch"], "predicted by the probes"))
     return rows

@@ -77,6 +77,12 @@ class _StepCapture:
         del self.runner.prepare_inputs  # back to the class's method
 
 
+def next_run_ids(num: int) -> list[str]:
+    """`num` request ids no earlier run of this process used."""
+    run = next(_run_ids)
+    return [f"bench{run}-{i}" for i in range(num)]
+
+
 def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", record_inputs: bool = False,
                show_progress: bool = True, temperature: float = 0.0) -> TandemRun:
     """Run `requests` with ignore_eos to their exact output lengths: greedily, or sampled
@@ -84,8 +90,7 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
     engine = llm.engine
     assert not engine.has_unfinished_requests(), "the engine must be idle"
     engine.pool.reset_prefix_cache()  # repeats of a request set must not hit each other's prefixes
-    run = next(_run_ids)
-    ids = [f"bench{run}-{i}" for i in range(len(requests))]
+    ids = next_run_ids(len(requests))
     produced = dict.fromkeys(ids, 0)
     bar = tqdm(total=sum(r.output_len for r in requests), desc=desc, unit="tok", leave=False,
                disable=not show_progress)

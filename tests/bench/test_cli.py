@@ -58,6 +58,7 @@ def test_latency_on_a_bench_model_with_hf_compiled(tmp_path: Path, monkeypatch: 
         names = ("gpu_busy", "kernels_per_pass", "mean_gap_us", "kernel_table", "profiler_slowdown",
                  "gpu_busy_unprofiled")
         assert [fig[f"replay_b{b}_{name}"] for name in names] == [None] * 6
+    assert fig["arrivals_step_ms"] is None and fig["arrivals_mixed_graph_speedup"] is None  # CUDA graphs only
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
