@@ -69,7 +69,7 @@ def test_every_launched_variant_builds_for_hopper_and_ampere(monkeypatch: pytest
         assert {d for d, _, fused in decodes if fused == rope} == {16, 64, 128}
     assert {v["kernel"] for v in variants} == {"_rms_norm_kernel", "_rope_write_kv_kernel", "_prefill_kernel",
                                                "_silu_and_mul_kernel", "_decode_split_kernel",
-                                               "_decode_combine_kernel"}
+                                               "_decode_combine_kernel", "_copy_pending_kernel"}
     results = compile_all(variants, (90, 80))
     assert len(results) == 2 * len(variants)
     for result in results:

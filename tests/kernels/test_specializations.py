@@ -37,7 +37,8 @@ def test_a_varied_workload_needs_one_specialisation_per_kernel_variant(monkeypat
     # The Llama layers rotate and write decode rows inside the decode launch; prefill rows with
     # _rope_write_kv_kernel.
     assert set(seen) == {"_rms_norm_kernel", "_rope_write_kv_kernel", "_prefill_kernel",
-                         "_silu_and_mul_kernel", "_decode_split_kernel", "_decode_combine_kernel"}
+                         "_silu_and_mul_kernel", "_decode_split_kernel", "_decode_combine_kernel",
+                         "_copy_pending_kernel"}
     for kernel, keys in seen.items():
         runtime = {key for key, _ in keys}
         assert len(runtime) == 1, f"{kernel}: {len(runtime)} runtime specialisations: {sorted(runtime)}"
@@ -51,4 +52,4 @@ def test_a_varied_workload_needs_one_specialisation_per_kernel_variant(monkeypat
     # RMSNorm with and without the residual.
     assert constexpr_variants == {"_rms_norm_kernel": 2, "_rope_write_kv_kernel": 1,
                                   "_prefill_kernel": 1, "_silu_and_mul_kernel": 1, "_decode_split_kernel": 3,
-                                  "_decode_combine_kernel": 1}
+                                  "_decode_combine_kernel": 1, "_copy_pending_kernel": 1}

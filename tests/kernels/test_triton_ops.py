@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 
 from tandem.workers.kernels.triton_attention import write_kv  # noqa: E402
 from tandem.workers.kernels.triton_ops import (  # noqa: E402
+    copy_pending,
     fused_add_rms_norm,
     rms_norm,
     rope_,
@@ -309,3 +310,23 @@ def test_ops_capture_in_cuda_graph() -> None:
     torch.cuda.synchronize()
     for a, b in zip(list(outs) + [x, res, qkv], eager):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- tokens scheduled ahead
+
+@pytest.mark.parametrize("token_dtype", [torch.int64, torch.int32])
+def test_copy_pending_puts_each_sampled_token_where_it_is_pending(token_dtype: torch.dtype) -> None:
+    # 200 pending rows (two loop iterations of 128) of a 300-token step, scattered both ways;
+    # index views at odd offsets of a packed int32 buffer, as a step's are.
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.full((300,), -5, dtype=torch.int32, device=DEVICE)
+    tokens = torch.randint(0, 30000, (250,), generator=gen).to(token_dtype).to(DEVICE)
+    dst = torch.randperm(300, generator=gen)[:200].to(torch.int32)
+    src = torch.randint(0, 250, (200,), generator=gen).to(torch.int32)
+    packed = torch.cat([torch.tensor([7], dtype=torch.int32), dst, src]).to(DEVICE)
+    copy_pending(ids, packed[1:201], packed[201:], tokens)
+    expected = torch.full((300,), -5, dtype=torch.int32)
+    expected[dst.long()] = tokens.cpu()[src.long()].to(torch.int32)
+    assert torch.equal(ids.cpu(), expected)
+    copy_pending(ids, packed[:0], packed[:0], tokens)  # nothing pending: nothing launched
+    assert torch.equal(ids.cpu(), expected)

@@ -1,5 +1,6 @@
 """Fused elementwise/row kernels for the decode step: RMSNorm (+ residual add), RoPE (alone, or
-with the step's KV write), SiLU-and-mul.
+with the step's KV write), SiLU-and-mul, and the copy of tokens scheduled ahead into a step's
+input ids.
 
 Each op is ONE Triton launch (the torch versions are 6-14 kernels per layer, and a CUDA-graph
 decode step is launch-bound). Everything the launch needs is derived from shapes and strides
@@ -305,3 +306,32 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), d, BLOCK=block, num_warps=num_warps)
     return out
+
+
+# ----------------------------------------------------------------------------- tokens scheduled ahead
+
+_PENDING_BLOCK = 128  # rows a loop iteration copies; one program, one compile, for any count
+
+
+# The index views are slices of a step's packed inputs (per-step offsets and counts).
+@triton.jit(do_not_specialize=["num"], do_not_specialize_on_alignment=["dst_ptr", "src_ptr"])
+def _copy_pending_kernel(ids_ptr, dst_ptr, src_ptr, tokens_ptr, num, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, num, BLOCK):
+        mask = start + offs < num
+        dst = tl.load(dst_ptr + start + offs, mask=mask, other=0)
+        src = tl.load(src_ptr + start + offs, mask=mask, other=0)
+        token = tl.load(tokens_ptr + src, mask=mask, other=0)
+        tl.store(ids_ptr + dst, token.to(ids_ptr.dtype.element_ty), mask=mask)
+
+
+def copy_pending(input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor) -> None:
+    """input_ids[dst[i]] = tokens[src[i]] for every i, in one launch: the tokens of requests
+    scheduled ahead, from the last step's sampled ids (any integer dtype) into this step's
+    input ids (where index_select, two index casts, a dtype cast and index_copy_ take five).
+    dst / src: int32 [n], contiguous."""
+    num = dst.shape[0]
+    assert src.shape == (num,) and dst.stride(0) == 1 and src.stride(0) == 1 and input_ids.stride(0) == 1
+    if num == 0:
+        return
+    _copy_pending_kernel[(1,)](input_ids, dst, src, tokens, num, BLOCK=_PENDING_BLOCK, num_warps=4)

@@ -276,8 +276,7 @@ class ModelRunner:
         inputs = self.builder.build(out, self.states, self.block_table, self._graph_target(out), source,
                                     passes_after=passes_after)
         if inputs.pending_dst is not None:  # tokens scheduled ahead: from the last step's output
-            tokens = self._last_sampled[0].index_select(0, inputs.pending_src.long())
-            inputs.input_ids.index_copy_(0, inputs.pending_dst.long(), tokens.to(inputs.input_ids.dtype))
+            _copy_pending(inputs, self._last_sampled[0])
         return inputs
 
     def _keep_sampled(self, pending: PendingOutput, tokens: torch.Tensor | None, where: dict[str, int]) -> None:
@@ -422,8 +421,7 @@ class ModelRunner:
                     num_placeholders = advance
                     inputs = self.builder.build(out, self.states, self.block_table, graph, where, advance,
                                                 num_steps - 1 - advance)
-                    ids = sampled[-1].index_select(0, inputs.pending_src.long())
-                    inputs.input_ids.index_copy_(0, inputs.pending_dst.long(), ids.to(inputs.input_ids.dtype))
+                    _copy_pending(inputs, sampled[-1])
             sampled.append(sample(self.forward(inputs), advance))
         if num_placeholders:
             for tokens in outputs:  # the scheduler's next diff sends the tokens (or placeholders)
@@ -487,6 +485,18 @@ class ModelRunner:
             out[req_id] = (first, entries[k:k + len(req_rows)])
             k += len(req_rows)
         return out
+
+
+def _copy_pending(inputs: StepInputs, tokens: torch.Tensor) -> None:
+    """The tokens of requests scheduled ahead (`inputs.pending_*`), from `tokens` (the last
+    step's sampled ids, on the device) into the step's input ids: one Triton launch on the
+    GPU kernels' path, torch's index ops elsewhere."""
+    gpu = gpu_kernels.active_for(tokens)
+    if gpu is not None:
+        gpu.copy_pending(inputs.input_ids, inputs.pending_dst, inputs.pending_src, tokens)
+        return
+    picked = tokens.index_select(0, inputs.pending_src.long())
+    inputs.input_ids.index_copy_(0, inputs.pending_dst.long(), picked.to(inputs.input_ids.dtype))
 
 
 def _fill_placeholders(placeholders: dict[str, tuple[CachedRequestState, int]], output: RunnerOutput) -> None:
