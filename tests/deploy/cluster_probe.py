@@ -6,7 +6,8 @@ Waits (up to TIMEOUT_S) until the tandem application has exactly NUM_GROUPS runn
 each idle with every KV block free, then prints {"groups": {group_id: {"node_id",
 "on_head", "bundles_on_head" (engine, then each worker), "num_requests_total",
 "kv_blocks_free", "kv_blocks_total", "num_running"}}}
-(or the last state seen, with "timed_out": true). A driver of its own, in its own process,
+(or the last state seen, with "timed_out": true), and "why": the nodes, their free resources and
+Serve's status of the group deployment. A driver of its own, in its own process,
 so the test process never joins the cluster (nor takes on its token).
 """
 
@@ -74,8 +75,26 @@ def main(gcs: str, dashboard: str, num_groups: int, timeout_s: float) -> None:
         if _settled(found, num_groups) or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    print(json.dumps({"groups": found, "timed_out": not _settled(found, num_groups)}), flush=True)
+    report = {"groups": found, "timed_out": not _settled(found, num_groups), "why": _diagnosis()}
+    print(json.dumps(report), flush=True)
     ray.shutdown()
+
+
+def _diagnosis() -> dict[str, Any]:
+    """What a timed-out probe saw: the nodes alive and their free resources, and Serve's word on
+    the group deployment (a replica waiting for resources says so there)."""
+    import ray
+    from ray import serve
+
+    status = serve.status().applications.get(APP)
+    deployment = status.deployments.get("GroupServer") if status is not None else None
+    return {
+        "nodes": [{"node_id": n["NodeID"][:8], "alive": n["Alive"], "resources": n["Resources"]} for n in ray.nodes()],
+        "available": ray.available_resources(),
+        "deployment": None if deployment is None else {
+            "status": str(deployment.status), "message": deployment.message,
+            "replica_states": {str(getattr(k, "value", k)): v for k, v in deployment.replica_states.items()}},
+    }
 
 
 if __name__ == "__main__":

@@ -318,7 +318,9 @@ def test_a_node_that_joins_again_gets_a_new_group(cluster: Cluster, offline) -> 
             # A warning, not a print: pytest's summary shows it even when a later start works.
             warnings.warn(f"ray start {name} failed; starting the node again. {error}", stacklevel=1)
             time.sleep(15.0)
-    groups = cluster.probe(num_groups=2, timeout_s=240)
+    # Serve starts the new group (two processes, imports, a model load) on a machine its three
+    # nodes share: minutes under a full suite's load. A timeout says what Serve was waiting for.
+    groups = cluster.probe(num_groups=2, timeout_s=420)
     new = cluster.group_on(head=False)
     assert survivor in groups and new != survivor
 
