@@ -90,6 +90,17 @@ class Cluster:
         assert out.returncode == 0, f"{cmd[-3:]} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
         return out.stdout
 
+    def snapshot(self, group: str) -> dict[str, Any]:
+        """`group` as it is now (no waiting for the groups to settle): what it is running. Serve
+        and the actor table disagree for a moment now and then; the probe is asked again."""
+        for _ in range(5):
+            out = self.run(sys.executable, "-m", "tests.deploy.cluster_probe", self.gcs, self.dashboard, "0", "0")
+            found = json.loads(out.strip().splitlines()[-1])["groups"]
+            if group in found:
+                return found[group]
+            time.sleep(1.0)
+        raise AssertionError(f"group {group} not seen by five probes")
+
     def probe(self, num_groups: int, timeout_s: float = 180) -> dict[str, dict[str, Any]]:
         out = self.run(sys.executable, "-m", "tests.deploy.cluster_probe", self.gcs, self.dashboard,
                        str(num_groups), str(timeout_s), timeout_s=timeout_s + 60)
@@ -213,6 +224,20 @@ def open_stream_on(cluster: Cluster, client, seed: int, max_tokens: int, group: 
     raise AssertionError(f"three streams of a prompt that {group} holds all went to {routed}")
 
 
+def grpc_stream_on(cluster: Cluster, stub, seed: int, max_tokens: int, group: str, running: int):
+    """A gRPC stream of a prompt that `group` (running `running` requests) holds, routed there:
+    its response iterator. gRPC responses do not name their group, so the group's running count
+    says where it went; as `open_stream_on`, a stream routed elsewhere is cancelled and the
+    prompt sent again, up to three times."""
+    for _ in range(3):
+        responses, _, _ = grpc_stream(stub, seed, max_tokens)
+        if cluster.snapshot(group)["num_running"] == running + 1:
+            return responses
+        responses.cancel()
+        time.sleep(3.0)
+    raise AssertionError(f"three gRPC streams of a prompt that {group} holds all went elsewhere")
+
+
 def grpc_stream(stub, seed: int, max_tokens: int):
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt(seed)), sampling=pb.SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -279,7 +304,7 @@ def test_stopping_a_node_mid_stream_fails_its_requests_cleanly(cluster: Cluster,
     # worker's group, the survivor to the head's.
     doomed, _ = open_stream_on(cluster, client, seed_b, ENDLESS, on_worker, idle=True)
     with grpc.insecure_channel(cluster.grpc_target) as channel:
-        doomed_grpc, _, _ = grpc_stream(pb_grpc.TandemStub(channel), seed_b, ENDLESS)
+        doomed_grpc = grpc_stream_on(cluster, pb_grpc.TandemStub(channel), seed_b, ENDLESS, on_worker, running=1)
         survivor, first = open_stream_on(cluster, client, seed_a, 48, on_head, idle=False)
 
         cluster.workers.pop().stop()

@@ -2,7 +2,7 @@
 scored rows' logits) per token-count bucket.
 
 A step that admits a request carries a prompt chunk beside the running decodes. Run eagerly
-it launches every kernel from Python (~180 for a 16-layer model), which at a few hundred
+it launches every kernel from Python (about 165 for a 16-layer Llama), which at a few hundred
 tokens takes the host longer than the GPU takes to run them, so under a stream of arrivals
 the decodes wait on the host at every admission. Each bucket (16 to 512 tokens) is captured
 once at start-up; a step of up to `MAX_PREFILLS` prompt chunks and at most the bucket's tokens
