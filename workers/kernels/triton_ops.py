@@ -111,7 +111,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 @triton.jit
 def rotated_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi, sin_hi,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # All heads of one token rotated: (low halves, high halves), each a [BLOCK_H, BLOCK_HALF]
     # tile rounded once to the tensor's dtype, and the tiles' mask. cos_*/sin_*: [1, BLOCK_HALF]
     # float32 rows broadcast over the heads.
@@ -137,7 +137,7 @@ def _rope_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_l
                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # Rotates all heads of one token in place.
     lo, hi, mask = rotated_heads(base_ptr, token, tok_stride, head_stride, n_heads, cos_lo, sin_lo, cos_hi,
-                                  sin_hi, HALF, BLOCK_H, BLOCK_HALF)
+                                 sin_hi, HALF, BLOCK_H, BLOCK_HALF)
     heads, dims = head_tile(BLOCK_H, BLOCK_HALF)
     lo_ptr = base_ptr + token * tok_stride + heads * head_stride + dims
     tl.store(lo_ptr, lo, mask=mask)
@@ -194,7 +194,7 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_p
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         k_lo, k_hi, mask = rotated_heads(k_ptr, token, k_tok_stride, k_head_stride, n_kv_heads, cos_lo, sin_lo,
-                                          cos_hi, sin_hi, HALF, BLOCK_HK, BLOCK_HALF)
+                                         cos_hi, sin_hi, HALF, BLOCK_HK, BLOCK_HALF)
         heads, dims = head_tile(BLOCK_HK, BLOCK_HALF)
         cache_dtype = k_cache_ptr.dtype.element_ty
         dst = k_cache_ptr + slot * c_slot_stride + heads * c_head_stride + dims

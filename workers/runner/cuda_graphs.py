@@ -36,6 +36,44 @@ logger = logging.getLogger(__name__)
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
+def capture_buckets(buckets: list[int], capture_one: Callable[[int, tuple[int, int]], None], pool: tuple[int, int],
+                    device: torch.device, what: str, show_progress: bool) -> tuple[bool, int]:
+    """`capture_one(bucket, pool)` for every bucket, largest first, with a progress bar: (whether
+    every one was captured, the device memory they took). A failure (a collective that cannot be
+    captured, for instance) is logged; the caller drops its graphs, and those steps run eagerly."""
+    free_before = torch.cuda.mem_get_info(device)[0]
+    started = time.perf_counter()
+    captured = True
+    try:
+        for bucket in tqdm(sorted(buckets, reverse=True), desc=f"capturing {what} graphs", unit="graph",
+                           disable=not show_progress, leave=False):
+            capture_one(bucket, pool)
+    except Exception as exc:  # a failed capture costs these graphs, not the engine
+        logger.warning("%s graph capture failed (%s: %s); those steps run eagerly", what, type(exc).__name__, exc)
+        captured = False
+    torch.cuda.synchronize(device)
+    memory = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+    logger.info("captured %s graphs (buckets %d..%d) in %.1f s, %.0f MiB", what, min(buckets), max(buckets),
+                time.perf_counter() - started, memory / 2**20)
+    return captured, memory
+
+
+def capture_graph(forward: Callable[[], torch.Tensor], pool: tuple[int, int],
+                  device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of `forward()` in `pool`, and the output tensor its replays write. Two runs on a
+    side stream first compile the kernels and settle cuBLAS's workspace outside the graph."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
 def decode_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, then multiples of 8, the last one covering max_batch."""
     small = [b for b in (1, 2, 4) if b < max_batch]
@@ -99,35 +137,16 @@ class DecodeGraphs:
         decode steps eager, with a warning."""
         assert self.device.type == "cuda", "CUDA graphs need CUDA"
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        started = time.perf_counter()
-        buckets = sorted(self.buckets, reverse=True)
-        try:
-            for batch in tqdm(buckets, desc="capturing CUDA graphs", unit="graph", disable=not show_progress,
-                              leave=False):
-                self._capture_one(batch, pool)
-        except Exception as exc:  # e.g. a collective that cannot be captured: run eagerly instead
-            logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
-            self.graphs.clear()
-            self.logits.clear()
-        torch.cuda.synchronize(self.device)
-        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        logger.info("captured %d decode graphs (batch %d..%d) in %.1f s, %.0f MiB", len(self.graphs),
-                    self.buckets[0], self.max_batch, time.perf_counter() - started, self.memory_bytes / 2**20)
+        captured, self.memory_bytes = capture_buckets(self.buckets, self._capture_one, pool, self.device, "decode",
+                                                      show_progress)
+        if not captured:
+            self.release()
 
     def _capture_one(self, batch: int, pool: tuple[int, int]) -> None:
         self._reset_buffer(batch)  # valid inputs at this bucket's offsets for the warm-up runs
         ids, positions, meta = self._static_inputs(batch)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles the kernels and settles cuBLAS's workspace outside the graph
-                self.forward(ids, positions, meta)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits[batch] = self.forward(ids, positions, meta)
-        self.graphs[batch] = graph
+        self.graphs[batch], self.logits[batch] = capture_graph(lambda: self.forward(ids, positions, meta), pool,
+                                                               self.device)
 
     def _static_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Views of the buffer as a step of `batch` rows sees them (the offsets StepInputs packs)."""

@@ -22,18 +22,13 @@ bucketing and padding run eagerly.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 
 import torch
-from tqdm.auto import tqdm
 
-from tandem.workers.model.attention import AttentionMetadata, KernelTables
-from tandem.workers.runner.cuda_graphs import GraphLayout
-from tandem.workers.runner.step_inputs import MixedTarget, StepInputs, mixed_layout, split_views
-
-logger = logging.getLogger(__name__)
+from tandem.workers.model.attention import AttentionMetadata
+from tandem.workers.runner.cuda_graphs import GraphLayout, capture_buckets, capture_graph
+from tandem.workers.runner.step_inputs import MixedTarget, StepInputs, mixed_layout, mixed_step_views
 
 # (input_ids, positions, meta, logits_index) -> logits [len(logits_index), vocab]
 MixedForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
@@ -93,49 +88,23 @@ class MixedGraphs:
     # ---- capture -------------------------------------------------------------------------------
     def capture(self, pool: tuple[int, int], show_progress: bool = True) -> None:
         """Capture every bucket, largest first, into `pool`; a failure leaves mixed steps eager."""
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        started = time.perf_counter()
-        try:
-            for tokens in tqdm(sorted(self.buckets, reverse=True), desc="capturing mixed-step graphs", unit="graph",
-                               disable=not show_progress, leave=False):
-                self._capture_one(tokens, pool)
-        except Exception as exc:  # a failed capture costs these graphs, not the engine
-            logger.warning("mixed-step graph capture failed (%s: %s); mixed steps run eagerly",
-                           type(exc).__name__, exc)
-            self.graphs.clear()
-            self.logits.clear()
-        torch.cuda.synchronize(self.device)
-        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        logger.info("captured %d mixed-step graphs (%d..%d tokens) in %.1f s, %.0f MiB", len(self.graphs),
-                    self.buckets[0], self.buckets[-1], time.perf_counter() - started, self.memory_bytes / 2**20)
+        captured, self.memory_bytes = capture_buckets(self.buckets, self._capture_one, pool, self.device,
+                                                      "mixed-step", show_progress)
+        if not captured:
+            self.release()
 
     def _capture_one(self, tokens: int, pool: tuple[int, int]) -> None:
         ids, positions, meta, logits_index = self.static_inputs(tokens)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles the kernels and settles cuBLAS's workspace outside the graph
-                self.forward(ids, positions, meta, logits_index)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits[tokens] = self.forward(ids, positions, meta, logits_index)
-        self.graphs[tokens] = graph
+        self.graphs[tokens], self.logits[tokens] = capture_graph(
+            lambda: self.forward(ids, positions, meta, logits_index), pool, self.device)
 
     def static_inputs(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Views of the buffer as a step of the bucket sees them, holding an all-padding step:
         no token writes KV, no row or sequence attends."""
-        d, p, w = self.decodes[tokens], MAX_PREFILLS, self.width
         self.buffer.zero_()
-        ids, positions, slots, logits_index, d_lens, p_lens, q_start, p_tables, _, _, d_tables = split_views(
-            self.buffer, mixed_layout(tokens, d, p, w))
-        slots.fill_(-1)
-        gpu = KernelTables(decode_block_tables=d_tables.view(d, w), decode_seq_lens=d_lens,
-                           num_splits=self.splits[tokens], prefill_block_tables=p_tables.view(p, w),
-                           prefill_seq_lens=p_lens, prefill_query_start=q_start, prefill_max_query_len=tokens,
-                           fixed_layout=True)
-        meta = AttentionMetadata(slot_mapping=slots, num_decodes=0, decode_block_tables=None, decode_seq_lens=None,
-                                 prefills=[], block_size=self.block_size, gpu=gpu)
+        ids, positions, meta, logits_index, _, _ = mixed_step_views(
+            self.buffer, self.target(tokens, 0), self.block_size)
+        meta.slot_mapping.fill_(-1)
         return ids, positions, meta, logits_index
 
     def release(self) -> None:

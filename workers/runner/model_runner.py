@@ -346,7 +346,7 @@ class ModelRunner:
             plain_greedy = self.step_sampler.all_plain_greedy(inputs, self.states)
             if not plain_greedy and self._decodes_sampled_on_device(out, inputs):
                 return self._launch_steps(out, inputs)
-        if inputs.graph_batch is not None or inputs.graph_tokens is not None:
+        if inputs.in_graph:
             logits = self._graph_logits(inputs)
             hidden = None
         else:
@@ -443,7 +443,7 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The bare model on prepared inputs (graph replay for graph steps), logits of the
         scored rows: what benchmarks compare the whole engine step against."""
-        if inputs.graph_batch is not None or inputs.graph_tokens is not None:
+        if inputs.in_graph:
             return self._graph_logits(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_index])

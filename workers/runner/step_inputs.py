@@ -60,6 +60,11 @@ class StepInputs:
     pending_src: torch.Tensor | None = None
 
     @property
+    def in_graph(self) -> bool:
+        """Padded to a graph bucket (decode or mixed): its forward replays that graph."""
+        return self.graph_batch is not None or self.graph_tokens is not None
+
+    @property
     def num_scored(self) -> int:
         return sum(len(rows) for rows in self.logits_rows)
 
@@ -98,6 +103,25 @@ def mixed_layout(tokens: int, decodes: int, prefills: int, width: int) -> list[i
     rows have length 0 and are never read), so the one copy stops at its last decode row."""
     return [tokens, tokens, tokens, decodes + prefills, decodes, prefills, prefills + 1, prefills * width, decodes,
             decodes, decodes * width]
+
+
+def mixed_step_views(buffer: torch.Tensor, target: MixedTarget, block_size: int, decode_lens: list[int] | None = None,
+                     decode_lists: list[list[int]] | None = None, prefills: list[PrefillSeq] | None = None):
+    """A padded mixed step's tensors as views of its buffer (`mixed_layout`): (input_ids,
+    positions, metadata, logits_index, pending dst, pending src), the kernels' tables in the
+    bucket's fixed shapes (`KernelTables.fixed_layout`). `decode_lens`, `decode_lists`,
+    `prefills`: the step's own decodes and prompt chunks, for the host side of the metadata
+    (none for the all-padding step a graph is captured on)."""
+    t, d, p, w = target.tokens, target.decodes, target.prefills, target.width
+    ids, positions, slots, scored, d_lens, p_lens, q_start, p_tables, dst, src, d_tables = split_views(
+        buffer, mixed_layout(t, d, p, w))
+    gpu = KernelTables(decode_block_tables=d_tables.view(d, w), decode_seq_lens=d_lens, num_splits=target.num_splits,
+                       prefill_block_tables=p_tables.view(p, w), prefill_seq_lens=p_lens,
+                       prefill_query_start=q_start, prefill_max_query_len=t, fixed_layout=True)
+    meta = AttentionMetadata(slot_mapping=slots, num_decodes=len(decode_lens or []),
+                             decode_block_tables=decode_lists or None, decode_seq_lens=decode_lens or None,
+                             prefills=prefills or [], block_size=block_size, gpu=gpu)
+    return ids, positions, meta, scored, dst, src
 
 
 class StagingBuffer:
@@ -327,36 +351,25 @@ class InputBuilder:
         sequences have nothing to attend (length 0, empty queries at the end)."""
         t, d, p, w = target.tokens, target.decodes, target.prefills, target.width
         num_tokens, num_decodes, num_prefills = len(input_ids), len(decode_lens), len(prefill_ends)
-        head = np.zeros(3 * t + d + p + d + p + p + 1, dtype=np.int32)
-        head[:num_tokens] = input_ids
-        head[t:t + num_tokens] = positions
-        head[2 * t:3 * t] = -1
-        head[2 * t:2 * t + num_tokens] = slots
-        at = 3 * t
-        head[at:at + len(scored)] = scored
-        at += d + p
-        head[at:at + num_decodes] = decode_lens
-        at += d
-        head[at:at + num_prefills] = prefill_ends
-        at += p
-        head[at:at + p + 1] = num_tokens  # padding sequences: empty queries past the last token
-        head[at:at + num_prefills + 1] = query_start + num_decodes  # offsets among all the step's tokens
-        prefill_tables = np.zeros((p, w), dtype=np.int32)
-        prefill_tables[:num_prefills] = tables[num_decodes:]
-        pending = np.zeros(2 * d, dtype=np.int32)
-        pending[:len(pending_dst)] = pending_dst
-        pending[d:d + len(pending_src)] = pending_src
-        self.staging.upload([head, prefill_tables.reshape(-1), pending, tables[:num_decodes].reshape(-1)],
-                            target.buffer)
-        d_ids, d_pos, d_slots, d_scored, d_lens, p_lens, q_start, p_tables, d_dst, d_src, d_tables = split_views(
-            target.buffer, mixed_layout(t, d, p, w))
-        gpu = KernelTables(decode_block_tables=d_tables.view(d, w), decode_seq_lens=d_lens,
-                           num_splits=target.num_splits, prefill_block_tables=p_tables.view(p, w),
-                           prefill_seq_lens=p_lens, prefill_query_start=q_start, prefill_max_query_len=t,
-                           fixed_layout=True)
-        meta = AttentionMetadata(slot_mapping=d_slots, num_decodes=num_decodes,
-                                 decode_block_tables=decode_lists or None, decode_seq_lens=decode_lens or None,
-                                 prefills=prefills, block_size=self.block_size, gpu=gpu)
+        sizes = mixed_layout(t, d, p, w)
+        image = np.zeros(sum(sizes[:-1]), dtype=np.int32)  # all but the decode tables, copied row by row
+        h_ids, h_pos, h_slots, h_scored, h_lens, h_ends, h_qstart, h_tables, h_dst, h_src = split_views(
+            image, sizes[:-1])
+        h_ids[:num_tokens] = input_ids
+        h_pos[:num_tokens] = positions
+        h_slots[:] = -1
+        h_slots[:num_tokens] = slots
+        h_scored[:len(scored)] = scored
+        h_lens[:num_decodes] = decode_lens
+        h_ends[:num_prefills] = prefill_ends
+        h_qstart[:] = num_tokens  # padding sequences: empty queries past the last token
+        h_qstart[:num_prefills + 1] = query_start + num_decodes  # offsets among all the step's tokens
+        h_tables.reshape(p, w)[:num_prefills] = tables[num_decodes:]
+        h_dst[:len(pending_dst)] = pending_dst
+        h_src[:len(pending_src)] = pending_src
+        self.staging.upload([image, tables[:num_decodes].reshape(-1)], target.buffer)
+        d_ids, d_pos, meta, d_scored, d_dst, d_src = mixed_step_views(
+            target.buffer, target, self.block_size, decode_lens, decode_lists, prefills)
         return d_ids, d_pos, meta, d_scored, d_dst[:len(pending_dst)], d_src[:len(pending_src)]
 
     def _metadata(self, num_decodes: int, decode_lens: list[int], decode_lists: list[list[int]],
@@ -402,7 +415,8 @@ def advance_decodes(inputs: StepInputs, tokens: torch.Tensor, block_size: int) -
     inputs.meta.slot_mapping[:n] = blocks * block_size + positions % block_size
 
 
-def split_views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+def split_views(flat, sizes: list[int]) -> list:
+    """`flat` (a tensor or a numpy array) cut into consecutive views of `sizes`."""
     views, offset = [], 0
     for size in sizes:
         views.append(flat[offset:offset + size])
