@@ -10,7 +10,8 @@ steps overlapped (as on CUDA), a device step can hide at most its own duration o
 host ms per step is the floor of the step time, and `1000 * batch / host ms` the most
 output tokens a second the engine can give at that batch, whatever the device. Medians
 over the decode steps of one `LLM.generate` per batch (prompts of 256 tokens, 129 output
-tokens each), best of `--repeats`. With
+tokens each), best of `--repeats`; beside the median, the mean (which counts the garbage
+collector's pauses) and the pauses' share of it. With
 `--num-scheduler-steps K` (multi-step decoding) a step runs K forward passes, and the figure
 is per pass: the host's work per token of every request. With `--temperature T` every request
 samples instead of decoding greedily (unseeded; `--seeded`: each request seeded by its index,
@@ -24,14 +25,17 @@ on CPU the host work measured is the work a CUDA step costs, on this machine's c
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tandem.bench.gc_pauses import GcPauses
 from tandem.workers import LLM, SamplingParams
 from tandem.workers.kernels import gpu_kernels
 from tandem.workers.runner.model_runner import ModelRunner
@@ -62,10 +66,22 @@ def null_model(llm: LLM) -> int:
     return token
 
 
+@dataclass(frozen=True)
+class HostStep:
+    """One batch's host time per decode token of every request, from the repeat with the lowest
+    median: `median_s`; `mean_s` counts the collector's pauses, which a median steps over;
+    `gc_s` the pauses' share of `mean_s`; `oldest_collections` of the whole run."""
+
+    median_s: float
+    mean_s: float
+    gc_s: float
+    oldest_collections: int
+
+
 def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: int = 256,
-            max_tokens: int = 129, temperature: float = 0.0, seeded: bool = False) -> float:
-    """Median host seconds per decode token of every request at this batch (best of `repeats`
-    runs): a step's time over its forward passes (several with multi-step decoding)."""
+            max_tokens: int = 129, temperature: float = 0.0, seeded: bool = False) -> HostStep:
+    """Host seconds per decode token of every request at this batch (best of `repeats` runs):
+    a step's time over its forward passes (several with multi-step decoding)."""
     engine = llm.engine
     times: list[float] = []
     passes: list[int] = []
@@ -89,21 +105,26 @@ def measure(llm: LLM, batch: int, repeats: int, output_kind: str, prompt_len: in
     prompts = [{"prompt_token_ids": list(range(10 + i % 7, 10 + prompt_len))} for i in range(batch)]
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i if seeded else None,
                              ignore_eos=True, output_kind=output_kind) for i in range(batch)]
-    best = float("inf")
+    best: HostStep | None = None
     try:
         for _ in range(repeats):
             times.clear()
             passes.clear()
-            if output_kind == "final":
-                llm.generate(prompts, params, use_tqdm=False)
-            else:
-                _run_streaming(llm, prompts, params)
+            with GcPauses() as pauses:
+                if output_kind == "final":
+                    llm.generate(prompts, params, use_tqdm=False)
+                else:
+                    _run_streaming(llm, prompts, params)
             # Every call launches one step (the first the prefill, left out with the one after).
             per_pass = [t / n for t, n in zip(times[2:], passes[2:])]
-            best = min(best, statistics.median(per_pass))
+            run = HostStep(statistics.median(per_pass), statistics.fmean(per_pass),
+                           pauses.total_s / sum(passes), pauses.oldest_collections)
+            if best is None or run.median_s < best.median_s:
+                best = run
     finally:
         engine.step = step
         engine.scheduler.schedule = schedule
+    assert best is not None
     return best
 
 
@@ -147,26 +168,36 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="every request samples at this temperature (default 0: greedy)")
     parser.add_argument("--seeded", action="store_true", help="with --temperature: request i has seed i")
+    parser.add_argument("--thaw-startup-heap", action="store_true",
+                        help="A/B: the collector walks the engine's start-up heap again (workers/startup_heap.py)")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     llm = _cuda_like_llm(args.model, args.device, max(batches), args.num_scheduler_steps)
     null_model(llm)
+    if args.thaw_startup_heap:
+        gc.unfreeze()
     results = []
     for batch in batches:
-        seconds = measure(llm, batch, args.repeats, args.output_kind, args.prompt_len, args.max_tokens,
-                          args.temperature, args.seeded)
+        host = measure(llm, batch, args.repeats, args.output_kind, args.prompt_len, args.max_tokens,
+                       args.temperature, args.seeded)
+        seconds = host.median_s
         results.append({"batch": batch, "host_ms_per_step": round(seconds * 1e3, 4),
                         "host_us_per_request": round(seconds * 1e6 / batch, 2),
-                        "max_tok_s": round(batch / seconds)})
+                        "max_tok_s": round(batch / seconds),
+                        "host_ms_per_step_mean": round(host.mean_s * 1e3, 4),
+                        "gc_ms_per_step": round(host.gc_s * 1e3, 4), "gc_oldest_collections": host.oldest_collections})
         print(f"batch {batch:4d}: {seconds * 1e3:7.3f} ms/step on the host, {seconds * 1e6 / batch:6.2f} us a request, "
-              f"at most {batch / seconds:9,.0f} tok/s", flush=True)
+              f"at most {batch / seconds:9,.0f} tok/s; mean {host.mean_s * 1e3:.3f} ms/step with "
+              f"{host.gc_s * 1e3:.3f} ms of collections ({host.oldest_collections} of the oldest generation)",
+              flush=True)
     llm.shutdown()
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": args.device, "output_kind": args.output_kind,
                        "num_scheduler_steps": args.num_scheduler_steps, "temperature": args.temperature,
-                       "seeded": args.seeded, "results": results}, f, indent=2)
+                       "seeded": args.seeded, "startup_heap_frozen": not args.thaw_startup_heap,
+                       "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@ kernels, from one more tandem pass of the same request set under the profiler
 gaps between kernels by size, the largest gaps) and which kernels took its time
 (`gpu_kernel_table`); `gpu_busy_unprofiled` sets that pass's kernel time against the fastest
 timed (unprofiled) run, since the profiler adds host time per launch. Null on CPU.
+
+On every device, `host_gc_ms` is how long the garbage collector stopped the host in a tandem
+run (median over repeats), `host_gc_longest_ms` its longest pause and
+`host_gc_oldest_collections` how many collections walked the oldest generation (`gc_pauses.py`).
 """
 
 from __future__ import annotations
@@ -146,6 +150,10 @@ def _figures(spec: WorkloadSpec, requests: list[BenchRequest], systems: Systems,
         fig[f"{name}_elapsed_s"] = median(r.elapsed_s for r in runs)
         fig[f"{name}_mfu"] = median(flops / r.elapsed_s / p for r, p in zip(runs, peaks, strict=True))
     fig["mfu"] = fig["tandem_mfu"]
+    # The host stops for each collection, and the device waits for the host's next launch.
+    fig["host_gc_ms"] = median(r.gc.total_s for r in results["tandem"]) * 1e3
+    fig["host_gc_longest_ms"] = max(r.gc.longest_s for r in results["tandem"]) * 1e3
+    fig["host_gc_oldest_collections"] = max(r.gc.oldest_collections for r in results["tandem"])
     fig["mfu_lm_head_every_token"] = median(flops_all_logits / r.elapsed_s / p
                                             for r, p in zip(results["tandem"], peaks, strict=True))
     for name in ("hf_static", "hf_sequential"):
@@ -168,6 +176,9 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
         ("throughput_ratio_vs_hf_sequential", fig["throughput_ratio_vs_hf_sequential"], "x"),
         ("peak_matmul_flops", fig["peak_matmul_flops"] / 1e9, "GFLOP/s"),
         ("mfu", fig["mfu"], "tandem"),
+        ("host_gc_ms", fig["host_gc_ms"],
+         f"ms of collections in a tandem run (longest {fig['host_gc_longest_ms']:.1f}, "
+         f"{fig['host_gc_oldest_collections']} of the oldest generation)"),
         ("gpu_busy", fig["gpu_busy"], "of tandem's wall time in kernels"),
         ("gpu_busy_unprofiled", fig["gpu_busy_unprofiled"], "the same kernel time over the fastest timed run"),
         ("gpu_idle_edges_ms", fig["gpu_idle_edges_ms"], "ms before the first kernel and after the last"),

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from tandem.bench.gc_pauses import GcPauses
 from tandem.bench.workload import BenchRequest
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.device_peaks import sync
@@ -39,6 +40,7 @@ class TandemRun:
     decode_s: float = 0.0
     decode_tokens: int = 0
     decode_inputs: list[Any] = field(default_factory=list)  # StepInputs of pure-decode steps (if recorded)
+    gc: GcPauses = field(default_factory=GcPauses)  # the collector's pauses during the run
 
     @property
     def time_per_decode_token_s(self) -> float:
@@ -96,7 +98,7 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
                disable=not show_progress)
     result = TandemRun(0.0, 0)
     decode_start = None
-    with _StepCapture(engine.executor.runner) as capture:
+    with _StepCapture(engine.executor.runner) as capture, result.gc:
         start = time.perf_counter()
         for request_id, req in zip(ids, requests):
             # As LLM.generate asks: one output per request, when it finishes.

@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ from tandem.workers.executor import Executor, UniProcExecutor
 from tandem.workers.model.cost import ModelCost
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.spec.policy import SpeculationPolicy
+from tandem.workers.startup_heap import StartupHeap
 from tandem.workers.text.output_processor import OutputProcessor, RequestState
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class GroupEngine:
         # At most two, and two only inside step() while one is scheduled ahead.
         self._in_flight: deque[tuple[Any, PendingOutput, float]] = deque()
         self._failed_outputs: list[RequestOutput] = []
+        self.startup_heap: StartupHeap | None = None  # frozen once the group is assembled (llm.py)
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -435,9 +438,11 @@ class GroupEngine:
                                             "kv_blocks_cached", "kv_usage")}
 
     def shutdown(self) -> None:
-        if self.proposer is not None and hasattr(self.proposer, "shutdown"):
-            self.proposer.shutdown()  # a shared draft: detach (the last group ends it)
-        self.executor.shutdown()
+        heap, self.startup_heap = self.startup_heap, None
+        with heap.released() if heap is not None else nullcontext():
+            if self.proposer is not None and hasattr(self.proposer, "shutdown"):
+                self.proposer.shutdown()  # a shared draft: detach (the last group ends it)
+            self.executor.shutdown()
 
 
 def _keep_leader_figures(state: RequestState, leader: Request) -> None:

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import RequestOutput, SamplingParams
 from tandem.workers.engine import GroupEngine, Prompt
+from tandem.workers.startup_heap import StartupHeap
 from tandem.workers.text.tokenizer import apply_chat_template
 
 
@@ -68,6 +69,7 @@ def _assemble(config: EngineConfig, hf_config, tokenizer, executor, model_dir: s
         raise
     if config.cache.host_kv_cache_memory:
         engine.enable_host_tier(config.cache.host_kv_cache_memory)
+    engine.startup_heap = StartupHeap()  # start-up is over: its objects leave the collector's walks
     return engine
 
 

@@ -34,6 +34,8 @@ def test_offline(tmp_path: Path) -> None:
         assert fig[key] > 0, key
     assert fig["throughput_ratio_vs_hf_static"] == pytest.approx(
         fig["tandem_output_tok_s"] / fig["hf_static_output_tok_s"])
+    # One repeat: its longest collection is part of its total.
+    assert 0 <= fig["host_gc_longest_ms"] <= fig["host_gc_ms"] and fig["host_gc_oldest_collections"] >= 0
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 

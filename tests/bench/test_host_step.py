@@ -19,21 +19,24 @@ def test_reports_host_time_per_batch(llama_dir: str, tmp_path: Path, monkeypatch
                                      temperature: str) -> None:
     graph_mode = ModelRunner._graph_mode
     out = tmp_path / "host.json"
+    thaw = ["--thaw-startup-heap"] if kind == "delta" else []  # the A/B's other arm, on one case
     monkeypatch.setattr(sys, "argv", ["host_step", llama_dir, "--batches", "1,3", "--repeats", "1",
                                       "--prompt-len", "20", "--max-tokens", "9", "--output-kind", kind,
-                                      "--temperature", temperature, "--output-json", str(out)])
+                                      "--temperature", temperature, "--output-json", str(out), *thaw])
     host_step.main()
     assert ModelRunner._graph_mode is graph_mode  # the CUDA-like set-up does not leak
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch")]
     assert [line.split(":")[0] for line in lines] == ["batch    1", "batch    3"]
     figures = json.loads(out.read_text())
     assert (figures["output_kind"], figures["temperature"]) == (kind, float(temperature))
+    assert figures["startup_heap_frozen"] is not thaw
     assert [r["batch"] for r in figures["results"]] == [1, 3]
     for r in figures["results"]:
         assert r["host_ms_per_step"] > 0
         # Both figures are rounded (to a token a second, to 0.1 us): a slow step's few hundred
         # tokens a second are off by up to half a token.
         assert r["max_tok_s"] == pytest.approx(r["batch"] * 1e3 / r["host_ms_per_step"], rel=1e-3, abs=0.51)
+        assert r["host_ms_per_step_mean"] > 0 and r["gc_ms_per_step"] >= 0 and r["gc_oldest_collections"] >= 0
 
 
 def test_graph_buckets_and_kernel_tables_on_cpu(llama_dir: str) -> None:

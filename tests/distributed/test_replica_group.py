@@ -65,6 +65,8 @@ def test_greedy_equals_transformers(ray_local, case: str) -> None:
         info = [w for w in _describe(llm)]
         assert {w["num_kv_blocks"] for w in info} == {engine.pool.num_blocks}
         _check_shards(info, model_spec, tp, pp)
+        # Every worker froze what its start-up left, out of the collector's walks while it serves.
+        assert all(w["startup_heap_frozen"] and w["gc_frozen_objects"] > 0 for w in info)
         # TP collectives go through shared memory unless turned off (one node here).
         expected_comm = "gloo" if options.get("shm_collectives") is False else "shm"
         assert [w.get("tp_comm") for w in info] == [expected_comm if tp > 1 else None] * (tp * pp)

@@ -1,10 +1,12 @@
-"""What an `LLM` holds goes back when it is shut down, or as soon as nothing refers to it."""
+"""What an `LLM` holds goes back when it is shut down, or as soon as nothing refers to it; while
+it serves, what its start-up left stays out of the garbage collector's walks."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
+from tandem.workers import startup_heap
 from tandem.workers.llm import LLM
 
 
@@ -26,3 +28,43 @@ def test_shutdown_releases_and_may_be_called_again(llama_dir: str) -> None:
     llm.shutdown()
     assert runner.model is None and llm.engine.executor.runner is None
     llm.shutdown()
+
+
+def _tracked(obj: object) -> bool:
+    """Whether a collection of the oldest generation would walk `obj` (frozen objects are not
+    among gc.get_objects())."""
+    return any(o is obj for o in gc.get_objects())
+
+
+def test_an_engine_serves_with_its_startup_heap_frozen(llama_dir: str) -> None:
+    before = startup_heap.holders()
+    llm = LLM(llama_dir, num_kv_blocks=16)
+    model = llm.engine.executor.runner.model
+    assert startup_heap.holders() == before + 1 and gc.get_freeze_count() > 0
+    assert not _tracked(model) and not _tracked(llm.engine.scheduler)
+    llm.generate([[5, 6, 7]], use_tqdm=False)  # serving's own objects are walked as usual
+    assert not _tracked(model)
+    del model
+    llm.shutdown()
+    assert startup_heap.holders() == before
+    if before == 0:
+        assert gc.get_freeze_count() == 0
+
+
+def test_an_engine_shut_down_beside_another_gives_back_what_its_cycles_held(llama_dir: str) -> None:
+    first = LLM(llama_dir, num_kv_blocks=16)
+    model = first.engine.executor.runner.model
+    model.cycle = [model]  # only a collection frees it once the runner lets go
+    ref = weakref.ref(model)
+    del model
+    second = LLM(llama_dir, num_kv_blocks=16)  # freezes the first's cycle along with its own start-up
+    holders = startup_heap.holders()
+    first.shutdown()
+    # The heap thawed while the first let go, so its cycle was collected, and froze again for
+    # the second, which still serves.
+    assert ref() is None
+    assert startup_heap.holders() == holders - 1 and gc.get_freeze_count() > 0
+    assert not _tracked(second.engine.executor.runner.model)
+    out = second.generate([[5, 6, 7]], use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) > 0
+    second.shutdown()

@@ -16,6 +16,7 @@ stage returns the step's RunnerOutput; the others return None.
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -27,6 +28,7 @@ from tandem.workers.core.scheduler_output import RunnerOutput, SchedulerOutput
 from tandem.workers.distributed.parallel import ParallelContext, init_groups
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.runner.model_runner import ModelRunner
+from tandem.workers.startup_heap import StartupHeap
 
 # Beyond this a step's activations go through gloo: the ring holds 2 x chunks slots per
 # rank in /dev/shm, which containers often keep small.
@@ -59,6 +61,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.ctx: ParallelContext | None = None
         self.runner: ModelRunner | None = None
+        self.startup_heap: StartupHeap | None = None
 
     # ---- set-up (called once each, in this order, by RayExecutor) ---------------------------------
     def describe(self) -> dict[str, Any]:
@@ -69,7 +72,8 @@ class Worker:
             "rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
             "ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "device": str(self.device),
             "num_threads": torch.get_num_threads(), "gpu_ids": ray.get_gpu_ids(),
-            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "startup_heap_frozen": self.startup_heap is not None, "gc_frozen_objects": gc.get_freeze_count()}
         if self.ctx is not None and self.ctx.tp_size > 1:  # which transport the TP collectives take
             info["tp_comm"] = "nccl" if self.device.type == "cuda" else "shm" if self.ctx.shm else "gloo"
         if self.runner is not None and self.runner.model is not None:
@@ -99,6 +103,9 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
+        # The last set-up step: what start-up left stays out of the collector's walks for the
+        # worker's life (its process ends with the group, so nothing thaws it).
+        self.startup_heap = StartupHeap()
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
