@@ -37,6 +37,7 @@ import torch
 
 from tandem.bench.gc_pauses import GcPauses
 from tandem.workers import LLM, SamplingParams
+from tandem.workers.config import CacheConfig
 from tandem.workers.kernels import gpu_kernels
 from tandem.workers.runner.model_runner import ModelRunner
 
@@ -137,12 +138,21 @@ def _run_streaming(llm: LLM, prompts: list[dict], params: list[SamplingParams]) 
         engine.step()
 
 
-def _cuda_like_llm(model: str, device: str, max_num_seqs: int, num_scheduler_steps: int = 1) -> LLM:
-    """An engine that takes CUDA's host path on any device: the Triton backend's tables and
-    decode steps padded to graph buckets, but nothing captured, so the null model's forward
-    is what runs (on CUDA a captured graph would replay the real one)."""
+def _cuda_like_llm(model: str, device: str, max_num_seqs: int, num_scheduler_steps: int = 1,
+                   max_context: int | None = None) -> LLM:
+    """An engine that takes CUDA's host path on any device: the Triton backend's tables,
+    decode steps padded to graph buckets and the start-up heap frozen, but nothing captured,
+    so the null model's forward is what runs (on CUDA a captured graph would replay the real
+    one). On CPU the cache holds
+    `max_num_seqs` requests of `max_context` tokens at once, as half a GPU does: CPU's default
+    256 MiB would preempt, and a step would then hold fewer requests than the batch it is
+    reported under."""
     options = dict(device=device, max_num_seqs=max_num_seqs, overlap_steps=True, attention_backend="triton",
-                   gpu_memory_utilization=0.5, num_scheduler_steps=num_scheduler_steps)
+                   gpu_memory_utilization=0.5, num_scheduler_steps=num_scheduler_steps, freeze_startup_heap=True)
+    if device == "cpu" and max_context is not None:
+        block_size = CacheConfig.block_size
+        # A block more a request: lookahead slots and the block a step's new token may open.
+        options["num_kv_blocks"] = max_num_seqs * (-(-max_context // block_size) + 1)
     if device == "cpu":  # its kernels never run: TRITON_INTERPRET only passes the backend's check
         os.environ.setdefault("TRITON_INTERPRET", "1")
     graph_mode = ModelRunner._graph_mode
@@ -173,7 +183,8 @@ def main() -> None:
     parser.add_argument("--output-json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    llm = _cuda_like_llm(args.model, args.device, max(batches), args.num_scheduler_steps)
+    llm = _cuda_like_llm(args.model, args.device, max(batches), args.num_scheduler_steps,
+                         args.prompt_len + args.max_tokens)
     null_model(llm)
     if args.thaw_startup_heap:
         gc.unfreeze()

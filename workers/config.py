@@ -48,6 +48,13 @@ class ModelConfig:
     # Prepare and launch step N+1 before turning step N's tokens into text, so the host's work
     # overlaps the device's; None = on CUDA (on CPU both compete for the same cores).
     overlap_steps: bool | None = None
+    # Freeze what start-up left out of the garbage collector's walks while the engine serves
+    # (workers/startup_heap.py); None = on CUDA, where a collection's pause idles the GPU (on
+    # CPU every start would pay a full collection for pauses its slower steps barely notice).
+    freeze_startup_heap: bool | None = None
+
+    def freezes_startup_heap(self, device_type: str) -> bool:
+        return self.freeze_startup_heap if self.freeze_startup_heap is not None else device_type == "cuda"
 
     def __post_init__(self) -> None:
         require_field(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")

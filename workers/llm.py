@@ -69,7 +69,8 @@ def _assemble(config: EngineConfig, hf_config, tokenizer, executor, model_dir: s
         raise
     if config.cache.host_kv_cache_memory:
         engine.enable_host_tier(config.cache.host_kv_cache_memory)
-    engine.startup_heap = StartupHeap()  # start-up is over: its objects leave the collector's walks
+    if config.model.freezes_startup_heap(getattr(executor, "device_type", "cpu")):
+        engine.startup_heap = StartupHeap()  # start-up is over: its objects leave the collector's walks
     return engine
 
 

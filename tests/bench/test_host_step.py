@@ -42,7 +42,8 @@ def test_reports_host_time_per_batch(llama_dir: str, tmp_path: Path, monkeypatch
 def test_graph_buckets_and_kernel_tables_on_cpu(llama_dir: str) -> None:
     """The measured engine takes CUDA's host path: decode steps padded into the graph buffer,
     the Triton backend's tables, steps scheduled ahead of their tokens."""
-    llm = host_step._cuda_like_llm(llama_dir, "cpu", 4)
+    llm = host_step._cuda_like_llm(llama_dir, "cpu", 4, max_context=25)
+    assert llm.engine.pool.num_blocks == 4 * 3  # 25 tokens: two blocks of 16, and one for the step ahead
     token = host_step.null_model(llm)
     # A plain text token: a skipped special one would grow streaming's detokenizer window.
     assert token not in llm.tokenizer.all_special_ids and llm.tokenizer.decode([token]).strip()
@@ -58,6 +59,7 @@ def test_graph_buckets_and_kernel_tables_on_cpu(llama_dir: str) -> None:
 
     runner.builder.build = spy
     host_step.measure(llm, 3, 1, "final", prompt_len=20, max_tokens=5)
+    assert llm.engine.scheduler.num_preemptions == 0  # every step holds the whole batch
     assert seen[0] == (None, False)  # the prefill
     assert seen[-1] == (4, True)  # 3 decodes pad to the bucket of 4, their tokens still on the device
     [out] = llm.generate([{"prompt_token_ids": list(range(10, 30))}],

@@ -7,6 +7,7 @@ import gc
 import weakref
 
 from tandem.workers import startup_heap
+from tandem.workers.config import ModelConfig
 from tandem.workers.llm import LLM
 
 
@@ -38,7 +39,7 @@ def _tracked(obj: object) -> bool:
 
 def test_an_engine_serves_with_its_startup_heap_frozen(llama_dir: str) -> None:
     before = startup_heap.holders()
-    llm = LLM(llama_dir, num_kv_blocks=16)
+    llm = LLM(llama_dir, num_kv_blocks=16, freeze_startup_heap=True)  # the default on CUDA
     model = llm.engine.executor.runner.model
     assert startup_heap.holders() == before + 1 and gc.get_freeze_count() > 0
     assert not _tracked(model) and not _tracked(llm.engine.scheduler)
@@ -52,12 +53,13 @@ def test_an_engine_serves_with_its_startup_heap_frozen(llama_dir: str) -> None:
 
 
 def test_an_engine_shut_down_beside_another_gives_back_what_its_cycles_held(llama_dir: str) -> None:
-    first = LLM(llama_dir, num_kv_blocks=16)
+    first = LLM(llama_dir, num_kv_blocks=16, freeze_startup_heap=True)
     model = first.engine.executor.runner.model
     model.cycle = [model]  # only a collection frees it once the runner lets go
     ref = weakref.ref(model)
     del model
-    second = LLM(llama_dir, num_kv_blocks=16)  # freezes the first's cycle along with its own start-up
+    # Its freeze takes the first's cycle along with its own start-up.
+    second = LLM(llama_dir, num_kv_blocks=16, freeze_startup_heap=True)
     holders = startup_heap.holders()
     first.shutdown()
     # The heap thawed while the first let go, so its cycle was collected, and froze again for
@@ -68,3 +70,13 @@ def test_an_engine_shut_down_beside_another_gives_back_what_its_cycles_held(llam
     out = second.generate([[5, 6, 7]], use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) > 0
     second.shutdown()
+
+
+def test_on_cpu_the_heap_is_left_to_the_collector_unless_asked(llama_dir: str) -> None:
+    before = startup_heap.holders()
+    llm = LLM(llama_dir, num_kv_blocks=16)
+    assert llm.engine.startup_heap is None and startup_heap.holders() == before
+    assert _tracked(llm.engine.scheduler)
+    llm.shutdown()
+    assert ModelConfig().freezes_startup_heap("cuda") and not ModelConfig().freezes_startup_heap("cpu")
+    assert not ModelConfig(freeze_startup_heap=False).freezes_startup_heap("cuda")

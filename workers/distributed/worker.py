@@ -103,9 +103,10 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
-        # The last set-up step: what start-up left stays out of the collector's walks for the
-        # worker's life (its process ends with the group, so nothing thaws it).
-        self.startup_heap = StartupHeap()
+        if self.config.model.freezes_startup_heap(self.device.type):
+            # The last set-up step: what start-up left stays out of the collector's walks for
+            # the worker's life (its process ends with the group, so nothing thaws it).
+            self.startup_heap = StartupHeap()
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
