@@ -71,7 +71,7 @@ def null_model(llm: LLM) -> int:
 class HostStep:
     """One batch's host time per decode token of every request, from the repeat with the lowest
     median: `median_s`; `mean_s` counts the collector's pauses, which a median steps over;
-    `gc_s` the pauses' share of `mean_s`; `oldest_collections` of the whole run."""
+    `gc_s` the collections' time over the run's forward passes; `oldest_collections` in the run."""
 
     median_s: float
     mean_s: float
@@ -143,18 +143,16 @@ def _cuda_like_llm(model: str, device: str, max_num_seqs: int, num_scheduler_ste
     """An engine that takes CUDA's host path on any device: the Triton backend's tables,
     decode steps padded to graph buckets and the start-up heap frozen, but nothing captured,
     so the null model's forward is what runs (on CUDA a captured graph would replay the real
-    one). On CPU the cache holds
-    `max_num_seqs` requests of `max_context` tokens at once, as half a GPU does: CPU's default
-    256 MiB would preempt, and a step would then hold fewer requests than the batch it is
-    reported under."""
+    one). On CPU the cache holds `max_num_seqs` requests of `max_context` tokens at once, as
+    half a GPU does: CPU's default 256 MiB would preempt, and a step would then hold fewer
+    requests than the batch it is reported under."""
     options = dict(device=device, max_num_seqs=max_num_seqs, overlap_steps=True, attention_backend="triton",
                    gpu_memory_utilization=0.5, num_scheduler_steps=num_scheduler_steps, freeze_startup_heap=True)
-    if device == "cpu" and max_context is not None:
-        block_size = CacheConfig.block_size
-        # A block more a request: lookahead slots and the block a step's new token may open.
-        options["num_kv_blocks"] = max_num_seqs * (-(-max_context // block_size) + 1)
-    if device == "cpu":  # its kernels never run: TRITON_INTERPRET only passes the backend's check
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # its kernels never run: it only passes the backend's check
+        if max_context is not None:
+            # A block more a request: lookahead slots and the block a step's new token may open.
+            options["num_kv_blocks"] = max_num_seqs * (-(-max_context // CacheConfig.block_size) + 1)
     graph_mode = ModelRunner._graph_mode
     ModelRunner._graph_mode = lambda self: "eager"
     try:
