@@ -10,8 +10,10 @@ With num_splits == 1 stage 1 writes `out` directly and stage 2 is skipped.
 With ROPE (`DecodeRope`), stage 1 also applies RoPE and writes the step's K/V: each program
 rotates its G query heads as it loads them, and the split holding the row's new position
 writes the rotated key and the value to their slot before it reads any key. A decode layer's
-attention is then one launch where it would be two (RoPE + KV write, then attention), and the
-bits are the same (`_rotate_and_write_new_kv`).
+attention is then one launch where it would be two (RoPE + KV write, then attention). q and
+the cache get the same bits as the two launches give (`_rotate_and_write_new_kv`); the output
+agrees to the last bit of its dtype, not always to the bit: on a GPU the two are different
+programs, whose FMA contractions and dot layouts round the softmax differently.
 
 Scores live in the log2 domain (scale * log2(e) folded into the exp2 argument, one FMA per
 score) so the softmax uses exp2, a single MUFU instruction on NVIDIA GPUs.
@@ -98,8 +100,8 @@ def _rotate_and_write_new_kv(q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_
     hold the row's new position (seq_len - 1), the rotated key and the value of its KV head
     written to their cache slot (slot < 0: a padding row, nothing written) before any key is
     read. Both rotate through `rotated_heads`, as `rope_write_kv` does, so q and the cache get
-    the same bits as that launch followed by a plain decode. HEAD_DIM == BLOCK_D (a power of
-    two): the two rotated halves are joined into one tile."""
+    the same bits as that launch does. HEAD_DIM == BLOCK_D (a power of two): the two rotated
+    halves are joined into one tile."""
     HALF: tl.constexpr = BLOCK_D // 2
     pos = tl.load(pos_ptr + b64).to(tl.int64)
     cos_lo, sin_lo, cos_hi, sin_hi = rope_row(cos_ptr, sin_ptr, pos, stride_rope, HALF, HALF)
@@ -277,6 +279,9 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.shape[2] == head_dim and key_cache.stride(2) == 1
+    # tl.dot takes one dtype on a GPU (the interpreter does not check): the engine's cache is
+    # always in the model's dtype.
+    assert key_cache.dtype == query.dtype, f"cache dtype {key_cache.dtype} is not the query's {query.dtype}"
     assert out.shape == query.shape and out.stride(2) == 1
     assert block_size >= 1 and block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert num_splits >= 1

@@ -166,6 +166,8 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.shape[2] == head_dim and key_cache.stride(2) == 1
+    # tl.dot takes one dtype on a GPU (the interpreter does not check).
+    assert key_cache.dtype == query.dtype, f"cache dtype {key_cache.dtype} is not the query's {query.dtype}"
     assert out.shape == query.shape and out.stride(2) == 1
     assert query_start_loc.shape[0] == num_seqs + 1
     assert block_size >= 1 and block_size & (block_size - 1) == 0, "block_size must be a power of two"
