@@ -14,11 +14,14 @@ gap of hundreds of microseconds is a step's host work the device waited for.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
+from tandem.bench.host_timeline import PARTS, HostTimeline, Interval, attribute_gaps, flat_segments
 from tandem.bench.report import Figures
 from tandem.workers.device_peaks import sync
 
@@ -98,28 +101,98 @@ def kernel_table(kernels: Iterable[tuple[str, float, float]], num_passes: int = 
             for name, (count, ns) in rows]
 
 
-def profiled_gpu_figures(run: Callable[[], object], device: torch.device, num_passes: int = 1) -> Figures:
+def profiled_gpu_figures(run: Callable[[], object], device: torch.device, num_passes: int = 1,
+                         engine: Any = None) -> Figures:
     """Run `run()` once under the profiler: `gpu_busy` (the fraction of its wall time the GPU
     spent in kernels), `gpu_kernels` (how many ran), where it idled (`idle_figures`), the
     kernels that took the time (`gpu_kernel_table`, launches per one of `num_passes` passes) and
     `gpu_profiled_wall_ms` (the profiler adds host time per launch, so a caller can set it
-    against the same work unprofiled)."""
+    against the same work unprofiled). With the `engine` that `run` drives, its host work is
+    recorded too (`HostTimeline`) and the gaps are set against it (`host_figures`; `gpu_host_clock`
+    says how the two clocks were lined up), and the caching allocator's device calls in the pass
+    are counted (`allocator_figures`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
+    timeline = HostTimeline(engine) if engine is not None else None
+    allocator = torch.cuda.memory_stats(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        marks = [_marked_sync(device)]  # host-clock bounds of a cudaDeviceSynchronize: the clocks' offset
+        epoch_offset = time.time_ns() - time.perf_counter_ns()
         start = time.perf_counter_ns()
-        run()
+        with timeline or contextlib.nullcontext():
+            run()
         sync(device)
         wall_ns = time.perf_counter_ns() - start
+        marks.append(_marked_sync(device))
     # The raw events: building the profiler's FunctionEvents for ~10^6 kernels takes minutes.
     events = prof.profiler.kineto_results.events()
     named = [(e.name(), e.start_ns(), e.end_ns()) for e in events
              if e.device_type() == DeviceType.CUDA and not e.name().startswith(_NOT_KERNELS)]
     kernels = [(start, end) for _, start, end in named]
-    return {"gpu_busy": busy_fraction(kernels, wall_ns), "gpu_kernels": len(kernels), **idle_figures(kernels, wall_ns),
-            "gpu_kernel_table": kernel_table(named, num_passes), "gpu_profiled_wall_ms": wall_ns / 1e6}
+    fig = {"gpu_busy": busy_fraction(kernels, wall_ns), "gpu_kernels": len(kernels),
+           **idle_figures(kernels, wall_ns), "gpu_kernel_table": kernel_table(named, num_passes),
+           "gpu_profiled_wall_ms": wall_ns / 1e6, **allocator_figures(allocator, torch.cuda.memory_stats(device))}
+    if timeline is not None:
+        syncs = sorted(e.start_ns() for e in events
+                       if e.device_type() == DeviceType.CPU and e.name() == "cudaDeviceSynchronize")
+        offset, clock = clock_offset(marks, syncs), "synchronize"
+        if offset is None:  # the profiler's events carry Unix-epoch times (kineto's clock)
+            offset, clock = epoch_offset, "epoch"
+        fig.update(host_figures(kernels, timeline.intervals, offset), gpu_host_clock=clock)
+    return fig
+
+
+def _marked_sync(device: torch.device) -> tuple[int, int]:
+    before = time.perf_counter_ns()
+    sync(device)
+    return before, time.perf_counter_ns()
+
+
+def clock_offset(marks: list[tuple[int, int]], syncs: list[int]) -> float | None:
+    """The profiler's clock minus perf_counter's, from the first and last cudaDeviceSynchronize
+    the profiler saw (`syncs`, its clock) and the host-clock bounds of the calls that made them
+    (`marks`): the mean of the two estimates, or None when they are missing or disagree by more
+    than 100 us (the clocks are not one clock moved by a constant)."""
+    if len(syncs) < 2 or len(marks) != 2:
+        return None
+    first, last = syncs[0] - marks[0][0], syncs[-1] - marks[1][0]
+    return (first + last) / 2 if abs(first - last) <= 100_000 else None
+
+
+# The gaps set against the host's parts: longer than a launch's latency.
+HOST_GAP_MIN_NS = 20_000
+
+
+def host_figures(kernels: Iterable[tuple[float, float]], intervals: list[Interval], offset_ns: float | None,
+                 top: int = 5) -> Figures:
+    """The GPU's gaps of `HOST_GAP_MIN_NS` or more set against the host's parts: ms of gap under
+    each (`gpu_gap_ms_under_<part>`) and, for the `top` largest gaps, [ms, the part that covers
+    most of it, what that part was doing] (`gpu_largest_gaps_host`); None where the two clocks
+    could not be lined up."""
+    names = [f"gpu_gap_ms_under_{part}" for part in PARTS] + ["gpu_largest_gaps_host"]
+    if offset_ns is None:
+        return dict.fromkeys(names)
+    busy = merged(kernels)
+    gaps = [(cur[1], nxt[0]) for cur, nxt in zip(busy, busy[1:]) if nxt[0] - cur[1] >= HOST_GAP_MIN_NS]
+    totals, dominant = attribute_gaps(gaps, flat_segments(intervals), offset_ns)
+    order = sorted(range(len(gaps)), key=lambda i: gaps[i][0] - gaps[i][1])[:top]
+    largest = [[(gaps[i][1] - gaps[i][0]) / 1e6, *dominant[i]] for i in order]
+    return dict(zip(names, [totals[part] for part in PARTS] + [largest]))
+
+
+# The caching allocator's counters whose growth during a run means device calls mid-run: a
+# retry frees every cached block (cudaFree synchronises the device) and allocates again.
+_ALLOCATOR_COUNTERS = (("gpu_alloc_retries", "num_alloc_retries"), ("gpu_device_mallocs", "num_device_alloc"),
+                       ("gpu_device_frees", "num_device_free"))
+
+
+def allocator_figures(before: dict[str, Any], after: dict[str, Any]) -> Figures:
+    """How many allocator retries, cudaMallocs and cudaFrees a run made (`torch.cuda.memory_stats`
+    before and after it; None for a counter this torch does not keep)."""
+    return {name: (after[key] - before[key]) if key in before and key in after else None
+            for name, key in _ALLOCATOR_COUNTERS}
 
 
 # The GPU-side events that are copies, not kernels (kineto's names for them).

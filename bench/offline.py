@@ -16,7 +16,13 @@ kernels, from one more tandem pass of the same request set under the profiler
 (`gpu_busy.py`), after the timed ones, with where the GPU idled (`gpu_idle_edges_ms`, the
 gaps between kernels by size, the largest gaps) and which kernels took its time
 (`gpu_kernel_table`); `gpu_busy_unprofiled` sets that pass's kernel time against the fastest
-timed (unprofiled) run, since the profiler adds host time per launch. Null on CPU.
+timed (unprofiled) run, since the profiler adds host time per launch. The same pass records
+the engine's host work (`host_timeline.py`) and sets each gap of 20 us or more against it:
+`gpu_gap_ms_under_<part>` (launch, wait, update, emit, step, outside) and, for the largest
+gaps, the part and the step it was on (`gpu_largest_gaps_host`); and it counts the caching
+allocator's retries, cudaMallocs and cudaFrees (`gpu_alloc_retries`, `gpu_device_mallocs`,
+`gpu_device_frees`: a retry frees every cached block, and cudaFree stalls the device). Null
+on CPU.
 
 On every device, `host_gc_ms` is how long the garbage collector stopped the host in a tandem
 run (median over repeats), `host_gc_longest_ms` its longest pause and
@@ -33,6 +39,7 @@ from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
 from tandem.bench.gpu_busy import GAP_BUCKETS_US, profiled_gpu_figures
+from tandem.bench.host_timeline import PARTS
 from tandem.bench.report import Figures, sampled
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
 from tandem.bench.tandem_runs import run_tandem
@@ -84,7 +91,7 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
         tasks.set_postfix_str("tandem, profiled")
         gpu = profiled_gpu_figures(
             lambda: run_tandem(systems.llm, requests, desc="profiled", show_progress=False,
-                               temperature=systems.temperature), systems.device)
+                               temperature=systems.temperature), systems.device, engine=systems.llm.engine)
     tasks.close()
     fig = _figures(spec, requests, systems, results, peaks, opts, repeats)
     if gpu["gpu_busy"] is not None:
@@ -99,7 +106,9 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
 
 GPU_FIGURES = ("gpu_busy", "gpu_busy_unprofiled", "gpu_kernels", "gpu_kernel_table", "gpu_profiled_wall_ms",
                "gpu_idle_edges_ms", "gpu_largest_gaps",
-               *(f"gpu_gaps_{label}_{unit}" for label, _ in GAP_BUCKETS_US for unit in ("count", "ms")))
+               *(f"gpu_gaps_{label}_{unit}" for label, _ in GAP_BUCKETS_US for unit in ("count", "ms")),
+               *(f"gpu_gap_ms_under_{part}" for part in PARTS), "gpu_largest_gaps_host", "gpu_host_clock",
+               "gpu_alloc_retries", "gpu_device_mallocs", "gpu_device_frees")
 
 
 def _run_system(name: str, systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool,
@@ -185,6 +194,11 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
         *((f"gpu_gaps_{label}", None if fig[f"gpu_gaps_{label}_ms"] is None else
            f"{fig[f'gpu_gaps_{label}_count']} gaps, {fig[f'gpu_gaps_{label}_ms']:.1f} ms", "between kernels")
           for label, _ in GAP_BUCKETS_US),
+        ("gpu_gap_ms_under", None if fig["gpu_gap_ms_under_launch"] is None else
+         ", ".join(f"{part} {fig[f'gpu_gap_ms_under_{part}']:.1f}" for part in PARTS),
+         "ms of gaps over 20 us by the host's part"),
+        ("gpu_alloc_retries", fig["gpu_alloc_retries"],
+         f"cudaMalloc {fig['gpu_device_mallocs']}, cudaFree {fig['gpu_device_frees']} in the profiled pass"),
         ("hf_static_mfu", fig["hf_static_mfu"], ""),
         ("hf_sequential_mfu", fig["hf_sequential_mfu"], ""),
         ("hf_static_useful_fraction", fig["hf_static_useful_fraction"], "of generated tokens"),
