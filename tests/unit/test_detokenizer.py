@@ -7,6 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from tandem.workers.text import detokenizer
 from tandem.workers.text.detokenizer import IncrementalDetokenizer, find_stop
 
 SENTENCES = [
@@ -18,6 +19,19 @@ SENTENCES = [
     "STOP here and stop there",
 ] * 10
 SAMPLE = "héllo wörld 日本語 😀 ok 🎉 the end. Ünïcödé ∑ 中文"
+
+
+@pytest.fixture(autouse=True, params=["rust-stream", "python-window"])
+def window(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs through tokenizers' DecodeStream and through the Python window (what a
+    tokenizers without DecodeStream, or a slow tokenizer, takes): the same text either way."""
+    if request.param == "python-window":
+        monkeypatch.setattr(detokenizer, "DecodeStream", None)
+    return request.param
+
+
+def test_a_fast_tokenizer_decodes_through_the_rust_stream(tok: PreTrainedTokenizerFast, window: str) -> None:
+    assert (IncrementalDetokenizer(tok, [1, 2])._stream is not None) == (window == "rust-stream")
 
 
 @pytest.fixture(scope="module")

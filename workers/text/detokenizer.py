@@ -6,12 +6,22 @@ character, and SentencePiece-style tokenizers decide a token's leading space fro
 its neighbours. So, like vLLM and TGI, we decode a short sliding window of ids:
 ``ids[prefix_offset:read_offset]`` is text already emitted, ``ids[prefix_offset:]``
 is that text plus the new part, and the difference between the two is the new text.
+
+With a fast tokenizer, tokenizers' `DecodeStream` runs that same window in Rust, seeded with
+the same prompt tail: one call a token where the Python window makes two decodes and their
+list slices. Text it holds back (an incomplete character, a skipped special token) is what
+`finish` flushes, from the ids this class keeps either way.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from tokenizers import Tokenizer
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21: the Python window does it all
+    DecodeStream = None
 
 # How many prompt tokens seed the window, so the first output token decodes with the
 # same spacing it has in context.
@@ -66,6 +76,8 @@ class IncrementalDetokenizer:
         self._ids: list[int] = window
         self._prefix_offset = 0
         self._read_offset = len(window)
+        self._stream = _decode_stream(window, skip_special_tokens) if self._backend is not None else None
+        self._unread = False  # add_tokens_unread was called: the stream has not seen those ids
         self._num_output_tokens = 0
         self._text = ""
         self._streamed = 0  # chars of _text already handed out by stream_delta
@@ -111,6 +123,17 @@ class IncrementalDetokenizer:
             raise RuntimeError("add_tokens called after the request finished")
         old_len = len(self._text)
         self._num_output_tokens += len(new_token_ids)
+        if self._stream is not None:
+            assert not self._unread, "a request's tokens are either all read or all unread"
+            # One token at a time, so an incomplete character holds back only itself. Ids the
+            # stream holds back stay past _read_offset (prefix 0), for finish() to flush.
+            for tid in new_token_ids:
+                self._ids.append(tid)
+                text = self._stream.step(self._backend, tid)
+                if text is not None:
+                    self._text += text
+                    self._read_offset = len(self._ids)
+            return self._check_stop(old_len)
         # Several tokens (speculation, multi-step decoding): one window decode for them all.
         # Where that holds text back (an incomplete character at the end), one token at a
         # time instead, so the incomplete character holds back only itself, not the step.
@@ -133,6 +156,7 @@ class IncrementalDetokenizer:
         same text. Only for a request that watches no stop string (that needs the text as it
         grows) and streams nothing."""
         assert not self._stop, "stop strings need the text as it grows"
+        self._unread = True
         self._ids.extend(new_token_ids)
         self._num_output_tokens += len(new_token_ids)
 
@@ -210,3 +234,14 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(
             [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
+
+
+def _decode_stream(prompt_tail: list[int], skip_special_tokens: bool) -> Any:
+    """tokenizers' incremental decoder seeded with the prompt's tail, or None where this
+    tokenizers has none or cannot seed one (its window would then lack the prompt's context)."""
+    if DecodeStream is None:
+        return None
+    try:
+        return DecodeStream(ids=prompt_tail, skip_special_tokens=skip_special_tokens)
+    except TypeError:
+        return None
