@@ -31,7 +31,31 @@ def window(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 
 
 def test_a_fast_tokenizer_decodes_through_the_rust_stream(tok: PreTrainedTokenizerFast, window: str) -> None:
-    assert (IncrementalDetokenizer(tok, [1, 2])._stream is not None) == (window == "rust-stream")
+    assert (IncrementalDetokenizer(tok, enc(tok, "say"))._stream is not None) == (window == "rust-stream")
+    # A prompt ending inside a character: DecodeStream would hand that text out again.
+    split = enc(tok, "emoji 😀")[:-1]
+    assert tok.decode(split).endswith("\ufffd")
+    assert IncrementalDetokenizer(tok, split)._stream is None
+
+
+def test_random_prompts_and_outputs_give_the_same_text_both_ways(tok: PreTrainedTokenizerFast, window: str) -> None:
+    """Any prompt tail (split characters, special tokens) and any output: the Rust stream's text
+    is the Python window's, token by token and at the end."""
+    if window == "python-window":
+        return  # one comparison of the two is enough
+    rng = random.Random(3)
+    for _ in range(400):
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 8))]
+        out = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 10))]
+        skip = rng.random() < 0.5
+        texts = []
+        for stream in (detokenizer.DecodeStream, None):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(detokenizer, "DecodeStream", stream)
+                detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+                steps = [detok.stream_delta(False) for t in out if detok.add_tokens([t]) is None]
+                texts.append((steps, detok.stream_delta(True), detok.output_text))
+        assert texts[0] == texts[1], (prompt, out, skip)
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,9 @@ class IncrementalDetokenizer:
         self._ids: list[int] = window
         self._prefix_offset = 0
         self._read_offset = len(window)
-        self._stream = _decode_stream(window, skip_special_tokens) if self._backend is not None else None
+        self._stream = None
+        if self._backend is not None:
+            self._stream = _decode_stream(self._backend, window, skip_special_tokens)
         self._unread = False  # add_tokens_unread was called: the stream has not seen those ids
         self._num_output_tokens = 0
         self._text = ""
@@ -236,10 +238,15 @@ class IncrementalDetokenizer:
         )
 
 
-def _decode_stream(prompt_tail: list[int], skip_special_tokens: bool) -> Any:
+def _decode_stream(backend: Tokenizer, prompt_tail: list[int], skip_special_tokens: bool) -> Any:
     """tokenizers' incremental decoder seeded with the prompt's tail, or None where this
-    tokenizers has none or cannot seed one (its window would then lack the prompt's context)."""
+    tokenizers has none or cannot seed one (its window would then lack the prompt's context).
+    A tail that ends inside a character (its text ends in U+FFFD) is not a prefix DecodeStream
+    keeps: it would hand the tail's own text out with the first token, so such a request takes
+    the Python window."""
     if DecodeStream is None:
+        return None
+    if backend.decode(prompt_tail, skip_special_tokens=skip_special_tokens).endswith(_REPLACEMENT):
         return None
     try:
         return DecodeStream(ids=prompt_tail, skip_special_tokens=skip_special_tokens)
