@@ -64,11 +64,11 @@ trap 'pkill -P "$BUILDER" 2> /dev/null; kill "$BUILDER" 2> /dev/null' EXIT
 
 # The GPU tests (GPU_TESTS: other pytest node ids), pytest -v: a test's line survives a killed run.
 # First the decode launch that writes this step's keys and reads them back (a barrier between
-# the two) against the two launches, whose ordering the interpreter cannot check; then the
-# engine through the kernels (all 12 passed on the H100), then graphs (12 of 12 on the H200).
+# the two) against the two launches, whose ordering the interpreter cannot check; then graphs
+# (12 of 12 passed on the H200), then the engine through the kernels (12 of 12 on the H100).
 FUSED_ROPE=tests/kernels/test_triton_attention.py::test_decode_with_rope_equals_rope_write_kv_then_decode
 part_tests() {
-  local limit=270 budget; budget=$(left)
+  local limit=210 budget; budget=$(left)
   [ "$budget" -lt "$limit" ] && limit=$budget
   log "GPU tests (limit ${limit}s)"
   # A test still running after 80 s writes every thread's stack to the log (pytest's own
@@ -76,7 +76,7 @@ part_tests() {
   # where it hangs and leaves the rest their time.
   # shellcheck disable=SC2086
   timeout "$limit" python3 -m pytest -v -p no:cacheprovider --durations=0 -o faulthandler_timeout=80 \
-    -o timeout=100 ${GPU_TESTS:-$FUSED_ROPE tests/model/test_gpu_path.py tests/gpu} > "$OUT/tests.log" 2>&1
+    -o timeout=100 ${GPU_TESTS:-$FUSED_ROPE tests/gpu tests/model/test_gpu_path.py} > "$OUT/tests.log" 2>&1
   log "tests rc $?"
 }
 
@@ -100,6 +100,11 @@ part_latency_sampled() { on llama-1b latency_1b_sampled 100 latency --repeats 3 
 # llama-1b: the offline set against transformers' static batches, gpu_busy and the GPU's gaps.
 part_offline_ms8() { on llama-1b offline_1b_ms8 150 offline --repeats 2 --no-hf-sequential --num-scheduler-steps 8; }
 part_offline() { on llama-1b offline_1b 150 offline --repeats 2 --no-hf-sequential; }
+# The same with mixed steps up to 2048 tokens (the whole step budget) in graphs, against 512:
+# whether the prefill phase's eager steps are where gpu_busy goes (`gpu_largest_gaps_host`).
+part_offline_mixed2048() {
+  on llama-1b offline_1b_mixed2048 120 offline --repeats 2 --no-hf-sequential --max-mixed-graph-tokens 2048
+}
 
 # Llama-3-8B's shape: MBU at batch 1, tandem alone (multi-step 8, then one pass a step).
 part_8b() {
@@ -122,7 +127,8 @@ part_host_step() {
   keep host_step
 }
 
-DEFAULT_PARTS="tests latency latency_ms8 latency_sampled offline_ms8 offline 8b host_step"
+# Multi-step 8 last: the H100's full-shape sweep found it no faster than one pass a step.
+DEFAULT_PARTS="tests offline offline_mixed2048 latency 8b latency_sampled host_step latency_ms8 offline_ms8"
 PARTS="$DEFAULT_PARTS breakdown"
 parts=("$@")
 # shellcheck disable=SC2206

@@ -40,9 +40,12 @@ class ModelConfig:
     # Decode steps whose longest sequence is longer run eagerly: a graph's block-table buffer
     # is this wide, and every step copies it whole (vLLM's name and default).
     max_seq_len_to_capture: int = 8192
-    # CUDA: steps that carry prompt chunks beside decodes (up to 512 tokens) replay graphs too,
-    # per token bucket; False: only pure decode steps do (vLLM's FULL_DECODE_ONLY).
+    # CUDA: steps that carry prompt chunks beside decodes replay graphs too, per token bucket;
+    # False: only pure decode steps do (vLLM's FULL_DECODE_ONLY).
     mixed_step_graphs: bool = True
+    # The largest such step a graph holds (its last bucket; never past max_num_batched_tokens):
+    # larger ones launch their kernels from Python, one by one.
+    max_mixed_graph_tokens: int = 512
     # auto: the Triton kernels on CUDA, torch elsewhere; triton on CPU needs TRITON_INTERPRET=1.
     attention_backend: str = "auto"
     # Prepare and launch step N+1 before turning step N's tokens into text, so the host's work
@@ -60,6 +63,8 @@ class ModelConfig:
         require_field(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         require_field(self.max_seq_len_to_capture >= 1, "max_seq_len_to_capture",
                       f"must be >= 1, got {self.max_seq_len_to_capture}")
+        require_field(self.max_mixed_graph_tokens >= 16, "max_mixed_graph_tokens",
+                      f"must be >= 16 (the smallest bucket), got {self.max_mixed_graph_tokens}")
         require_field(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
                       f"must be auto, torch or triton, got {self.attention_backend!r}")
         require_field(self.device in ("auto", "cpu", "cuda"), "device",

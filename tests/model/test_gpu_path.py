@@ -106,6 +106,32 @@ def test_overlapped_steps_equal_transformers(llama_dir: str, padded_graphs) -> N
     llm.shutdown()
 
 
+def test_mixed_steps_past_max_mixed_graph_tokens_run_eagerly(llama_dir: str, padded_graphs) -> None:
+    """With the mixed graphs capped at 32 tokens under a 48-token budget, steps of 33-48 tokens
+    launch eagerly, smaller ones pad to the buckets, and the output is the same."""
+    prompts = mixed_prompts(seed=21, lengths=(60, 3, 30, 9, 5))
+    llm = _llm(llama_dir, max_num_seqs=4, max_num_batched_tokens=48, block_size=4, overlap_steps=True,
+               max_mixed_graph_tokens=32)
+    runner = llm.engine.executor.runner
+    assert runner.mixed_graphs.buckets == [16, 32]
+    seen: list[tuple[int | None, int]] = []
+    build = runner.builder.build
+
+    def record(out, states, table, graph=None, source=None, **kwargs):
+        inputs = build(out, states, table, graph, source, **kwargs)
+        if inputs.meta.prefills:
+            seen.append((inputs.graph_tokens, out.total_num_scheduled_tokens))
+        return inputs
+
+    runner.builder.build = record
+    assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert seen[0] == (None, 48)  # the first chunk: past the largest bucket
+    assert {tokens for tokens, real in seen if real > 32} == {None}
+    assert {tokens for tokens, real in seen if real <= 32} <= {16, 32} and any(real <= 32 for _, real in seen)
+    llm.engine.pool.check_all_free()
+    llm.shutdown()
+
+
 def test_mixed_steps_through_padded_mixed_buckets_equal_transformers(llama_dir: str, padded_graphs) -> None:
     # Four sequences at a time, five prompts: the fifth arrives while the others decode, and
     # long prompts come in chunks (a 48-token budget) beside decodes. Those steps pad to the

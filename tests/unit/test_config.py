@@ -16,6 +16,7 @@ BAD = [
     (ModelConfig, dict(dtype="float64"), "dtype"),
     (ModelConfig, dict(device="tpu"), "device"),
     (ModelConfig, dict(max_model_len=0), "max_model_len"),
+    (ModelConfig, dict(max_mixed_graph_tokens=15), "max_mixed_graph_tokens"),
     (ParallelConfig, dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (ParallelConfig, dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
     (ParallelConfig, dict(num_overlap_chunks=0), "num_overlap_chunks"),
@@ -62,6 +63,7 @@ def test_boundary_values_are_accepted() -> None:
     assert CacheConfig(block_size=1, gpu_memory_utilization=1.0).block_size == 1
     assert CacheConfig(block_size=128).block_size == 128
     assert ModelConfig(max_model_len=1).max_model_len == 1
+    assert ModelConfig(max_mixed_graph_tokens=16).max_mixed_graph_tokens == 16
     assert SpeculativeConfig(ngram_prompt_lookup_min=4, ngram_prompt_lookup_max=4).ngram_prompt_lookup_max == 4
 
 

@@ -9,9 +9,12 @@ from tandem.workers.runner.mixed_graphs import MAX_PREFILLS, MixedGraphs, mixed_
 from tandem.workers.runner.step_inputs import mixed_layout
 
 
-def test_buckets_grow_coarser_and_stop_at_the_step_budget_or_512_tokens() -> None:
-    assert mixed_buckets(2048) == [16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
-    assert mixed_buckets(512) == mixed_buckets(2048)
+def test_buckets_grow_coarser_and_stop_at_the_largest_step() -> None:
+    assert mixed_buckets(512) == [16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert mixed_buckets(2048) == mixed_buckets(512) + [640, 768, 896, 1024, 1280, 1536, 1792, 2048]
+    assert mixed_buckets(3000) == mixed_buckets(2048) + [2560, 3000]
+    assert mixed_buckets(4096) == mixed_buckets(2048) + [2560, 3072, 3584, 4096]
+    assert mixed_buckets(700) == mixed_buckets(512) + [640, 700]
     assert mixed_buckets(100) == [16, 32, 48, 64, 96, 100]
     assert mixed_buckets(40) == [16, 32, 40]
     assert mixed_buckets(16) == [16]

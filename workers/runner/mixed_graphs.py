@@ -4,10 +4,11 @@ scored rows' logits) per token-count bucket.
 A step that admits a request carries a prompt chunk beside the running decodes. Run eagerly
 it launches every kernel from Python (about 165 for a 16-layer Llama), which at a few hundred
 tokens takes the host longer than the GPU takes to run them, so under a stream of arrivals
-the decodes wait on the host at every admission. Each bucket (16 to 512 tokens) is captured
-once at start-up; a step of up to `MAX_PREFILLS` prompt chunks and at most the bucket's tokens
-is padded to it and replays it. Larger steps are the GPU's work many times over, and run
-eagerly.
+the decodes wait on the host at every admission. Each bucket (16 tokens up to
+`max_mixed_graph_tokens`, 512 by default) is captured once at start-up; a step of up to
+`MAX_PREFILLS` prompt chunks and at most the bucket's tokens is padded to it and replays it.
+Larger steps run eagerly: their GEMMs are long enough that the host's launches mostly stay
+ahead of the GPU.
 
 A bucket of T tokens holds D = min(max_num_seqs, T) decode rows and `MAX_PREFILLS` prefill
 sequences; the step's inputs land in one persistent int32 buffer laid out as
@@ -35,17 +36,15 @@ MixedForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Te
 
 # Prompt chunks a mixed graph holds: a step admitting more runs eagerly.
 MAX_PREFILLS = 16
-# Tokens of the largest mixed graph: past it a step's GEMMs take the GPU far longer than
-# launching its kernels takes the host.
-MAX_MIXED_TOKENS = 512
 
 
 def mixed_buckets(max_tokens: int) -> list[int]:
-    """Token buckets: every 16 to 64, every 32 to 256, every 64 to 512, the last one
-    `max_tokens` where that is smaller (a step never holds more)."""
-    steps = list(range(16, 65, 16)) + list(range(96, 257, 32)) + list(range(320, MAX_MIXED_TOKENS + 1, 64))
-    top = min(max_tokens, MAX_MIXED_TOKENS)
-    return [b for b in steps if b < top] + [top]
+    """Token buckets up to `max_tokens` (the last one; a step never holds more): every 16 to
+    64, every 32 to 256, every 64 to 512, every 128 to 1024, every 256 to 2048, every 512
+    beyond. A step pads by at most an eighth of its tokens past 64."""
+    steps = [*range(16, 65, 16), *range(96, 257, 32), *range(320, 513, 64), *range(640, 1025, 128),
+             *range(1280, 2049, 256), *range(2560, max(max_tokens, 2560) + 1, 512)]
+    return [b for b in steps if b < max_tokens] + [max_tokens]
 
 
 class MixedGraphs:

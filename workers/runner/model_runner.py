@@ -136,8 +136,9 @@ class ModelRunner:
                                  self.block_size, num_blocks, self._capture_len())
             self.graphs = DecodeGraphs(self._decode_forward, layout, self.device, self._num_splits)
             if self._mixed_graphs_wanted():
-                self.mixed_graphs = MixedGraphs(self._mixed_forward, layout,
-                                                self.config.scheduler.max_num_batched_tokens, self.device,
+                max_tokens = min(self.config.scheduler.max_num_batched_tokens,
+                                 self.config.model.max_mixed_graph_tokens)
+                self.mixed_graphs = MixedGraphs(self._mixed_forward, layout, max_tokens, self.device,
                                                 self._num_splits)
             if mode == "capture":
                 with torch.inference_mode():
