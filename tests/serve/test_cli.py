@@ -58,7 +58,8 @@ def test_engine_flags_come_from_one_table():
     assert [flag.dest for flag in ENGINE_FLAGS] == [
         "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
         "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "cpu_packed_weights",
-        "enforce_eager", "mixed_step_graphs", "max_mixed_graph_tokens", "max_seq_len_to_capture", "attention_backend", "num_scheduler_steps",
+        "enforce_eager", "mixed_step_graphs", "max_mixed_graph_tokens", "max_seq_len_to_capture",
+        "attention_backend", "num_scheduler_steps",
         "tensor_parallel_size", "pipeline_parallel_size", "speculative_model",
         "num_speculative_tokens", "speculative_draft_dtype", "speculative_draft_tensor_parallel_size", "address",
         "seed"]
