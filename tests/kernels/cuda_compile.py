@@ -89,18 +89,24 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def compile_all(variants: list[dict[str, Any]], archs: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Each variant built for each arch in a fresh process without TRITON_INTERPRET: a result
-    per build, with `error` where it failed."""
+    """Each variant built for each arch in a fresh process without TRITON_INTERPRET, one
+    process an arch, side by side (each is one core's work): a result per build, with `error`
+    where it failed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the GPU runs' setting (Triton's default so far)
+    results: list[dict[str, Any]] = []
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(variants, f)
         f.flush()
-        done = subprocess.run([sys.executable, "-m", "tests.kernels.cuda_compile", f.name, *map(str, archs)],
-                              capture_output=True, text=True, env=env, cwd=_repo_root(), check=False)
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    if len(results) != len(variants) * len(archs):
-        raise RuntimeError(f"compile process exited {done.returncode}: {done.stderr[-3000:]}")
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.kernels.cuda_compile", f.name, str(arch)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                  cwd=_repo_root()) for arch in archs]
+        for proc in procs:
+            stdout, stderr = proc.communicate()
+            built = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+            if len(built) != len(variants):
+                raise RuntimeError(f"compile process exited {proc.returncode}: {stderr[-3000:]}")
+            results += built
     return results
 
 
