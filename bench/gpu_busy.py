@@ -135,12 +135,15 @@ def profiled_gpu_figures(run: Callable[[], object], device: torch.device, num_pa
            **idle_figures(kernels, wall_ns), "gpu_kernel_table": kernel_table(named, num_passes),
            "gpu_profiled_wall_ms": wall_ns / 1e6, **allocator_figures(allocator, torch.cuda.memory_stats(device))}
     if timeline is not None:
-        syncs = sorted(e.start_ns() for e in events
-                       if e.device_type() == DeviceType.CPU and e.name() == "cudaDeviceSynchronize")
-        offset, clock = clock_offset(marks, syncs), "synchronize"
-        if offset is None:  # the profiler's events carry Unix-epoch times (kineto's clock)
-            offset, clock = epoch_offset, "epoch"
-        fig.update(host_figures(kernels, timeline.intervals, offset), gpu_host_clock=clock)
+        try:
+            syncs = sorted(e.start_ns() for e in events
+                           if e.device_type() == DeviceType.CPU and e.name() == "cudaDeviceSynchronize")
+            offset, clock = clock_offset(marks, syncs), "synchronize"
+            if offset is None:  # the profiler's events carry Unix-epoch times (kineto's clock)
+                offset, clock = epoch_offset, "epoch"
+            fig.update(host_figures(kernels, timeline.intervals, offset), gpu_host_clock=clock)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic's failure must not cost the pass's figures
+            fig.update(dict.fromkeys(HOST_FIGURES), gpu_host_clock=f"failed: {type(exc).__name__}: {exc}")
     return fig
 
 
@@ -163,6 +166,7 @@ def clock_offset(marks: list[tuple[int, int]], syncs: list[int]) -> float | None
 
 # The gaps set against the host's parts: longer than a launch's latency.
 HOST_GAP_MIN_NS = 20_000
+HOST_FIGURES = (*(f"gpu_gap_ms_under_{part}" for part in PARTS), "gpu_largest_gaps_host")
 
 
 def host_figures(kernels: Iterable[tuple[float, float]], intervals: list[Interval], offset_ns: float | None,
@@ -171,15 +175,14 @@ def host_figures(kernels: Iterable[tuple[float, float]], intervals: list[Interva
     each (`gpu_gap_ms_under_<part>`) and, for the `top` largest gaps, [ms, the part that covers
     most of it, what that part was doing] (`gpu_largest_gaps_host`); None where the two clocks
     could not be lined up."""
-    names = [f"gpu_gap_ms_under_{part}" for part in PARTS] + ["gpu_largest_gaps_host"]
     if offset_ns is None:
-        return dict.fromkeys(names)
+        return dict.fromkeys(HOST_FIGURES)
     busy = merged(kernels)
     gaps = [(cur[1], nxt[0]) for cur, nxt in zip(busy, busy[1:]) if nxt[0] - cur[1] >= HOST_GAP_MIN_NS]
     totals, dominant = attribute_gaps(gaps, flat_segments(intervals), offset_ns)
     order = sorted(range(len(gaps)), key=lambda i: gaps[i][0] - gaps[i][1])[:top]
     largest = [[(gaps[i][1] - gaps[i][0]) / 1e6, *dominant[i]] for i in order]
-    return dict(zip(names, [totals[part] for part in PARTS] + [largest]))
+    return dict(zip(HOST_FIGURES, [totals[part] for part in PARTS] + [largest], strict=True))
 
 
 # The caching allocator's counters whose growth during a run means device calls mid-run: a
