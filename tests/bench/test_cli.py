@@ -22,12 +22,14 @@ SMALLEST = ["--quick", "--repeats", "1", "--idle-wait", "0"]
 def test_offline(tmp_path: Path) -> None:
     plot = tmp_path / "offline.png"
     fig = bench(tmp_path, "offline", "--model", tiny_model(), "--device", "cpu", "--num-requests", "3",
-                "--plot", str(plot), *SMALLEST)
+                "--plot", str(plot), "--max-mixed-graph-tokens", "64", *SMALLEST)
     requests = make_workload(replace(OFFLINE_QUICK, num_requests=3), 512)
     assert (fig["num_requests"], fig["repeats"], fig["quick"], fig["device"]) == (3, 1, True, "cpu")
     assert fig["num_output_tokens"] == sum(r.output_len for r in requests)
+    assert fig["max_mixed_graph_tokens"] == 64  # an engine option, as the run used it
     for key in ("gpu_busy", "gpu_busy_unprofiled", "gpu_kernels", "gpu_kernel_table", "gpu_idle_edges_ms",
-                "gpu_largest_gaps", "gpu_gaps_200us_2ms_count"):
+                "gpu_largest_gaps", "gpu_gaps_200us_2ms_count", "gpu_gap_ms_under_launch", "gpu_largest_gaps_host",
+                "gpu_host_clock", "gpu_alloc_retries"):
         assert fig[key] is None, key  # measured on CUDA only
     for key in ("tandem_output_tok_s", "hf_static_output_tok_s", "hf_sequential_output_tok_s", "mfu",
                 "peak_matmul_flops", "model_flops", "wall_s", "process_cpu_share"):
