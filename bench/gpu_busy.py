@@ -60,6 +60,11 @@ def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]
     return out
 
 
+def idle_gaps(busy: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (start, end) of every stretch between two of `busy` (`merged` intervals), in order."""
+    return [(cur[1], nxt[0]) for cur, nxt in zip(busy, busy[1:])]
+
+
 def idle_figures(intervals_ns: Iterable[tuple[float, float]], wall_ns: float, top: int = 5) -> Figures:
     """Where the device idled: `gpu_idle_edges_ms` (the wall time outside the first kernel's start
     to the last one's end), per gap size the gaps' count and total ms (`gpu_gaps_<size>_count`,
@@ -69,7 +74,7 @@ def idle_figures(intervals_ns: Iterable[tuple[float, float]], wall_ns: float, to
     fig: Figures = {}
     span = busy[-1][1] - busy[0][0] if busy else 0.0
     fig["gpu_idle_edges_ms"] = (wall_ns - span) / 1e6
-    gaps = [(nxt[0] - cur[1], cur[1]) for cur, nxt in zip(busy, busy[1:])]
+    gaps = [(end - start, start) for start, end in idle_gaps(busy)]
     lower = 0.0
     for label, upper in GAP_BUCKETS_US:
         sizes = [g for g, _ in gaps if lower * 1e3 <= g < upper * 1e3]
@@ -177,8 +182,7 @@ def host_figures(kernels: Iterable[tuple[float, float]], intervals: list[Interva
     could not be lined up."""
     if offset_ns is None:
         return dict.fromkeys(HOST_FIGURES)
-    busy = merged(kernels)
-    gaps = [(cur[1], nxt[0]) for cur, nxt in zip(busy, busy[1:]) if nxt[0] - cur[1] >= HOST_GAP_MIN_NS]
+    gaps = [(start, end) for start, end in idle_gaps(merged(kernels)) if end - start >= HOST_GAP_MIN_NS]
     totals, dominant = attribute_gaps(gaps, flat_segments(intervals), offset_ns)
     order = sorted(range(len(gaps)), key=lambda i: gaps[i][0] - gaps[i][1])[:top]
     largest = [[(gaps[i][1] - gaps[i][0]) / 1e6, *dominant[i]] for i in order]
@@ -189,6 +193,7 @@ def host_figures(kernels: Iterable[tuple[float, float]], intervals: list[Interva
 # retry frees every cached block (cudaFree synchronises the device) and allocates again.
 _ALLOCATOR_COUNTERS = (("gpu_alloc_retries", "num_alloc_retries"), ("gpu_device_mallocs", "num_device_alloc"),
                        ("gpu_device_frees", "num_device_free"))
+ALLOCATOR_FIGURES = tuple(name for name, _ in _ALLOCATOR_COUNTERS)
 
 
 def allocator_figures(before: dict[str, Any], after: dict[str, Any]) -> Figures:

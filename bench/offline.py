@@ -38,7 +38,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
-from tandem.bench.gpu_busy import GAP_BUCKETS_US, HOST_FIGURES, profiled_gpu_figures
+from tandem.bench.gpu_busy import ALLOCATOR_FIGURES, GAP_BUCKETS_US, HOST_FIGURES, profiled_gpu_figures
 from tandem.bench.host_timeline import PARTS
 from tandem.bench.report import Figures, sampled
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
@@ -107,8 +107,7 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
 GPU_FIGURES = ("gpu_busy", "gpu_busy_unprofiled", "gpu_kernels", "gpu_kernel_table", "gpu_profiled_wall_ms",
                "gpu_idle_edges_ms", "gpu_largest_gaps",
                *(f"gpu_gaps_{label}_{unit}" for label, _ in GAP_BUCKETS_US for unit in ("count", "ms")),
-               *HOST_FIGURES, "gpu_host_clock",
-               "gpu_alloc_retries", "gpu_device_mallocs", "gpu_device_frees")
+               *HOST_FIGURES, "gpu_host_clock", *ALLOCATOR_FIGURES)
 
 
 def _run_system(name: str, systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool,
