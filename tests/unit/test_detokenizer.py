@@ -31,11 +31,25 @@ def window(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 
 
 def test_a_fast_tokenizer_decodes_through_the_rust_stream(tok: PreTrainedTokenizerFast, window: str) -> None:
-    assert (IncrementalDetokenizer(tok, enc(tok, "say"))._stream is not None) == (window == "rust-stream")
+    detok = IncrementalDetokenizer(tok, enc(tok, "say"))
+    assert detok._stream is None  # built at the first tokens read
+    detok.add_tokens(enc(tok, " hi"))
+    assert (detok._stream is not None) == (window == "rust-stream")
+    assert detok.output_text == " hi"
     # A prompt ending inside a character: DecodeStream would hand that text out again.
     split = enc(tok, "emoji 😀")[:-1]
     assert tok.decode(split).endswith("\ufffd")
-    assert IncrementalDetokenizer(tok, split)._stream is None
+    detok = IncrementalDetokenizer(tok, split)
+    detok.add_tokens(enc(tok, " hi"))
+    assert detok._stream is None
+
+
+def test_a_request_that_reads_no_tokens_builds_no_stream(tok: PreTrainedTokenizerFast) -> None:
+    """A final-only request's tokens are decoded once at the end: no incremental decoder."""
+    detok = IncrementalDetokenizer(tok, enc(tok, "say"))
+    detok.add_tokens_unread(enc(tok, " hi there"))
+    assert detok.finish() is None
+    assert detok._stream is None and detok.output_text == " hi there"
 
 
 def test_random_prompts_and_outputs_give_the_same_text_both_ways(tok: PreTrainedTokenizerFast, window: str) -> None:

@@ -76,9 +76,10 @@ class IncrementalDetokenizer:
         self._ids: list[int] = window
         self._prefix_offset = 0
         self._read_offset = len(window)
+        # tokenizers' stream is built at the first `add_tokens`: a request that only wants its
+        # final text (`add_tokens_unread`, one decode at the end) never pays for one.
         self._stream = None
-        if self._backend is not None:
-            self._stream = _decode_stream(self._backend, window, skip_special_tokens)
+        self._stream_due = self._backend is not None
         self._unread = False  # add_tokens_unread was called: the stream has not seen those ids
         self._num_output_tokens = 0
         self._text = ""
@@ -125,8 +126,11 @@ class IncrementalDetokenizer:
             raise RuntimeError("add_tokens called after the request finished")
         old_len = len(self._text)
         self._num_output_tokens += len(new_token_ids)
+        if self._stream_due:
+            self._stream_due = False
+            if not self._unread:  # the ids are still the prompt's tail alone
+                self._stream = _decode_stream(self._backend, self._ids, self._skip_special)
         if self._stream is not None:
-            assert not self._unread, "a request's tokens are either all read or all unread"
             # One token at a time, so an incomplete character holds back only itself. Ids the
             # stream holds back stay past _read_offset (prefix 0), for finish() to flush.
             for tid in new_token_ids:
@@ -158,6 +162,7 @@ class IncrementalDetokenizer:
         same text. Only for a request that watches no stop string (that needs the text as it
         grows) and streams nothing."""
         assert not self._stop, "stop strings need the text as it grows"
+        assert self._stream is None, "a request's tokens are either all read or all unread"
         self._unread = True
         self._ids.extend(new_token_ids)
         self._num_output_tokens += len(new_token_ids)
