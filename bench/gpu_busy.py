@@ -115,7 +115,8 @@ def profiled_gpu_figures(run: Callable[[], object], device: torch.device, num_pa
     against the same work unprofiled). With the `engine` that `run` drives, its host work is
     recorded too (`HostTimeline`) and the gaps are set against it (`host_figures`; `gpu_host_clock`
     says how the two clocks were lined up), and the caching allocator's device calls in the pass
-    are counted (`allocator_figures`)."""
+    are counted (`allocator_figures`). `gpu_runtime_calls`: the host's CUDA API calls in the
+    pass, by the time they took (`runtime_call_table`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -136,8 +137,11 @@ def profiled_gpu_figures(run: Callable[[], object], device: torch.device, num_pa
     named = [(e.name(), e.start_ns(), e.end_ns()) for e in events
              if e.device_type() == DeviceType.CUDA and not e.name().startswith(_NOT_KERNELS)]
     kernels = [(start, end) for _, start, end in named]
+    # With CUDA activity alone, the host-side events are the runtime's and the driver's calls.
+    calls = [(e.name(), e.start_ns(), e.end_ns()) for e in events if e.device_type() == DeviceType.CPU]
     fig = {"gpu_busy": busy_fraction(kernels, wall_ns), "gpu_kernels": len(kernels),
            **idle_figures(kernels, wall_ns), "gpu_kernel_table": kernel_table(named, num_passes),
+           "gpu_runtime_calls": runtime_call_table(calls),
            "gpu_profiled_wall_ms": wall_ns / 1e6, **allocator_figures(allocator, torch.cuda.memory_stats(device))}
     if timeline is not None:
         try:
@@ -205,3 +209,18 @@ def allocator_figures(before: dict[str, Any], after: dict[str, Any]) -> Figures:
 
 # The GPU-side events that are copies, not kernels (kineto's names for them).
 _NOT_KERNELS = ("Memcpy", "Memset")
+
+
+def runtime_call_table(calls: Iterable[tuple[str, float, float]], top: int = 12) -> list[list]:
+    """The host's CUDA runtime and driver calls of a pass, (name, start, end) in ns, by the host
+    time they took: [name, calls, total ms, longest us]. A cudaStreamSynchronize or a blocking
+    cudaMemcpy here is a wait the engine did not mean (its own is one cudaEventSynchronize a
+    step); cudaHostAlloc, cudaMalloc and cudaFree are slow calls that may stall the device."""
+    by_name: dict[str, list[float]] = {}
+    for name, start, end in calls:
+        entry = by_name.setdefault(name, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += end - start
+        entry[2] = max(entry[2], end - start)
+    rows = sorted(by_name.items(), key=lambda item: (-item[1][1], item[0]))[:top]
+    return [[name, int(count), ns / 1e6, longest / 1e3] for name, (count, ns, longest) in rows]

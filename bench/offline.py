@@ -21,8 +21,11 @@ the engine's host work (`host_timeline.py`) and sets each gap of 20 us or more a
 `gpu_gap_ms_under_<part>` (launch, wait, update, emit, step, outside) and, for the largest
 gaps, the part and the step it was on (`gpu_largest_gaps_host`); and it counts the caching
 allocator's retries, cudaMallocs and cudaFrees (`gpu_alloc_retries`, `gpu_device_mallocs`,
-`gpu_device_frees`: a retry frees every cached block, and cudaFree stalls the device). Null
-on CPU.
+`gpu_device_frees`: a retry frees every cached block, and cudaFree stalls the device), and
+lists the host's CUDA API calls by the time they took (`gpu_runtime_calls`). One more pass
+runs under torch's sync debug mode: `gpu_host_syncs` counts the operations in the engine's code
+that made the host wait for the device (beside its one event wait a step), and
+`gpu_host_sync_sites` names their lines (`host_syncs.py`). Null on CPU.
 
 On every device, `host_gc_ms` is how long the garbage collector stopped the host in a tandem
 run (median over repeats), `host_gc_longest_ms` its longest pause and
@@ -39,6 +42,8 @@ from tqdm.auto import tqdm
 
 from tandem.bench import hf_baseline
 from tandem.bench.gpu_busy import ALLOCATOR_FIGURES, GAP_BUCKETS_US, HOST_FIGURES, profiled_gpu_figures
+from tandem.bench.host_syncs import FIGURES as HOST_SYNC_FIGURES
+from tandem.bench.host_syncs import host_sync_figures
 from tandem.bench.host_timeline import PARTS
 from tandem.bench.report import Figures, sampled
 from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
@@ -92,6 +97,9 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
         gpu = profiled_gpu_figures(
             lambda: run_tandem(systems.llm, requests, desc="profiled", show_progress=False,
                                temperature=systems.temperature), systems.device, engine=systems.llm.engine)
+        tasks.set_postfix_str("tandem, sync debug mode")
+        gpu.update(host_sync_figures(lambda: run_tandem(systems.llm, requests, desc="sync debug", show_progress=False,
+                                                        temperature=systems.temperature)))
     tasks.close()
     fig = _figures(spec, requests, systems, results, peaks, opts, repeats)
     if gpu["gpu_busy"] is not None:
@@ -104,10 +112,11 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
     return fig
 
 
-GPU_FIGURES = ("gpu_busy", "gpu_busy_unprofiled", "gpu_kernels", "gpu_kernel_table", "gpu_profiled_wall_ms",
+GPU_FIGURES = ("gpu_busy", "gpu_busy_unprofiled", "gpu_kernels", "gpu_kernel_table", "gpu_runtime_calls",
+               "gpu_profiled_wall_ms",
                "gpu_idle_edges_ms", "gpu_largest_gaps",
                *(f"gpu_gaps_{label}_{unit}" for label, _ in GAP_BUCKETS_US for unit in ("count", "ms")),
-               *HOST_FIGURES, "gpu_host_clock", *ALLOCATOR_FIGURES)
+               *HOST_FIGURES, "gpu_host_clock", *ALLOCATOR_FIGURES, *HOST_SYNC_FIGURES)
 
 
 def _run_system(name: str, systems: Systems, requests: list[BenchRequest], desc: str, show_progress: bool,
@@ -199,6 +208,7 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
          "ms of gaps over 20 us by the host's part"),
         ("gpu_alloc_retries", fig["gpu_alloc_retries"],
          f"cudaMalloc {fig['gpu_device_mallocs']}, cudaFree {fig['gpu_device_frees']} in the profiled pass"),
+        ("gpu_host_syncs", fig["gpu_host_syncs"], "synchronising operations in the engine's code, one pass"),
         ("hf_static_mfu", fig["hf_static_mfu"], ""),
         ("hf_sequential_mfu", fig["hf_sequential_mfu"], ""),
         ("hf_static_useful_fraction", fig["hf_static_useful_fraction"], "of generated tokens"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.bench.gpu_busy import busy_fraction, idle_figures, kernel_table, merged, union_length
+from tandem.bench.gpu_busy import busy_fraction, idle_figures, kernel_table, merged, runtime_call_table, union_length
 
 
 def test_union_counts_overlaps_once_and_gaps_not_at_all() -> None:
@@ -70,3 +70,16 @@ def test_kernel_table_ranks_kernels_by_total_time_with_launches_per_pass() -> No
                      [long_name[:90], 1.0, 4.0, 8 / 88]]
     assert kernel_table(kernels, num_passes=2, top=1) == table[:1]
     assert kernel_table([]) == []
+
+
+def test_runtime_call_table_ranks_the_hosts_cuda_calls_by_the_time_they_took() -> None:
+    us = 1_000  # ns
+    calls = [("cudaLaunchKernel", 0, 4 * us), ("cudaLaunchKernel", 10 * us, 13 * us),
+             ("cudaEventSynchronize", 20 * us, 420 * us), ("cudaStreamSynchronize", 500 * us, 2500 * us),
+             ("cudaGraphLaunch", 3000 * us, 3010 * us), ("cudaGraphLaunch", 4000 * us, 4010 * us)]
+    assert runtime_call_table(calls) == [["cudaStreamSynchronize", 1, 2.0, 2000.0],
+                                         ["cudaEventSynchronize", 1, 0.4, 400.0],
+                                         ["cudaGraphLaunch", 2, 0.02, 10.0],
+                                         ["cudaLaunchKernel", 2, 0.007, 4.0]]
+    assert runtime_call_table(calls, top=1) == [["cudaStreamSynchronize", 1, 2.0, 2000.0]]
+    assert runtime_call_table([]) == []

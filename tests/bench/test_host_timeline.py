@@ -115,6 +115,10 @@ def test_the_profilers_clock_lines_up_with_the_timeline(monkeypatch) -> None:
     under = {part: fig[f"gpu_gap_ms_under_{part}"] for part in PARTS}
     assert under["launch"] > 0 and under["outside"] < 0.2 * sum(under.values()), under
     assert fig["gpu_alloc_retries"] is None
+    # The host-side events (here the CPU ops themselves), by the time they took.
+    calls = fig["gpu_runtime_calls"]
+    assert 0 < len(calls) <= 12 and all(count >= 1 and longest * 1e-3 <= total for _, count, total, longest in calls)
+    assert [row[2] for row in calls] == sorted((row[2] for row in calls), reverse=True)
 
     def broken(*args: object) -> dict:
         raise RuntimeError("no timeline")
