@@ -64,8 +64,9 @@ trap 'pkill -P "$BUILDER" 2> /dev/null; kill "$BUILDER" 2> /dev/null' EXIT
 
 # The GPU tests (GPU_TESTS: other pytest node ids), pytest -v: a test's line survives a killed run.
 # First the decode launch that writes this step's keys and reads them back (a barrier between
-# the two) against the two launches, whose ordering the interpreter cannot check; then graphs
-# (12 of 12 passed on the H200), then the engine through the kernels (12 of 12 on the H100).
+# the two) against the two launches, whose ordering the interpreter cannot check; then that a
+# greedy run's steps never synchronise (what overlap needs); then graphs (12 of 12 passed on
+# the H200), then the engine through the kernels (12 of 12 on the H100).
 FUSED_ROPE=tests/kernels/test_triton_attention.py::test_decode_with_rope_equals_rope_write_kv_then_decode
 part_tests() {
   local limit=210 budget; budget=$(left)
@@ -76,7 +77,7 @@ part_tests() {
   # where it hangs and leaves the rest their time.
   # shellcheck disable=SC2086
   timeout "$limit" python3 -m pytest -v -p no:cacheprovider --durations=0 -o faulthandler_timeout=80 \
-    -o timeout=100 ${GPU_TESTS:-$FUSED_ROPE tests/gpu tests/model/test_gpu_path.py} > "$OUT/tests.log" 2>&1
+    -o timeout=100 ${GPU_TESTS:-$FUSED_ROPE tests/gpu/test_host_syncs.py tests/gpu/test_cuda_graphs.py tests/model/test_gpu_path.py} > "$OUT/tests.log" 2>&1
   log "tests rc $?"
 }
 
