@@ -203,6 +203,23 @@ def test_reset_prefix_cache_forgets_only_free_blocks() -> None:
     pool.check_all_free()
 
 
+def test_reset_prefix_cache_leaves_the_free_queue_as_it_was() -> None:
+    pool = make_pool(6, record_events=True)
+    h0, h1, h2 = chain([1, 2], [3, 4], [5, 6])
+    ids = pool.allocate(3)
+    for block_id, (h, parent) in zip(ids, [(h0, None), (h1, h0), (h2, h1)]):
+        pool.cache(block_id, h, parent)
+    pool.drain_events()
+    pool.free([2, 1, 0])  # tail first
+    pool.reset_prefix_cache()
+    assert [pool.lookup(h) for h in (h0, h1, h2)] == [None, None, None] and pool.num_cached_blocks == 0
+    assert sorted(e.block_hash for e in pool.drain_events()) == sorted([h0, h1, h2])
+    assert pool.num_free_blocks == 6
+    assert pool.allocate(6) == [3, 4, 5, 2, 1, 0]  # the free queue's order is untouched
+    pool.reset_prefix_cache()  # nothing cached: nothing to do
+    assert pool.drain_events() == []
+
+
 # --- hashing --------------------------------------------------------------------------------
 
 def test_hash_block_is_stable_across_processes() -> None:
