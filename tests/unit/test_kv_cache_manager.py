@@ -177,6 +177,26 @@ def test_failed_allocation_with_hits_held_by_others_is_atomic() -> None:
     kv.pool.check_all_free()
 
 
+def test_a_lookup_hashes_up_to_its_first_miss_and_computing_hashes_the_rest() -> None:
+    kv = make_kv(16)
+    computed_and_cached(kv, "a", PROMPT)  # blocks [100..103], [104..107]
+    # The same two blocks, then a different third: hashed as far as the first miss.
+    req = make_req("b", PROMPT[:8] + list(range(200, 213)))
+    hits = kv.get_computed_blocks(req)
+    assert len(hits) == 2 and len(req.block_hashes) == 3
+    chain = []
+    for i in range(5):
+        chain.append(hash_block(chain[-1] if chain else None, req.all_token_ids[i * BS:(i + 1) * BS]))
+    assert req.block_hashes == chain[:3]
+    assert kv.get_computed_blocks(req) == hits and len(req.block_hashes) == 3  # asked again: nothing new
+    # Once computed, publishing hashes the blocks the lookup never reached.
+    assert kv.allocate_slots(req, 13, computed_blocks=hits) is not None
+    req.num_computed_tokens = 21
+    kv.cache_blocks(req)
+    assert req.block_hashes == chain
+    assert [kv.pool.lookup(h) for h in chain] == req.block_ids[:5]
+
+
 # --- publishing -------------------------------------------------------------------------------
 
 def test_cache_blocks_publishes_only_computed_full_blocks() -> None:

@@ -56,6 +56,16 @@ class KVCacheManager:
             tokens = token_slice(req.prompt_token_ids, req.output_token_ids, start, start + bs)
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
 
+    def _chain(self, req: Request, start: int, stop: int):
+        """The request's block hashes from block `start` up to `stop`, each hashed only when the
+        caller asks for it: a lookup stops at its first miss, and blocks past it are hashed
+        when their KV is computed (`cache_blocks`), while the device runs a step, rather than
+        all at admission, before the first step's launch."""
+        for i in range(start, stop):
+            if i == len(req.block_hashes):
+                self._update_hashes(req, (i + 1) * self.block_size)
+            yield req.block_hashes[i]
+
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Leading blocks of the request found in the prefix cache (not yet referenced).
 
@@ -63,10 +73,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        self._update_hashes(req, max_blocks * self.block_size)
         hits: list[int] = []
-        for block_hash in req.block_hashes[:max_blocks]:
+        for block_hash in self._chain(req, 0, (req.num_tokens - 1) // self.block_size):
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -77,9 +85,8 @@ class KVCacheManager:
         """Host slots holding the blocks that follow the request's device hits."""
         if self.host is None or req.sampling_params.prompt_logprobs is not None:
             return []
-        max_blocks = (req.num_tokens - 1) // self.block_size
         slots: list[int] = []
-        for block_hash in req.block_hashes[num_device_hits:max_blocks]:
+        for block_hash in self._chain(req, num_device_hits, (req.num_tokens - 1) // self.block_size):
             slot = self.host.lookup(block_hash)
             if slot is None:
                 break
