@@ -116,7 +116,8 @@ def profiled_gpu_figures(run: Callable[[], object], device: torch.device, num_pa
     recorded too (`HostTimeline`) and the gaps are set against it (`host_figures`; `gpu_host_clock`
     says how the two clocks were lined up), and the caching allocator's device calls in the pass
     are counted (`allocator_figures`). `gpu_runtime_calls`: the host's CUDA API calls in the
-    pass, by the time they took (`runtime_call_table`)."""
+    pass, by the time they took (`runtime_call_table`), and `gpu_largest_gaps_calls` what they
+    were doing in the largest gaps (`gap_calls`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -141,7 +142,7 @@ def profiled_gpu_figures(run: Callable[[], object], device: torch.device, num_pa
     calls = [(e.name(), e.start_ns(), e.end_ns()) for e in events if e.device_type() == DeviceType.CPU]
     fig = {"gpu_busy": busy_fraction(kernels, wall_ns), "gpu_kernels": len(kernels),
            **idle_figures(kernels, wall_ns), "gpu_kernel_table": kernel_table(named, num_passes),
-           "gpu_runtime_calls": runtime_call_table(calls),
+           "gpu_runtime_calls": runtime_call_table(calls), "gpu_largest_gaps_calls": gap_calls(kernels, calls),
            "gpu_profiled_wall_ms": wall_ns / 1e6, **allocator_figures(allocator, torch.cuda.memory_stats(device))}
     if timeline is not None:
         try:
@@ -224,3 +225,25 @@ def runtime_call_table(calls: Iterable[tuple[str, float, float]], top: int = 12)
         entry[2] = max(entry[2], end - start)
     rows = sorted(by_name.items(), key=lambda item: (-item[1][1], item[0]))[:top]
     return [[name, int(count), ns / 1e6, longest / 1e3] for name, (count, ns, longest) in rows]
+
+
+def gap_calls(kernels: Iterable[tuple[float, float]], calls: list[tuple[str, float, float]],
+              top: int = 5) -> list[list]:
+    """For the `top` largest gaps between kernels, what the host's CUDA calls (the profiler's
+    clock, the kernels' own) were doing: [gap ms, the call that overlapped the gap longest as
+    [name, us of overlap] (None: the host made no CUDA call then, so it was in Python), the
+    last call begun before the gap ended as [name, us into the gap it began] (the launch the
+    device waited for, usually)]."""
+    gaps = sorted(idle_gaps(merged(kernels)), key=lambda gap: gap[0] - gap[1])[:top]
+    out = []
+    for start, end in gaps:
+        longest: list | None = None
+        ender: list | None = None
+        for name, c_start, c_end in calls:
+            overlap = min(end, c_end) - max(start, c_start)
+            if overlap > 0 and (longest is None or overlap / 1e3 > longest[1]):
+                longest = [name, overlap / 1e3]
+            if c_start < end and (ender is None or c_start >= ender[2]):
+                ender = [name, (c_start - start) / 1e3, c_start]
+        out.append([(end - start) / 1e6, longest, ender[:2] if ender is not None else None])
+    return out

@@ -22,7 +22,9 @@ the engine's host work (`host_timeline.py`) and sets each gap of 20 us or more a
 gaps, the part and the step it was on (`gpu_largest_gaps_host`); and it counts the caching
 allocator's retries, cudaMallocs and cudaFrees (`gpu_alloc_retries`, `gpu_device_mallocs`,
 `gpu_device_frees`: a retry frees every cached block, and cudaFree stalls the device), and
-lists the host's CUDA API calls by the time they took (`gpu_runtime_calls`). One more pass
+lists the host's CUDA API calls by the time they took (`gpu_runtime_calls`) and, for the
+largest gaps, the call that overlapped each longest and the launch that ended it
+(`gpu_largest_gaps_calls`). One more pass
 runs under torch's sync debug mode: `gpu_host_syncs` counts the operations in the engine's code
 that made the host wait for the device (beside its one event wait a step), and
 `gpu_host_sync_sites` names their lines (`host_syncs.py`). Null on CPU.
@@ -113,7 +115,7 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
 
 
 GPU_FIGURES = ("gpu_busy", "gpu_busy_unprofiled", "gpu_kernels", "gpu_kernel_table", "gpu_runtime_calls",
-               "gpu_profiled_wall_ms",
+               "gpu_largest_gaps_calls", "gpu_profiled_wall_ms",
                "gpu_idle_edges_ms", "gpu_largest_gaps",
                *(f"gpu_gaps_{label}_{unit}" for label, _ in GAP_BUCKETS_US for unit in ("count", "ms")),
                *HOST_FIGURES, "gpu_host_clock", *ALLOCATOR_FIGURES, *HOST_SYNC_FIGURES)

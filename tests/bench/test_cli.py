@@ -29,7 +29,8 @@ def test_offline(tmp_path: Path) -> None:
     assert fig["max_mixed_graph_tokens"] == 64  # an engine option, as the run used it
     for key in ("gpu_busy", "gpu_busy_unprofiled", "gpu_kernels", "gpu_kernel_table", "gpu_idle_edges_ms",
                 "gpu_largest_gaps", "gpu_gaps_200us_2ms_count", "gpu_gap_ms_under_launch", "gpu_largest_gaps_host",
-                "gpu_host_clock", "gpu_alloc_retries", "gpu_runtime_calls", "gpu_host_syncs", "gpu_host_sync_sites"):
+                "gpu_host_clock", "gpu_alloc_retries", "gpu_runtime_calls", "gpu_largest_gaps_calls", "gpu_host_syncs",
+                "gpu_host_sync_sites"):
         assert fig[key] is None, key  # measured on CUDA only
     for key in ("tandem_output_tok_s", "hf_static_output_tok_s", "hf_sequential_output_tok_s", "mfu",
                 "peak_matmul_flops", "model_flops", "wall_s", "process_cpu_share"):

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from tandem.bench.gpu_busy import busy_fraction, idle_figures, kernel_table, merged, runtime_call_table, union_length
+from tandem.bench.gpu_busy import (
+    busy_fraction,
+    gap_calls,
+    idle_figures,
+    kernel_table,
+    merged,
+    runtime_call_table,
+    union_length,
+)
 
 
 def test_union_counts_overlaps_once_and_gaps_not_at_all() -> None:
@@ -83,3 +91,17 @@ def test_runtime_call_table_ranks_the_hosts_cuda_calls_by_the_time_they_took() -
                                          ["cudaLaunchKernel", 2, 0.007, 4.0]]
     assert runtime_call_table(calls, top=1) == [["cudaStreamSynchronize", 1, 2.0, 2000.0]]
     assert runtime_call_table([]) == []
+
+
+def test_the_largest_gaps_say_what_the_hosts_cuda_calls_were_doing() -> None:
+    us = 1_000  # ns
+    # Kernels with a 2 ms gap (a 1.9 ms cudaStreamSynchronize in it, then the launch that ends
+    # it) and a 500 us gap in which the host made no call until the graph launch 450 us in.
+    kernels = [(0, 100 * us), (2100 * us, 2200 * us), (2700 * us, 2800 * us)]
+    calls = [("cudaLaunchKernel", 0, 5 * us), ("cudaStreamSynchronize", 150 * us, 2050 * us),
+             ("cudaLaunchKernel", 2060 * us, 2065 * us), ("cudaGraphLaunch", 2650 * us, 2660 * us),
+             ("cudaEventSynchronize", 2900 * us, 3000 * us)]
+    assert gap_calls(kernels, calls) == [[2.0, ["cudaStreamSynchronize", 1900.0], ["cudaLaunchKernel", 1960.0]],
+                                         [0.5, ["cudaGraphLaunch", 10.0], ["cudaGraphLaunch", 450.0]]]
+    assert gap_calls(kernels, [], top=1) == [[2.0, None, None]]
+    assert gap_calls([], calls) == []

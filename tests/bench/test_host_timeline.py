@@ -119,6 +119,8 @@ def test_the_profilers_clock_lines_up_with_the_timeline(monkeypatch) -> None:
     calls = fig["gpu_runtime_calls"]
     assert 0 < len(calls) <= 12 and all(count >= 1 and longest * 1e-3 <= total for _, count, total, longest in calls)
     assert [row[2] for row in calls] == sorted((row[2] for row in calls), reverse=True)
+    gaps = fig["gpu_largest_gaps_calls"]
+    assert 0 < len(gaps) <= 5 and [g[0] for g in gaps] == sorted((g[0] for g in gaps), reverse=True)
 
     def broken(*args: object) -> dict:
         raise RuntimeError("no timeline")
