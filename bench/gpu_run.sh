@@ -128,8 +128,16 @@ part_host_step() {
   keep host_step
 }
 
+# The decode kernel's tiles at batches 32-128 and contexts 160-2048 (llama-1b's heads; at batch
+# 128 the kernel is 31% of a pass and reads 160-key contexts at 1.27 TB/s): which tile each
+# shape wants, against the default (bench/decode_tiles.py).
+part_decode_tiles() {
+  run 75 "decode tiles" python3 -m tandem.bench.decode_tiles --output-json "$J/decode_tiles.json"
+  keep decode_tiles
+}
+
 # Multi-step 8 last: the H100's full-shape sweep found it no faster than one pass a step.
-DEFAULT_PARTS="tests offline offline_mixed2048 latency 8b latency_sampled host_step latency_ms8 offline_ms8"
+DEFAULT_PARTS="tests offline offline_mixed2048 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
 PARTS="$DEFAULT_PARTS breakdown"
 parts=("$@")
 # shellcheck disable=SC2206
