@@ -6,12 +6,13 @@
 `triton_decode.decode_tile` gives one tile (keys per tile, warps, pipeline stages) for a head
 width, tuned on long contexts (2.5-2.95 TB/s of K/V read on an H100). At batch 128 of the
 llama-1b shape the decode kernel is 31% of a pass and reads at 1.27 TB/s: a 160-key context
-is two 128-key tiles, the second a quarter full, and 96 KB of shared memory a program leaves
-two programs an SM. This times each tile on each (batch, context), the shape's heads and the
-split count the engine's graph bucket would use, one launch replayed in a CUDA graph and
-timed by CUDA events: a tile's figure is the K/V bytes read over its time, and each shape's
-best tile is set against the default. Each tile's output is checked against the default's.
-On CPU (Triton's interpreter) the same code runs once a tile, untimed: a check of the sweep.
+is two 128-key tiles, the second a quarter full, and the tile's registers (70-76 a thread at
+8 warps, built for sm_90) leave three programs an SM. This times each tile on each (batch,
+context), the shape's heads and the split count the engine's graph bucket would use, one
+launch replayed in a CUDA graph and timed by CUDA events: a tile's figure is the K/V bytes
+read over its time, and each shape's best tile is set against the default. Each tile's
+output is checked against the default's. On CPU (Triton's interpreter) the same code runs
+once a tile, untimed: a check of the sweep.
 """
 
 from __future__ import annotations

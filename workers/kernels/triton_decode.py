@@ -59,10 +59,11 @@ def decode_tile(block_d: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_N keys per tile, num_warps, num_stages) for the split kernel.
 
     Decode only streams the cache, so the aim is bytes in flight: 128 keys x 256-byte rows
-    (bf16, d <= 128) = 32 KB per K (and V) tile, 8 warps, 3 stages (192 KB of shared memory)
-    hide the block-table -> slot -> row gather latency; 64-key tiles lose when one split runs
-    on few rows (the H100 sweep is in bench/RESULTS.md). Wider rows shrink the tile so the
-    stages fit in Hopper's 227 KB of shared memory.
+    (bf16, d <= 128) = 32 KB per K (and V) tile and 8 warps hide the block-table -> slot -> row
+    gather latency; 64-key tiles lose when one split runs on few rows (the H100 sweep is in
+    bench/RESULTS.md). Built for sm_90 the gathers are not staged through shared memory, which
+    holds the dot operands only: 39 KB at d 64, 74 KB at d 128, 76 KB for d 256's 64-key tile
+    (`bench/decode_tiles.py` sweeps the tile on a GPU). Wider rows shrink the tile.
     """
     row_bytes = block_d * elem_size
     if row_bytes <= 256:
