@@ -71,6 +71,8 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
     offline.add_argument("--num-requests", type=int, default=None, help="requests in the set (default 64; --quick 32)")
     offline.add_argument("--no-hf-sequential", dest="hf_sequential", action="store_false",
                          help="leave out transformers one request at a time (minutes on a GPU); its figures are null")
+    offline.add_argument("--no-hf", dest="hf", action="store_false",
+                         help="leave transformers out (not loaded; its figures are null): tandem's figures alone")
     latency.add_argument("--hf-compiled", action="store_true", help="CPU: also time transformers with a static "
                          "cache and torch.compile (a minute or more of compiling; always on CUDA)")
     latency.add_argument("--no-hf", dest="hf", action="store_false",
@@ -249,8 +251,8 @@ def _run_offline(hooks: RouterHooks, args: argparse.Namespace) -> int:
     spec = OFFLINE_QUICK if args.quick else OFFLINE_FULL
     if args.num_requests is not None:
         spec = replace(spec, num_requests=args.num_requests)
-    figures = _measured(lambda: offline.run_offline(opts, spec, hf_sequential=args.hf_sequential), args.device,
-                        in_process=True)
+    figures = _measured(lambda: offline.run_offline(opts, spec, hf_sequential=args.hf_sequential, hf=args.hf),
+                        args.device, in_process=True)
     report.print_table(offline.title(figures), offline.table_rows(figures))
     return _finish(args, figures, report.plot_offline)
 

@@ -99,12 +99,13 @@ part_latency_ms8() { on llama-1b latency_1b_ms8 100 latency --repeats 3 --no-hf 
 part_latency_sampled() { on llama-1b latency_1b_sampled 100 latency --repeats 3 --no-hf --temperature 1.0; }
 
 # llama-1b: the offline set against transformers' static batches, gpu_busy and the GPU's gaps.
-part_offline_ms8() { on llama-1b offline_1b_ms8 150 offline --repeats 2 --no-hf-sequential --num-scheduler-steps 8; }
+part_offline_ms8() { on llama-1b offline_1b_ms8 120 offline --repeats 2 --no-hf --num-scheduler-steps 8; }
 part_offline() { on llama-1b offline_1b 150 offline --repeats 2 --no-hf-sequential; }
 # The same with mixed steps up to 2048 tokens (the whole step budget) in graphs, against 512:
 # whether the prefill phase's eager steps are where gpu_busy goes (`gpu_largest_gaps_host`).
+# Tandem alone (--no-hf), as offline_ms8 is: transformers' baseline is the offline part's.
 part_offline_mixed2048() {
-  on llama-1b offline_1b_mixed2048 120 offline --repeats 2 --no-hf-sequential --max-mixed-graph-tokens 2048
+  on llama-1b offline_1b_mixed2048 90 offline --repeats 2 --no-hf --max-mixed-graph-tokens 2048
 }
 
 # Llama-3-8B's shape: MBU at batch 1, tandem alone (multi-step 8, then one pass a step).

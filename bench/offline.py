@@ -66,16 +66,18 @@ _WARMUP = WorkloadSpec(num_requests=2, prompt_len=(16, 24), output_len=(4, 4), s
 
 
 def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
-                hf_sequential: bool = True) -> Figures:
+                hf_sequential: bool = True, hf: bool = True) -> Figures:
     """`hf_sequential=False` leaves the one-request-at-a-time baseline out (its figures are
-    null): on a GPU it takes minutes of the run for a figure nobody compares against."""
+    null): on a GPU it takes minutes of the run for a figure nobody compares against. `hf=False`
+    leaves transformers out entirely (not even loaded; every baseline figure null): tandem's
+    figures alone, as a second run of one set under another engine option wants."""
     spec = spec or (OFFLINE_QUICK if opts.quick else OFFLINE_FULL)
-    names = SYSTEMS if hf_sequential else SYSTEMS[:2]
+    names = SYSTEMS[:1] if not hf else SYSTEMS if hf_sequential else SYSTEMS[:2]
     repeats = opts.num_repeats(default_full=3, default_quick=2)
     model_dir = resolve_model_dir(opts)
     vocab = vocab_size_of(model_dir)
     requests = make_workload(spec, vocab)
-    systems = load_systems(opts, [requests])
+    systems = load_systems(opts, [requests], with_hf=hf)
     warmup = make_workload(_WARMUP, vocab)
     for name in names:
         _run_system(name, systems, warmup, "warm-up", show_progress=False)
@@ -181,9 +183,9 @@ def _figures(spec: WorkloadSpec, requests: list[BenchRequest], systems: Systems,
             continue
         fig[f"throughput_ratio_vs_{name}"] = median(
             t.tokens_per_s / b.tokens_per_s for t, b in zip(results["tandem"], results[name], strict=True))
-    generated = results["hf_static"][0].num_generated_tokens
+    generated = results["hf_static"][0].num_generated_tokens if results["hf_static"] else None
     fig["hf_static_generated_tokens"] = generated
-    fig["hf_static_useful_fraction"] = num_output_tokens(requests) / generated
+    fig["hf_static_useful_fraction"] = num_output_tokens(requests) / generated if generated else None
     return fig
 
 

@@ -95,6 +95,20 @@ def test_latency_without_transformers(tmp_path: Path, monkeypatch: pytest.Monkey
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_offline_without_transformers(tmp_path: Path) -> None:
+    """--no-hf: tandem alone (a second run of the set under another engine option): every
+    baseline figure null, the plot and the table without them."""
+    plot = tmp_path / "offline.png"
+    fig = bench(tmp_path, "offline", "--model", tiny_model(), "--device", "cpu", "--num-requests", "3",
+                "--no-hf", "--plot", str(plot), *SMALLEST)
+    assert fig["tandem_output_tok_s"] > 0 and fig["mfu"] > 0
+    for key in ("hf_static_output_tok_s", "hf_sequential_output_tok_s", "throughput_ratio_vs_hf_static",
+                "throughput_ratio_vs_hf_sequential", "hf_static_mfu", "hf_static_generated_tokens",
+                "hf_static_useful_fraction"):
+        assert fig[key] is None, key
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+
+
 def test_tandem_sampling_at_a_temperature(tmp_path: Path) -> None:
     """--temperature: tandem's requests sample (seeded), still to their exact lengths."""
     fig = bench(tmp_path, "offline", "--model", tiny_model(), "--device", "cpu", "--num-requests", "3",
