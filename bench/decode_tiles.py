@@ -9,10 +9,10 @@ llama-1b shape the decode kernel is 31% of a pass and reads at 1.27 TB/s: a 160-
 is two 128-key tiles, the second a quarter full, and the tile's registers (70-76 a thread at
 8 warps, built for sm_90) leave three programs an SM. This times each tile on each (batch,
 context), the shape's heads and the split count the engine's graph bucket would use, one
-launch replayed in a CUDA graph and timed by CUDA events: a tile's figure is the K/V bytes
-read over its time, and each shape's best tile is set against the default. Each tile's
-output is checked against the default's. On CPU (Triton's interpreter) the same code runs
-once a tile, untimed: a check of the sweep.
+launch captured as the engine captures its graphs and replayed in batches, the median of five
+timings: a tile's figure is the K/V bytes read over its time, and each shape's best tile is
+set against the default. Each tile's output is checked against the default's. On CPU
+(Triton's interpreter) the same code runs once a tile, untimed: a check of the sweep.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.workers.device_peaks import time_median
 from tandem.workers.kernels import triton_decode
 from tandem.workers.kernels.decode_splits import default_num_splits
+from tandem.workers.runner.cuda_graphs import capture_graph
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,14 @@ def _inputs(shape: DecodeShape, batch: int, context: int, device: torch.device, 
                 seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device))
 
 
-def _launch(shape: DecodeShape, inputs: dict, out: torch.Tensor, num_splits: int) -> Callable[[], None]:
-    return lambda: triton_decode.decode_attention(
-        inputs["query"], inputs["key_cache"], inputs["value_cache"], inputs["block_tables"], inputs["seq_lens"],
-        shape.block_size, shape.head_dim ** -0.5, 0, out, num_splits)
+def _launch(shape: DecodeShape, inputs: dict, out: torch.Tensor, num_splits: int) -> Callable[[], torch.Tensor]:
+    """One decode launch into `out` (returned: what a captured graph's replays write)."""
+    def launch() -> torch.Tensor:
+        triton_decode.decode_attention(
+            inputs["query"], inputs["key_cache"], inputs["value_cache"], inputs["block_tables"], inputs["seq_lens"],
+            shape.block_size, shape.head_dim ** -0.5, 0, out, num_splits)
+        return out
+    return launch
 
 
 @contextmanager
@@ -85,27 +91,14 @@ def tile_patched(tile: Tile) -> Iterator[None]:
         triton_decode.decode_tile = default
 
 
-def _time_us(launch: Callable[[], None], device: torch.device, replays: int) -> float | None:
-    """Microseconds a launch, replayed in a CUDA graph (None off CUDA: nothing to time)."""
+def _time_us(launch: Callable[[], torch.Tensor], device: torch.device, replays: int) -> float | None:
+    """Microseconds a launch, captured as the engine captures its graphs and replayed `replays`
+    times a timing, the median of five (None off CUDA: nothing to time)."""
     if device.type != "cuda":
         launch()
         return None
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile and settle outside the capture
-            launch()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
+    graph, _ = capture_graph(launch, torch.cuda.graph_pool_handle(), device)
+    return time_median(lambda: [graph.replay() for _ in range(replays)], device) * 1e6 / replays
 
 
 def sweep(shape: DecodeShape, batches: list[int], contexts: list[int], tiles: list[Tile], device: torch.device,
