@@ -24,10 +24,10 @@ allocator's retries, cudaMallocs and cudaFrees (`gpu_alloc_retries`, `gpu_device
 `gpu_device_frees`: a retry frees every cached block, and cudaFree stalls the device), and
 lists the host's CUDA API calls by the time they took (`gpu_runtime_calls`) and, for the
 largest gaps, the call that overlapped each longest and the launch that ended it
-(`gpu_largest_gaps_calls`). One more pass
-runs under torch's sync debug mode: `gpu_host_syncs` counts the operations in the engine's code
-that made the host wait for the device (beside its one event wait a step), and
-`gpu_host_sync_sites` names their lines (`host_syncs.py`). Null on CPU.
+(`gpu_largest_gaps_calls`). One more pass runs under torch's sync debug mode:
+`gpu_host_syncs` counts the operations in the engine's code that made the host wait for the
+device (beside its one event wait a step), and `gpu_host_sync_sites` names their lines
+(`host_syncs.py`). Null on CPU.
 
 On every device, `host_gc_ms` is how long the garbage collector stopped the host in a tandem
 run (median over repeats), `host_gc_longest_ms` its longest pause and
@@ -72,7 +72,7 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
     leaves transformers out entirely (not even loaded; every baseline figure null): tandem's
     figures alone, as a second run of one set under another engine option wants."""
     spec = spec or (OFFLINE_QUICK if opts.quick else OFFLINE_FULL)
-    names = SYSTEMS[:1] if not hf else SYSTEMS if hf_sequential else SYSTEMS[:2]
+    names = SYSTEMS[:1] if not hf else SYSTEMS[:2] if not hf_sequential else SYSTEMS
     repeats = opts.num_repeats(default_full=3, default_quick=2)
     model_dir = resolve_model_dir(opts)
     vocab = vocab_size_of(model_dir)

@@ -13,6 +13,8 @@ start of the step (see host_tier.py), so they count as computed, like device hit
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from tandem.workers.core.block_pool import BlockPool, hash_block
 from tandem.workers.core.host_tier import HostKVTier
 from tandem.workers.core.request import Request, token_slice
@@ -56,7 +58,7 @@ class KVCacheManager:
             tokens = token_slice(req.prompt_token_ids, req.output_token_ids, start, start + bs)
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
 
-    def _chain(self, req: Request, start: int, stop: int):
+    def _chain(self, req: Request, start: int, stop: int) -> Iterator[int]:
         """The request's block hashes from block `start` up to `stop`, each hashed only when the
         caller asks for it: a lookup stops at its first miss, and blocks past it are hashed
         when their KV is computed (`cache_blocks`), while the device runs a step, rather than
