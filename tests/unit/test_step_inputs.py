@@ -9,6 +9,7 @@ import torch
 from tandem.workers.core.request import PENDING_TOKEN, SamplingParams
 from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.workers.runner.block_table import BlockTable
+from tandem.workers.runner.model_runner import ModelRunner
 from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, MixedTarget, mixed_layout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -107,6 +108,28 @@ def test_decode_step_padded_to_its_graph_bucket() -> None:
     # Everything landed in the graph's own buffer: ids, positions, slots, lengths, tables, pending.
     assert buffer[:16].tolist() == [PENDING_TOKEN, 35, 0, 0, 9, 5, 0, 0, 37, 49, 200, 200, 10, 6, 1, 1]
     assert buffer[28:30].tolist() == [0, 1]
+
+
+def test_graph_step_carries_its_scored_rows_when_a_chunk_before_them_scores_nothing() -> None:
+    """d's 1-token chunk (not its prompt's last token) comes before c's decode: c's row 1 is the
+    only one scored, and its index travels in the graph's buffer after the pending indices."""
+    out, states, table = _step()
+    out.num_scheduled_tokens = {"d": 1, "c": 1}
+    out.new_requests = [NewRequestData("d", [], [], GREEDY, [], 0)]
+    out.cached_requests = [CachedRequestData("c", [], [], 5, 2)]
+    buffer = torch.full((64,), -1, dtype=torch.int32)
+    graph = GraphTarget(batch=4, width=3, buffer=buffer, num_splits=7)
+    inputs = _builder(kernel_tables=True).build(out, states, table, graph)
+    assert inputs.req_ids == ["d", "c"] and inputs.logits_rows == [[], [1]]
+    assert inputs.logits_index.tolist() == [1]
+    assert buffer[28].item() == 1  # after 4 x 4 rows and 4 x 3 table entries, no pending
+    logits = torch.arange(4 * 5, dtype=torch.float32).view(4, 5)
+    assert ModelRunner._scored(logits, inputs).tolist() == [[5.0, 6.0, 7.0, 8.0, 9.0]]
+    # In order from the first row, nothing travels: the scored rows are a prefix of the logits.
+    out.num_scheduled_tokens = {"c": 1, "d": 1}
+    inputs = _builder(kernel_tables=True).build(out, states, table, graph)
+    assert inputs.logits_rows == [[0], []] and inputs.logits_index.numel() == 0
+    assert ModelRunner._scored(logits, inputs).tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0]]
 
 
 def test_mixed_step_padded_to_its_graph_bucket() -> None:

@@ -105,8 +105,9 @@ class DecodeGraphs:
         # eager run of the bucket uses the same, so the two paths compute alike.
         self.splits = {b: num_splits(b, layout.max_context) for b in self.buckets}
         top = self.buckets[-1]
-        # ... then up to 2 x B indices of tokens scheduled ahead (StepInputs.pending_dst/src).
-        self.buffer = torch.zeros(6 * top + top * self.width, dtype=torch.int32, device=device)
+        # ... then up to 2 x B indices of tokens scheduled ahead (StepInputs.pending_dst/src) and
+        # up to B scored rows (StepInputs.logits_index, where they are not the first rows).
+        self.buffer = torch.zeros(7 * top + top * self.width, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.memory_bytes = 0

@@ -459,14 +459,12 @@ class ModelRunner:
 
     @staticmethod
     def _scored(logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
-        """A decode graph step's scored rows: its first rows in order, unless a 1-token prefill
-        chunk in the batch scores nothing."""
-        rows = [r for req_rows in inputs.logits_rows for r in req_rows]
-        if not rows:
-            return None
-        if rows[-1] == len(rows) - 1:
-            return logits[:len(rows)]
-        return logits.index_select(0, torch.tensor(rows, device=logits.device))
+        """A decode graph step's scored rows: its first rows in order, or the rows its inputs
+        carry (`logits_index`) where a 1-token prefill chunk before them scores nothing."""
+        if inputs.logits_index.numel():
+            return logits.index_select(0, inputs.logits_index)
+        num_scored = inputs.num_scored
+        return logits[:num_scored] if num_scored else None
 
     def prompt_logprobs(self, inputs: StepInputs,
                         hidden: torch.Tensor | None) -> dict[str, tuple[int, list[PositionLogprobs]]]:

@@ -312,11 +312,15 @@ class InputBuilder:
                     + seq_lens + [1] * pad)
             if host_lists:
                 decode_lists += [[self.scratch_block]] * pad
+            # A graph step scores its first rows in order (logits_index empty), unless a 1-token
+            # prefill chunk that scores nothing comes before a row that does: then the scored
+            # rows travel with the step's inputs, so picking them never copies from the host.
+            scored = [r for req_rows in logits_rows for r in req_rows]
+            picked = scored if scored and scored[-1] != len(scored) - 1 else []
             dev = self.staging.upload([np.asarray(head, dtype=np.int32), tables.reshape(-1),
-                                       np.asarray(pending, dtype=np.int32)], graph.buffer)
-            d_ids, d_pos, d_slots, d_lens, d_tables, d_dst, d_src = split_views(
-                dev, [rows, rows, rows, rows, rows * width, len(pending_dst), len(pending_src)])
-            d_scored = d_ids[:0]  # a graph step scores its first len(order) rows, in order
+                                       np.asarray(pending + picked, dtype=np.int32)], graph.buffer)
+            d_ids, d_pos, d_slots, d_lens, d_tables, d_dst, d_src, d_scored = split_views(
+                dev, [rows, rows, rows, rows, rows * width, len(pending_dst), len(pending_src), len(picked)])
             d_qstart = None
             decode_lens = seq_lens + [1] * pad
             num_decodes = rows
