@@ -86,8 +86,15 @@ class ParallelConfig:
     # gloo's loopback TCP (its ranks are on one node by placement). False: gloo for all.
     shm_collectives: bool = True
     address: str | None = None  # Ray address to join; None = local / in-process
+    # A Ray group's workers wait for steps in a compiled graph's channel, which keeps a core
+    # busy per worker; after this many seconds without a step they wait on an event instead
+    # (workers/distributed/parking.py), and the next step wakes them (~1 ms). None: never.
+    park_workers_after_s: float | None = 1.0
 
     def __post_init__(self) -> None:
+        if self.park_workers_after_s is not None:
+            require_field(self.park_workers_after_s > 0, "park_workers_after_s",
+                          f"must be > 0 (or None: never park), got {self.park_workers_after_s}")
         require_field(self.tensor_parallel_size >= 1, "tensor_parallel_size",
                  f"must be >= 1, got {self.tensor_parallel_size}")
         require_field(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",

@@ -33,6 +33,12 @@ class CachedRequestData:
     num_kept_blocks: int  # the workers' table is cut to this length before appending new_block_ids
 
 
+@dataclass(frozen=True)
+class Park:
+    """Executor -> workers while a replica group is idle: wait, off the CPU, until unparked
+    (workers/distributed/parking.py)."""
+
+
 @dataclass
 class SchedulerOutput:
     step_id: int

@@ -11,10 +11,12 @@ step through the compiled graph (see __init__).
 Each step reaches all workers as one message through a Ray compiled graph (shared-memory
 channels): an empty step costs a third of what plain actor calls cost (figures in
 bench/RESULTS.md; `measure_control_overhead`; `use_compiled_graph=False` falls back to
-them). A worker that raises or dies fails the step: the executor kills the whole group at
-once (peers blocked in a collective would otherwise wait for it) and raises, so the engine
-ends its requests with finish reason "error". A failed executor is spent; `shutdown()` and a
-new executor rebuild the group in the same process.
+them). After `park_workers_after_s` without a step the workers are parked off the CPU
+(workers/distributed/parking.py), and the next step wakes them. A worker that raises or
+dies fails the step: the executor kills the whole group at once (peers blocked in a
+collective would otherwise wait for it) and raises, so the engine ends its requests with
+finish reason "error". A failed executor is spent; `shutdown()` and a new executor rebuild
+the group in the same process.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from tandem.cluster.placement import (
     plan_on_cluster,
 )
 from tandem.workers.config import EngineConfig
-from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
+from tandem.workers.core.scheduler_output import Park, PendingOutput, RunnerOutput, SchedulerOutput
+from tandem.workers.distributed.parking import IdleParking
 from tandem.workers.model.hf_config import HFModelConfig
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class RayExecutor:
         self.workers: list[Any] = []
         self.dead_error: str | None = None
         self._dag = None
+        self._parking: IdleParking | None = None
         self.placement_group = None
         self._owns_placement_group = False
         self.worker_info: list[dict[str, Any]] = []
@@ -78,6 +82,9 @@ class RayExecutor:
                 # a graph torn down (a worker died) before any step makes Ray abort this process
                 # (its reader registration fails a check: the channel was never written).
                 self._broadcast(SchedulerOutput(step_id=-1))
+                if par.park_workers_after_s is not None:
+                    self._parking = IdleParking(par.park_workers_after_s, self._park, self._unpark,
+                                                unpark_timeout_s=step_timeout_s)
         except BaseException:
             self._teardown()
             raise
@@ -177,9 +184,14 @@ class RayExecutor:
 
         if self.dead_error is not None:
             raise GroupFailedError(f"the replica group has failed: {self.dead_error}")
+        parking = self._parking
         try:
+            if parking is not None:
+                parking.step_started()
             ref = self._dag.execute(step)
         except Exception as exc:
+            if parking is not None:
+                parking.step_done()
             raise self._fail(exc) from exc
 
         def finish() -> RunnerOutput:
@@ -187,15 +199,41 @@ class RayExecutor:
                 return ray.get(ref, timeout=self.step_timeout_s)[self.output_rank]
             except Exception as exc:
                 raise self._fail(exc) from exc
+            finally:
+                if parking is not None:
+                    parking.step_done()
 
         return PendingOutput(finish)
 
     def _broadcast(self, step: SchedulerOutput) -> list[Any]:
         import ray
 
-        if self._dag is not None:
+        if self._dag is None:
+            return ray.get([w.execute_step.remote(step) for w in self.workers], timeout=self.step_timeout_s)
+        parking = self._parking
+        try:
+            if parking is not None:
+                parking.step_started()
             return ray.get(self._dag.execute(step), timeout=self.step_timeout_s)
-        return ray.get([w.execute_step.remote(step) for w in self.workers], timeout=self.step_timeout_s)
+        finally:
+            if parking is not None:
+                parking.step_done()
+
+    # ---- idle parking (workers/distributed/parking.py) -----------------------------------------------
+    @property
+    def parked(self) -> bool:
+        """Whether the workers are parked now (waiting off the CPU for the next step)."""
+        return self._parking is not None and self._parking.parked
+
+    def _park(self) -> Any:
+        return self._dag.execute(Park())
+
+    def _unpark(self, parked: Any, timeout_s: float) -> None:
+        import ray
+
+        for w in self.workers:
+            w.unpark.remote()
+        ray.get(parked, timeout=timeout_s)
 
     # ---- KV blocks: host tier and transfer between groups --------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -292,6 +330,10 @@ class RayExecutor:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self._parking is not None:
+            # Parked workers are not in the graph's loop, which a teardown waits for.
+            self._parking.close(unpark=not failed)
+            self._parking = None
         if self._dag is not None and not failed:
             _quiet_teardown(self._dag, logging.WARNING)
         for w in self.workers:

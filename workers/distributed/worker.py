@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from typing import Any
 
 import torch
 
 from tandem.cluster.net import free_port
 from tandem.workers.config import EngineConfig
-from tandem.workers.core.scheduler_output import RunnerOutput, SchedulerOutput
+from tandem.workers.core.scheduler_output import Park, RunnerOutput, SchedulerOutput
 from tandem.workers.distributed.parallel import ParallelContext, init_groups
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.runner.model_runner import ModelRunner
@@ -62,6 +63,7 @@ class Worker:
         self.ctx: ParallelContext | None = None
         self.runner: ModelRunner | None = None
         self.startup_heap: StartupHeap | None = None
+        self._unparked = threading.Event()  # set by `unpark` (the actor's thread, beside the graph's)
 
     # ---- set-up (called once each, in this order, by RayExecutor) ---------------------------------
     def describe(self) -> dict[str, Any]:
@@ -121,7 +123,11 @@ class Worker:
         self.runner.import_host_blocks(slots, data)
 
     # ---- steps -----------------------------------------------------------------------------------
-    def execute_step(self, step: SchedulerOutput) -> RunnerOutput | None:
+    def execute_step(self, step: SchedulerOutput | Park) -> RunnerOutput | None:
+        if isinstance(step, Park):  # the group is idle: wait here, not in the graph's polling read
+            self._unparked.wait()
+            self._unparked.clear()
+            return None
         runner, ctx = self.runner, self.ctx
         runner.update_states(step)
         is_output_rank = ctx.is_last_stage and ctx.tp_rank == 0
@@ -149,6 +155,11 @@ class Worker:
         for handle, _ in sends:
             handle.wait()
         return merge_outputs(results) if is_output_rank else None
+
+    def unpark(self) -> None:
+        """End a `Park` (an actor call, which runs beside the compiled graph's loop); one that
+        comes before its park reaches the loop ends that park at once."""
+        self._unparked.set()
 
 
 def split_micro_batches(step: SchedulerOutput, num: int) -> list[SchedulerOutput]:
