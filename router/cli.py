@@ -67,6 +67,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "choices": DTYPES, "help": "the draft model's dtype (default auto: the target's)"}),
     EngineFlag(("--speculative-draft-tensor-parallel-size",), {
         "type": int, "help": "the draft model's own tensor-parallel size (default 1)"}),
+    EngineFlag(("--park-workers-after-s",), {
+        "type": float, "help": "TP/PP groups: seconds without a step after which the workers wait off the "
+                               "CPU instead of polling for the next step (default 1.0)"}),
     EngineFlag(("--address",), {"help": "Ray cluster address to join"}),
     EngineFlag(("--seed",), {"type": int}),
 )

@@ -61,8 +61,8 @@ def test_engine_flags_come_from_one_table():
         "enforce_eager", "mixed_step_graphs", "max_mixed_graph_tokens", "max_seq_len_to_capture",
         "attention_backend", "num_scheduler_steps",
         "tensor_parallel_size", "pipeline_parallel_size", "speculative_model",
-        "num_speculative_tokens", "speculative_draft_dtype", "speculative_draft_tensor_parallel_size", "address",
-        "seed"]
+        "num_speculative_tokens", "speculative_draft_dtype", "speculative_draft_tensor_parallel_size",
+        "park_workers_after_s", "address", "seed"]
     args = build_parser().parse_args(["generate", "-tp", "2", "-pp", "3", "--no-enable-prefix-caching",
                                       "--enforce-eager", "--seed", "0"])
     assert engine_options(args) == {"dtype": "auto", "tensor_parallel_size": 2, "pipeline_parallel_size": 3,
@@ -72,6 +72,8 @@ def test_engine_flags_come_from_one_table():
         "dtype": "auto", "mixed_step_graphs": False}
     assert engine_options(build_parser().parse_args(["generate", "--max-mixed-graph-tokens", "2048"])) == {
         "dtype": "auto", "max_mixed_graph_tokens": 2048}
+    assert engine_options(build_parser().parse_args(["generate", "--park-workers-after-s", "0.5"])) == {
+        "dtype": "auto", "park_workers_after_s": 0.5}
 
 
 def test_a_local_tp1_group_leaves_one_core_to_serve(monkeypatch):

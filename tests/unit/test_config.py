@@ -20,6 +20,7 @@ BAD = [
     (ParallelConfig, dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (ParallelConfig, dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
     (ParallelConfig, dict(num_overlap_chunks=0), "num_overlap_chunks"),
+    (ParallelConfig, dict(park_workers_after_s=0.0), "park_workers_after_s"),
     (CacheConfig, dict(block_size=3), "block_size"),
     (CacheConfig, dict(block_size=256), "block_size"),
     (CacheConfig, dict(kv_cache_memory=0), "kv_cache_memory"),
