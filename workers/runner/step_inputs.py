@@ -295,8 +295,8 @@ class InputBuilder:
         pending = pending_dst + pending_src
         prefills = [PrefillSeq(len(seq_lens) + int(q), n, s + n, blocks)
                     for q, n, s, blocks in zip(query_start[:-1], prefill_nums, prefill_starts, prefill_lists)]
+        scored = [r for req_rows in logits_rows for r in req_rows]
         if mixed is not None:
-            scored = [r for req_rows in logits_rows for r in req_rows]
             d_ids, d_pos, meta, d_scored, d_dst, d_src = self._mixed_inputs(
                 mixed, input_ids, positions_np, slots_np, scored, seq_lens, all_ends[num_decodes:], query_start,
                 tables, pending_dst, pending_src, decode_lists, prefills)
@@ -315,7 +315,6 @@ class InputBuilder:
             # A graph step scores its first rows in order (logits_index empty), unless a 1-token
             # prefill chunk that scores nothing comes before a row that does: then the scored
             # rows travel with the step's inputs, so picking them never copies from the host.
-            scored = [r for req_rows in logits_rows for r in req_rows]
             picked = scored if scored and scored[-1] != len(scored) - 1 else []
             dev = self.staging.upload([np.asarray(head, dtype=np.int32), tables.reshape(-1),
                                        np.asarray(pending + picked, dtype=np.int32)], graph.buffer)
@@ -325,7 +324,6 @@ class InputBuilder:
             decode_lens = seq_lens + [1] * pad
             num_decodes = rows
         else:
-            scored = [r for req_rows in logits_rows for r in req_rows]
             dev = self.staging.upload([np.asarray(input_ids, dtype=np.int32), np.asarray(positions_np, dtype=np.int32),
                                        np.asarray(slots_np, dtype=np.int32),
                                        np.asarray(scored + all_ends, dtype=np.int32), query_start,
