@@ -35,11 +35,17 @@ def group_replicas(app_name: str, deployment: str = GROUP_DEPLOYMENT) -> dict[st
             if entry["namespace"] == SERVE_NAMESPACE and entry["name"].startswith(prefix)}
 
 
-def kv_holdings(app_name: str, deployment: str = GROUP_DEPLOYMENT, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Every group's KV figures and the allocator's leases, with the sums named above."""
+def kv_holdings(app_name: str, deployment: str = GROUP_DEPLOYMENT, timeout_s: float = 5.0,
+                handle: Any = None) -> dict[str, Any]:
+    """Every group's KV figures and the allocator's leases, with the sums named above.
+
+    `handle`: a DeploymentHandle to the groups that outlives this call (the ingress passes its
+    own). Without one, a new handle is made, and with it a new router, which must first hear
+    the replicas from Serve's controller: a caller that reports often should pass one."""
     from ray import serve
 
-    handle = serve.get_deployment_handle(deployment, app_name)
+    if handle is None:
+        handle = serve.get_deployment_handle(deployment, app_name)
     replicas = group_replicas(app_name, deployment)
     calls = {gid: handle.stats.remote({"target_group": gid}) for gid in replicas}
     groups: dict[str, dict[str, Any]] = {}
