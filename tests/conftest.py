@@ -26,6 +26,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # kernel is defined (at import), so it is set here, before any test module is collected.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import skip_repatching_in_helpers
+
+    skip_repatching_in_helpers()
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 _MODEL_ROOT = tempfile.mkdtemp(prefix="tandem-test-models-")
