@@ -113,3 +113,24 @@ def hf_logits(model_dir: str, token_ids: list[int]):
 @pytest.fixture(scope="session")
 def llama_dir() -> str:
     return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def shared_ray(request):
+    """A local Ray (logical CPUs) shared with the next module that requests it too (tests/shared_ray.py)."""
+    from tests import shared_ray as instance
+
+    ray = instance.acquire()
+    yield ray
+    instance.settle(request.module.__name__)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Before a module that does not request `shared_ray`, no shared Ray is left running: it
+    may start its own, or a Cluster, or need none at all."""
+    yield
+    if nextitem is None or (nextitem.module is not item.module and "shared_ray" not in nextitem.fixturenames):
+        from tests import shared_ray as instance
+
+        instance.release()

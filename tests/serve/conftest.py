@@ -15,22 +15,25 @@ APP_NAME = "tandem"
 
 
 @contextmanager
-def serve_app(args: dict[str, Any], *, num_cpus: int = 8) -> Iterator[str]:
-    """Start Ray (local, logical CPUs) and Serve with build_app(args); yields the base URL."""
-    import ray
+def serve_app(args: dict[str, Any]) -> Iterator[str]:
+    """Serve, on the shared local Ray (tests/shared_ray.py), with build_app(args); yields the
+    base URL. The module's fixture requests `shared_ray`, so the next module may keep the
+    instance. Serve and the application's KV allocator end with it."""
     from ray import serve
 
+    from tandem.cluster.kv_allocator import kill_allocator
     from tandem.router.app import build_app
+    from tests import shared_ray
 
     port = free_port()
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    shared_ray.acquire()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"group_num_cpus": 1, **args}), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
+        kill_allocator(APP_NAME)
 
 
 def group_handle():

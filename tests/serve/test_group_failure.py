@@ -16,10 +16,10 @@ LONG = {"prompt": [11, 12, 13], "max_tokens": 1500, "ignore_eos": True, "tempera
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
+def url(shared_ray) -> Iterator[str]:
     from tandem.workers.model.demo_model import demo_model_path
 
-    with serve_app({"model": demo_model_path(), "num_replicas": 2}, num_cpus=6) as base:
+    with serve_app({"model": demo_model_path(), "num_replicas": 2}) as base:
         assert wait_for(lambda: httpx.get(base + "/health", timeout=10).status_code == 200, timeout_s=120)
         yield base
 

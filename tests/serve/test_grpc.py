@@ -13,7 +13,6 @@ import sys
 
 import grpc
 import pytest
-import ray
 from ray import cloudpickle, serve
 from ray.serve.config import gRPCOptions
 
@@ -137,9 +136,8 @@ class FakeIngress(GrpcMethods):
 
 # ---- fixtures --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def grpc_address():
+def grpc_address(shared_ray):
     port = free_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
                     grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[SERVICER]))
@@ -151,7 +149,6 @@ def grpc_address():
         yield address
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -377,6 +374,7 @@ def test_reflection_lists_describes_and_calls_the_service(channel) -> None:
 
 # ---- the real app ----------------------------------------------------------------------------------
 def test_real_app_greedy_generate_matches_offline(grpc_address: str, stub) -> None:
+    from tandem.cluster.kv_allocator import kill_allocator
     from tandem.router.app import build_app
     from tandem.workers.core.request import SamplingParams
     from tandem.workers.llm import LLM
@@ -404,6 +402,7 @@ def test_real_app_greedy_generate_matches_offline(grpc_address: str, stub) -> No
                              timeout=60).choices[0].text == out.choices[0].text  # still serving
     finally:
         serve.delete("tandem")
+        kill_allocator("tandem")  # detached: it would outlive the app (tests/shared_ray.py hands on clean)
 
     llm = LLM(model, kv_cache_memory=16 << 20)
     try:

@@ -17,7 +17,7 @@ PREFIX_BLOCKS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
+def server(shared_ray, tiny_llama):
     # Load-only routing, so one prefix reaches both groups; every miss fetches.
     args = {"model": tiny_llama, "num_replicas": 2, "max_model_len": 512, "num_kv_blocks": 128,
             "block_size": BLOCK, "served_model_name": "tiny", "routing": "load", "kv_fetch": "always",

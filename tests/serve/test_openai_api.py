@@ -22,7 +22,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
+def server(shared_ray, tiny_llama):
     args = {"model": tiny_llama, "served_model_name": MODEL, "api_key": API_KEY,
             "max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 64, "block_size": 16}
     with serve_app(args) as url:

@@ -17,7 +17,7 @@ MAX_IMBALANCE = 2
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
+def server(shared_ray, tiny_llama):
     args = {"model": tiny_llama, "num_replicas": 2, "max_model_len": 512, "num_kv_blocks": 256,
             "block_size": BLOCK, "served_model_name": "tiny", "routing": "prefix",
             "routing_max_imbalance": MAX_IMBALANCE}

@@ -13,7 +13,7 @@ from tests.serve.conftest import serve_app, wait_for
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
+def server(shared_ray, tiny_llama):
     args = {"model": tiny_llama, "num_replicas": 2, "max_model_len": 256, "num_kv_blocks": 64,
             "served_model_name": "tiny", "speculative_model": tiny_llama, "num_speculative_tokens": 2}
     with serve_app(args) as url:

@@ -30,7 +30,7 @@ def offline_texts(tiny_llama) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, offline_texts):
+def server(shared_ray, tiny_llama, offline_texts):
     with serve_app({"model": tiny_llama, "tensor_parallel_size": 2, "max_model_len": 256,
                     "num_kv_blocks": 64, "served_model_name": "tiny"}) as url:
         yield url
