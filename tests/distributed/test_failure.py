@@ -11,6 +11,7 @@ import pytest
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.engine import EngineDeadError
 from tandem.workers.llm import LLM
+from tests import shared_ray
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -54,6 +55,9 @@ def test_killed_worker_ends_requests_with_error_and_group_rebuilds(ray_local) ->
         engine.add_request("late", "hello")
     engine.pool.check_all_free()
     llm.shutdown()
+    # Nothing of the failed group is left: its workers, placement group, and the driver
+    # proxy actor its compiled graph made (which tracebacks would otherwise keep alive).
+    assert shared_ray.leftovers_after(15) == []
 
     # Rebuilt in the same process, the group serves correctly again.
     rebuilt = LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2)

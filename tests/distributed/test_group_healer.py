@@ -17,6 +17,7 @@ from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import build_engine, rebuild_engine
+from tests import shared_ray
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
 LONG = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
@@ -86,6 +87,7 @@ def test_a_killed_worker_is_replaced_in_place_and_the_group_serves_the_same_toke
     finally:
         healer.close()
         engine.shutdown()
+    assert shared_ray.leftovers_after(15) == []  # three failed groups' workers and graph proxies, all gone
 
 
 class _FakeEngine:

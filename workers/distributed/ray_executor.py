@@ -377,7 +377,17 @@ def _rank_name(rank: int, tp: int) -> str:
 
 
 def _quiet_teardown(dag: Any, level: int) -> None:
-    """Tear down a compiled graph, keeping Ray's teardown logs below `level` out of the output."""
+    """Tear down a compiled graph, keeping Ray's teardown logs below `level` out of the output,
+    and end the actor it made on this node.
+
+    A graph creates a driver proxy actor (`CompiledDAG.DAGDriverProxyActor`, a process of
+    its own) that Ray ends only when the graph object is freed. After a worker's death the
+    graph sits in reference cycles through the errors' tracebacks (Ray's monitor thread and
+    our step's), which only a full collection frees, and a quiet process may not run one for
+    a long time: each failed group would leave its proxy process behind.
+    """
+    import ray
+
     saved = _DAG_LOGGER.level
     _DAG_LOGGER.setLevel(level)
     try:
@@ -386,6 +396,12 @@ def _quiet_teardown(dag: Any, level: int) -> None:
         logger.debug("compiled graph teardown failed", exc_info=True)
     finally:
         _DAG_LOGGER.setLevel(saved)
+    proxy = getattr(dag, "_proxy_actor", None)  # Ray's name for it (ray/dag/compiled_dag_node.py)
+    if proxy is not None:
+        try:
+            ray.kill(proxy)
+        except Exception:  # pragma: no cover - already gone
+            pass
 
 
 class _KilledActorFilter(logging.Filter):
