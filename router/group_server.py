@@ -238,7 +238,7 @@ class GroupServer:
             raise RuntimeError(f"replica group {self.group_id} has failed: {self.engine.dead_error}")
 
     def __del__(self) -> None:
-        tracing.force_flush(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
+        tracing.flush_on_stop(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
         healer = getattr(self, "healer", None)
         if healer is not None:
             healer.close()

@@ -122,7 +122,7 @@ class OpenAIIngress(GrpcMethods):
         self.chat = ChatServing(self.client)
 
     def __del__(self) -> None:
-        tracing.force_flush(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
+        tracing.flush_on_stop(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
 
     # ---- routes --------------------------------------------------------------------------------
     @app.get("/health")

@@ -67,6 +67,25 @@ def force_flush(timeout_s: float = 10.0) -> None:
         _provider.force_flush(int(timeout_s * 1000))
 
 
+def flush_on_stop(timeout_s: float = 5.0) -> None:
+    """`force_flush` for a finalizer (Serve calls a replica's `__del__` on a graceful stop):
+    on a thread of its own, waited for at most `timeout_s`.
+
+    A finalizer also runs when garbage collection finds its object, and that can happen in
+    the middle of an export on this very thread (the exporter serialises spans), which holds
+    the batch processor's lock until the export returns. The lock is not reentrant: a flush
+    on this thread would wait for itself forever. On its own thread it waits for the export
+    to end, or this returns after `timeout_s` and it flushes when the lock is free.
+    """
+    provider = _provider
+    if provider is None:
+        return
+    flusher = threading.Thread(target=provider.force_flush, args=(int(timeout_s * 1000),),
+                               name="tandem-trace-flush", daemon=True)
+    flusher.start()
+    flusher.join(timeout_s)
+
+
 def tracer() -> Any:
     """This process's tracer (configured from the environment on first use), or None."""
     if not _configured:

@@ -69,3 +69,38 @@ def test_one_connected_trace_under_the_clients_span(exporter: InMemorySpanExport
     # the phases tile the request: queue ends where prefill starts, prefill where decode starts
     assert spans["queue"].end_time == spans["prefill"].start_time
     assert spans["prefill"].end_time == spans["decode"].start_time == spans["decode"].events[0].timestamp
+
+
+class _CollectedMidExport(InMemorySpanExporter):
+    """An exporter during whose export a finalizer flushes, as when garbage collection finds
+    an ingress or group server while spans are being serialised on the same thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finalizer_returned = 0
+
+    def export(self, spans):
+        result = super().export(spans)
+        tracing.flush_on_stop(timeout_s=0.2)  # OpenAIIngress.__del__ / GroupServer.__del__
+        self.finalizer_returned += 1
+        return result
+
+
+def test_a_finalizer_flushing_during_an_export_on_its_thread_does_not_deadlock() -> None:
+    import threading
+
+    exporter = _CollectedMidExport()
+    tracing.configure(exporter)
+    try:
+        with tracing.tracer().start_as_current_span("a"):
+            pass
+        # force_flush holds the batch processor's (non-reentrant) lock while it exports; a
+        # flush on this same thread would wait for itself forever.
+        flushing = threading.Thread(target=tracing.force_flush, daemon=True)
+        flushing.start()
+        flushing.join(30)
+        assert not flushing.is_alive()
+        assert exporter.finalizer_returned == 1
+        assert [span.name for span in exporter.get_finished_spans()] == ["a"]
+    finally:
+        tracing.configure(None)
