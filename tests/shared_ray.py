@@ -72,16 +72,14 @@ def leftovers_after(timeout_s: float) -> list[str]:
     return left
 
 
-def settle(module: str) -> bool:
-    """After `module`: True when the instance is clean within SETTLE_S; otherwise it is shut
-    down, with what was left in a warning."""
+def settle(module: str) -> None:
+    """After `module`: the instance stays up if it is clean within SETTLE_S; otherwise it is
+    shut down, with what was left in a warning."""
     import ray
 
     if _gcs_address is None or not ray.is_initialized():
-        return False
+        return
     if left := leftovers_after(SETTLE_S):
         warnings.warn(f"shared Ray: {module} left {', '.join(left)}; the next module gets a fresh instance",
                       stacklevel=2)
         release()
-        return False
-    return True

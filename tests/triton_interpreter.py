@@ -3,8 +3,8 @@
 Under TRITON_INTERPRET=1 every call of a `@triton.jit` helper from inside a kernel patches
 `triton.language` again (`_patch_lang`: `inspect.getmembers` over `tl`, `tl.tensor` and
 `tl.math`), although the launch that runs the kernel patched those same modules and keeps
-them patched until it ends. The kernels call helpers per tile, so that patching was about a
-quarter of the GPU-path tests' time. Here a helper called inside a launch whose patch
+them patched until it ends. The kernels call helpers per tile, so the repeats are a large
+share of some interpreted engine tests' time (bench/RESULTS.md). Here a helper called inside a launch whose patch
 already covers the language modules the helper sees runs without patching again; anything
 else (a helper that sees a module the launch did not patch, a call outside a launch, a
 Triton whose interpreter is built differently) takes Triton's own path. What a kernel
