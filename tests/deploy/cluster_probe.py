@@ -1,18 +1,26 @@
-"""What the test cluster's replica groups are, where they run and what they hold, as JSON.
+"""What the test cluster's replica groups are, where they run and what they hold: a driver of
+its own, in its own process, so the test process never joins the cluster (nor takes on its
+token). It stays connected (to the head: Ray connects a driver to the head node of its
+host first) and answers one JSON line per request line on stdin:
 
-    python -m tests.deploy.cluster_probe GCS_ADDRESS DASHBOARD_URL NUM_GROUPS TIMEOUT_S
+    python -m tests.deploy.cluster_probe GCS_ADDRESS DASHBOARD_URL
 
-Waits (up to TIMEOUT_S) until the tandem application has exactly NUM_GROUPS running groups,
-each idle with every KV block free, then prints {"groups": {group_id: {"node_id",
-"on_head", "bundles_on_head" (engine, then each worker), "num_requests_total",
-"kv_blocks_free", "kv_blocks_total", "num_running"}}}
-(or the last state seen, with "timed_out": true), and "why": the nodes, their free resources and
-Serve's status of the group deployment. A driver of its own, in its own process,
-so the test process never joins the cluster (nor takes on its token).
+    {"num_groups": N, "timeout_s": T}  waits (up to T) until the tandem application has exactly
+        N running groups, each idle with every KV block free; replies {"groups": {group_id:
+        {"node_id", "on_head", "bundles_on_head" (engine, then each worker),
+        "num_requests_total", "kv_blocks_free", "kv_blocks_total", "num_running"}}} (or the
+        last state seen, with "timed_out": true), and "why": the nodes, their free resources
+        and Serve's status of the group deployment.
+    {"group": ID}  that group's figures now, no waiting ("error" says why there are none).
+
+Each reply line starts with REPLY_PREFIX (Ray may write to stdout too). One driver serves
+the whole test module: a Ray driver's start costs seconds of CPU, and tens of seconds on a
+machine busy with the cluster's streams, which the streams under test may not outlast.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -20,6 +28,27 @@ from typing import Any
 
 APP = "tandem"
 HEAD_RESOURCE = "tandem_head"
+REPLY_PREFIX = "probe: "
+FIGURES = ("num_requests_total", "kv_blocks_free", "kv_blocks_total", "num_running", "error")
+
+
+@functools.cache  # one handle, whose router keeps up with the groups: made once the application exists
+def _group_handle() -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle("GroupServer", app_name=APP)
+
+
+def _stats(group_id: str) -> dict[str, Any]:
+    """One group's figures; "error" when it could not answer, or another group did (the
+    router sends a call for a group it does not know to any group)."""
+    try:
+        stats = _group_handle().stats.remote({"target_group": group_id}).result(timeout_s=20)
+    except Exception as exc:  # noqa: BLE001 - a group still starting, or just gone
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if stats.get("group_id") != group_id:
+        return {"error": f"answered by group {stats.get('group_id')}"}
+    return {k: stats.get(k) for k in FIGURES}
 
 
 def groups(dashboard: str) -> dict[str, dict[str, Any]]:
@@ -42,17 +71,11 @@ def groups(dashboard: str) -> dict[str, dict[str, Any]]:
         if pg["state"] == "CREATED" and pg["name"].startswith(f"SERVE_REPLICA::{APP}#GroupServer#"):
             nodes = [node for _, node in sorted(pg["bundles_to_node_id"].items())]
             bundles[pg["name"].rsplit("#", 1)[1]] = [on_head.get(node, False) for node in nodes]
-    handle = serve.get_deployment_handle("GroupServer", app_name=APP)
     out = {}
     for group_id, node_id in replicas.items():
-        try:
-            stats = handle.stats.remote({"target_group": group_id}).result(timeout_s=20)
-        except Exception as exc:  # noqa: BLE001 - a group still starting, or just gone
-            stats = {"error": f"{type(exc).__name__}: {exc}"}
+        stats = _stats(group_id)
         out[group_id] = {"node_id": node_id, "on_head": on_head.get(node_id, False),
-                         "bundles_on_head": bundles.get(group_id),
-                         **{k: stats.get(k) for k in ("num_requests_total", "kv_blocks_free", "kv_blocks_total",
-                                                      "num_running", "error")}}
+                         "bundles_on_head": bundles.get(group_id), **{k: stats.get(k) for k in FIGURES}}
     if states.get("RUNNING", 0) != len(out):
         return {}  # Serve and the actor table disagree for a moment (a group starting or ending)
     return out
@@ -64,19 +87,24 @@ def _settled(found: dict[str, dict[str, Any]], num_groups: int) -> bool:
         for g in found.values())
 
 
-def main(gcs: str, dashboard: str, num_groups: int, timeout_s: float) -> None:
-    import ray
-
-    ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
+def settle(dashboard: str, num_groups: int, timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
-    found: dict[str, dict[str, Any]] = {}
     while True:
         found = groups(dashboard)
         if _settled(found, num_groups) or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    report = {"groups": found, "timed_out": not _settled(found, num_groups), "why": _diagnosis()}
-    print(json.dumps(report), flush=True)
+    return {"groups": found, "timed_out": not _settled(found, num_groups), "why": _diagnosis()}
+
+
+def main(gcs: str, dashboard: str) -> None:
+    import ray
+
+    ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
+    for line in sys.stdin:  # until the test closes stdin
+        ask = json.loads(line)
+        reply = _stats(ask["group"]) if "group" in ask else settle(dashboard, ask["num_groups"], ask["timeout_s"])
+        print(REPLY_PREFIX + json.dumps(reply), flush=True)
     ray.shutdown()
 
 
@@ -98,4 +126,4 @@ def _diagnosis() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2])
