@@ -17,7 +17,7 @@ from typing import Any
 APP_NAME = "tandem"
 SERVING_BODY_BYTES = 8 * 1024 * 1024  # router/app.py's max_request_body_bytes default
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-GRPC_SERVICER = "tandem.router.tandem_pb2_grpc.add_TandemServicer_to_server"
+GRPC_SERVICER = "tandem.router.grpc_proxy.add_TandemServicer_to_server"
 
 
 def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None],

@@ -8,6 +8,7 @@ output against the offline engine.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 
@@ -24,14 +25,14 @@ from tandem.router.grpc_service import GrpcMethods
 from tests.serve.conftest import free_port, wait_for
 from tests.serve.hostile_cases import GRPC_CASES
 
-SERVICER = "tandem.router.tandem_pb2_grpc.add_TandemServicer_to_server"
+SERVICER = "tandem.router.grpc_proxy.add_TandemServicer_to_server"
 FAKE_APP = "fake"
 API_KEY = "sesame"
 AUTH = ("authorization", f"Bearer {API_KEY}")
 BOS = 1
 # Cues: a prompt ending in one of these ids makes the fake client fail.
 UNAVAILABLE_AT_START, UNAVAILABLE_MID_STREAM, CLIENT_VALUE_ERROR = 900, 901, 902
-NO_GROUP_UP, UNPICKLABLE_ERROR = 903, 904
+NO_GROUP_UP, UNPICKLABLE_ERROR, ENDLESS = 903, 904, 905  # ENDLESS: deltas until the request is cancelled
 
 
 class UnpicklableError(Exception):
@@ -73,6 +74,7 @@ class FakeEngineClient:
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
         self.healthy = True
+        self.num_endless = 0  # ENDLESS streams running now
 
     async def health(self) -> bool:
         return self.healthy
@@ -87,6 +89,14 @@ class FakeEngineClient:
             raise NoGroupUp("no replica group is running", 3)
         if cue == UNPICKLABLE_ERROR:
             raise UnpicklableError("/secret/path exploded", where="/secret/path")
+        if cue == ENDLESS:
+            self.num_endless += 1
+            try:
+                for step in itertools.count():
+                    await asyncio.sleep(0.001)
+                    yield _delta(request_id, [_output(0, f"<0.{step}>", [10 + step], None)], False, 0)
+            finally:
+                self.num_endless -= 1
         if prompt_token_ids[0] == BOS:
             echo = {"prompt_token_ids": prompt_token_ids, "sampling": sampling, "request_id": request_id}
             yield _delta(request_id, [_output(0, json.dumps(echo, sort_keys=True), [], "stop")], True, 0)
@@ -132,6 +142,9 @@ class FakeIngress(GrpcMethods):
 
     def set_healthy(self, healthy: bool) -> None:
         self.client.healthy = healthy
+
+    def num_endless(self) -> int:
+        return self.client.num_endless
 
 
 # ---- fixtures --------------------------------------------------------------------------------------
@@ -345,6 +358,19 @@ def test_stream_errors_keep_their_code_through_the_proxy(stub) -> None:
     err = _error(lambda: _stream(stub, pb.GenerateRequest(token_ids=_ids(5, UNPICKLABLE_ERROR))))
     assert err.code() == grpc.StatusCode.INTERNAL
     assert err.details().startswith("internal error (id ") and "/secret" not in err.details()
+
+
+def test_a_stream_the_client_cancels_ends_its_request(stub) -> None:
+    """Serve's gRPC proxy cancels the ingress's call only when the client's cancel finds it
+    waiting for the next message; when the cancel finds it handing one to gRPC, the call runs
+    on. Streams that send a message every millisecond meet both; every one must end."""
+    ingress = serve.get_app_handle(FAKE_APP)
+    for _ in range(8):
+        responses = stub.GenerateStream(pb.GenerateRequest(token_ids=_ids(5, ENDLESS)), metadata=_md(), timeout=60)
+        assert [next(responses).choices[0].text for _ in range(3)] == ["<0.0>", "<0.1>", "<0.2>"]
+        responses.cancel()
+    assert wait_for(lambda: ingress.num_endless.remote().result() == 0, timeout_s=10, interval_s=0.2), \
+        f"{ingress.num_endless.remote().result()} of 8 cancelled streams still run"
 
 
 def test_reflection_lists_describes_and_calls_the_service(channel) -> None:

@@ -27,7 +27,7 @@ def test_config_validates_and_builds():
     [app] = schema.applications
     assert app.import_path == "tandem.router.app:build_app"
     assert schema.grpc_options.grpc_servicer_functions == [
-        "tandem.router.tandem_pb2_grpc.add_TandemServicer_to_server"]
+        "tandem.router.grpc_proxy.add_TandemServicer_to_server"]
     build_app(app.args)  # every arg is known and valid
 
 
