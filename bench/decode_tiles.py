@@ -1,18 +1,16 @@
 """The decode kernel's tile against the batches and contexts it meets: a sweep for a GPU.
 
 `python -m tandem.bench.decode_tiles [--batches 32,64,128] [--contexts 160,512,2048]
-[--tiles 128x8x3,64x4x2,...] [--output-json F]`
+[--tiles 128x8x3,64x4x2,...] [--heads 32 --kv-heads 8 --head-dim 128] [--output-json F]`
 
-`triton_decode.decode_tile` gives one tile (keys per tile, warps, pipeline stages) for a head
-width, tuned on long contexts (2.5-2.95 TB/s of K/V read on an H100). At batch 128 of the
-llama-1b shape the decode kernel is 31% of a pass and reads at 1.27 TB/s: a 160-key context
-is two 128-key tiles, the second a quarter full, and the tile's registers (70-76 a thread at
-8 warps, built for sm_90) leave three programs an SM. This times each tile on each (batch,
-context), the shape's heads and the split count the engine's graph bucket would use, one
-launch captured as the engine captures its graphs and replayed in batches, the median of five
-timings: a tile's figure is the K/V bytes read over its time, and each shape's best tile is
-set against the default. Each tile's output is checked against the default's. On CPU
-(Triton's interpreter) the same code runs once a tile, untimed: a check of the sweep.
+`triton_decode.decode_tile` gives the tile (keys per tile, warps, pipeline stages) for a head
+width and the rows x KV heads of a launch. This times each tile on each (batch, context), the
+shape's heads and the split count the engine's graph bucket would use, one launch captured as
+the engine captures its graphs and replayed in batches, the median of five timings: a tile's
+figure is the K/V bytes read over its time, and each shape's best tile is set against
+decode_tile's own choice at that batch ("the default"), whose output each tile's is checked
+against. On CPU (Triton's interpreter) the same code runs once a tile, untimed: a check of
+the sweep.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -84,7 +82,7 @@ def _launch(shape: DecodeShape, inputs: dict, out: torch.Tensor, num_splits: int
 def tile_patched(tile: Tile) -> Iterator[None]:
     """`decode_tile` answers `tile` inside the block (a launch captured there keeps it)."""
     default = triton_decode.decode_tile
-    triton_decode.decode_tile = lambda block_d, elem_size: tile
+    triton_decode.decode_tile = lambda block_d, elem_size, row_heads: tile
     try:
         yield
     finally:
@@ -106,9 +104,10 @@ def sweep(shape: DecodeShape, batches: list[int], contexts: list[int], tiles: li
     """Every (batch, context, tile): microseconds, TB/s of K/V read, and the largest difference of
     its output from the default tile's; per (batch, context) the best tile against the default."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    default = triton_decode.decode_tile(triton_decode.head_dim_block(shape.head_dim), shape.dtype.itemsize)
-    rows, best = [], []
+    rows, best, defaults = [], [], {}
     for batch in batches:
+        default = defaults[batch] = triton_decode.decode_tile(
+            triton_decode.head_dim_block(shape.head_dim), shape.dtype.itemsize, batch * shape.num_kv_heads)
         for context in contexts:
             inputs = _inputs(shape, batch, context, device)
             splits = default_num_splits(batch, shape.num_kv_heads, shape.capture_len, shape.block_size, num_sms)
@@ -127,7 +126,8 @@ def sweep(shape: DecodeShape, batches: list[int], contexts: list[int], tiles: li
                 tile, us = min(timed.items(), key=lambda item: item[1])
                 best.append({"batch": batch, "context": context, "tile": "x".join(map(str, tile)), "us": us,
                              "speedup_vs_default": timed[default] / us})
-    return {"default_tile": "x".join(map(str, default)), "results": rows, "best": best}
+    return {"default_tiles": {str(b): "x".join(map(str, t)) for b, t in defaults.items()}, "results": rows,
+            "best": best}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,13 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="32,64,128")
     parser.add_argument("--contexts", default="160,512,2048")
     parser.add_argument("--tiles", default="128x8x3,128x4x2,64x4x2,64x4x3,64x8x2,32x4x2")
+    parser.add_argument("--heads", type=int, help="query heads (default: llama-1b's 32)")
+    parser.add_argument("--kv-heads", type=int, help="KV heads (default: llama-1b's 8)")
+    parser.add_argument("--head-dim", type=int, help="head width (default: llama-1b's 64; llama-8b's is 128)")
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     started = time.perf_counter()
-    figures = sweep(DecodeShape(), [int(b) for b in args.batches.split(",")],
+    shape = DecodeShape()
+    heads = {"num_heads": args.heads, "num_kv_heads": args.kv_heads, "head_dim": args.head_dim}
+    shape = replace(shape, **{k: v for k, v in heads.items() if v is not None})
+    figures = sweep(shape, [int(b) for b in args.batches.split(",")],
                     [int(c) for c in args.contexts.split(",")], parse_tiles(args.tiles), device, args.replays)
     figures["wall_s"] = time.perf_counter() - started
     for row in figures["results"]:
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
               f"tile {row['tile']:>8}: {us}  max diff {row['max_diff']:.3g}", flush=True)
     for row in figures["best"]:
         print(f"best at batch {row['batch']} context {row['context']}: {row['tile']} "
-              f"({row['speedup_vs_default']:.2f}x the default {figures['default_tile']})")
+              f"({row['speedup_vs_default']:.2f}x the default {figures['default_tiles'][str(row['batch'])]})")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -55,19 +55,31 @@ def interpreter_upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def decode_tile(block_d: int, elem_size: int) -> tuple[int, int, int]:
-    """(BLOCK_N keys per tile, num_warps, num_stages) for the split kernel.
+# Rows x KV heads from which a decode launch over 128-byte rows takes 64-key tiles: about four
+# programs an SM before splits on an H100's 132 SMs (bench/RESULTS.md has the sweeps).
+SHORT_TILE_ROWS = 512
 
-    Decode only streams the cache, so the aim is bytes in flight: 128 keys x 256-byte rows
-    (bf16, d <= 128) = 32 KB per K (and V) tile and 8 warps hide the block-table -> slot -> row
-    gather latency; 64-key tiles lose when one split runs on few rows (the H100 sweep is in
-    bench/RESULTS.md). Built for sm_90 the gathers are not staged through shared memory, which
-    holds the dot operands only: 39 KB at d 64, 74 KB at d 128, 76 KB for d 256's 64-key tile
-    (`bench/decode_tiles.py` sweeps the tile on a GPU). Wider rows shrink the tile.
+
+def decode_tile(block_d: int, elem_size: int, row_heads: int) -> tuple[int, int, int]:
+    """(BLOCK_N keys per tile, num_warps, num_stages) for the split kernel, for `row_heads` =
+    rows x KV heads in the launch.
+
+    Decode only streams the cache. Built for sm_90 the block-table -> slot -> row gathers are
+    not staged through shared memory, which holds the dot operands only, so what a tile costs
+    is registers. 16-bit rows of 64 dims (128 bytes) take 4 warps and 2 stages, which beat 8
+    warps and 3 stages at every such shape the H100 sweeps measured, with 128-key tiles (16 KB
+    of K) where few rows leave the GPU to long splits and 64-key ones where many rows fill it,
+    which waste less of a short context's last tile and let more programs reside (batch 128
+    of 8 KV heads, 160 keys: 1.76x the 128x8x3 tile; level with 128 keys at 2048). Rows of 128
+    dims take 64-key tiles (16 KB) at every batch: faster than 128x8x3 everywhere measured but
+    batch 128 x 2048 keys (1% slower), and within 8% of the best tile. Wider rows shrink the
+    tile (`bench/decode_tiles.py` sweeps it on a GPU).
     """
     row_bytes = block_d * elem_size
+    if row_bytes <= 128:
+        return (64 if row_heads >= SHORT_TILE_ROWS else 128), 4, 2
     if row_bytes <= 256:
-        return 128, 8, 3
+        return 64, 4, 2
     if row_bytes <= 512:
         return 64, 8, 3
     return 32, 4, 3
@@ -308,7 +320,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         positions = slots = seq_lens
     group = num_heads // num_kv_heads
     block_d = head_dim_block(head_dim)
-    block_n, warps, stages = decode_tile(block_d, key_cache.element_size())
+    block_n, warps, stages = decode_tile(block_d, key_cache.element_size(), batch * num_kv_heads)
     direct = num_splits == 1
     if direct:
         part_out = part_lse = out  # unused placeholders
