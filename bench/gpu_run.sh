@@ -101,11 +101,10 @@ part_latency_sampled() { on llama-1b latency_1b_sampled 100 latency --repeats 3 
 # llama-1b: the offline set against transformers' static batches, gpu_busy and the GPU's gaps.
 part_offline_ms8() { on llama-1b offline_1b_ms8 120 offline --repeats 2 --no-hf --num-scheduler-steps 8; }
 part_offline() { on llama-1b offline_1b 150 offline --repeats 2 --no-hf-sequential; }
-# The same with mixed steps up to 2048 tokens (the whole step budget) in graphs, against 512:
-# whether the prefill phase's eager steps are where gpu_busy goes (`gpu_largest_gaps_host`).
-# Tandem alone (--no-hf), as offline_ms8 is: transformers' baseline is the offline part's.
-part_offline_mixed2048() {
-  on llama-1b offline_1b_mixed2048 90 offline --repeats 2 --no-hf --max-mixed-graph-tokens 2048
+# The same with mixed-step graphs only up to 512 tokens (the default is 2048, the whole step
+# budget): what the prefill phase's graphs are worth, tandem alone (--no-hf) as offline_ms8 is.
+part_offline_mixed512() {
+  on llama-1b offline_1b_mixed512 90 offline --repeats 2 --no-hf --max-mixed-graph-tokens 512
 }
 
 # Llama-3-8B's shape: MBU at batch 1, tandem alone (multi-step 8, then one pass a step).
@@ -129,16 +128,18 @@ part_host_step() {
   keep host_step
 }
 
-# The decode kernel's tiles at batches 32-128 and contexts 160-2048 (llama-1b's heads; at batch
-# 128 the kernel is 31% of a pass and reads 160-key contexts at 1.27 TB/s): which tile each
-# shape wants, against the default (bench/decode_tiles.py).
+# The decode kernel's tiles against decode_tile's choice (bench/decode_tiles.py): llama-1b's
+# heads (64 dims) at batches 32-128 and contexts 160-2048, then llama-8b's (128 dims).
 part_decode_tiles() {
-  run 75 "decode tiles" python3 -m tandem.bench.decode_tiles --output-json "$J/decode_tiles.json"
+  run 45 "decode tiles" python3 -m tandem.bench.decode_tiles --output-json "$J/decode_tiles.json"
   keep decode_tiles
+  run 45 "decode tiles, 128 dims" python3 -m tandem.bench.decode_tiles --head-dim 128 --batches 1,32,128 \
+    --contexts 160,2048 --tiles 128x8x3,128x4x2,64x4x2,64x8x3,32x4x2 --output-json "$J/decode_tiles_d128.json"
+  keep decode_tiles_d128
 }
 
 # Multi-step 8 last: the H100's full-shape sweep found it no faster than one pass a step.
-DEFAULT_PARTS="tests offline offline_mixed2048 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
+DEFAULT_PARTS="tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
 PARTS="$DEFAULT_PARTS breakdown"
 parts=("$@")
 # shellcheck disable=SC2206

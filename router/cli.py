@@ -51,7 +51,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "dest": "mixed_step_graphs", "action": "store_false",
         "help": "CUDA: steps with prompt chunks beside decodes run eagerly (only pure decode steps replay graphs)"}),
     EngineFlag(("--max-mixed-graph-tokens",), {
-        "type": int, "help": "CUDA: the largest step with prompt chunks that replays a graph (default 512)"}),
+        "type": int, "help": "CUDA: the largest step with prompt chunks that replays a graph (default 2048)"}),
     EngineFlag(("--max-seq-len-to-capture",), {
         "type": int, "help": "CUDA: decode steps with a longer sequence run eagerly (default 8192)"}),
     EngineFlag(("--attention-backend",), {

@@ -44,8 +44,8 @@ class ModelConfig:
     # False: only pure decode steps do (vLLM's FULL_DECODE_ONLY).
     mixed_step_graphs: bool = True
     # The largest such step a graph holds (its last bucket; never past max_num_batched_tokens):
-    # larger ones launch their kernels from Python, one by one.
-    max_mixed_graph_tokens: int = 512
+    # larger ones launch their kernels from Python, one by one. 2048 covers the default budget.
+    max_mixed_graph_tokens: int = 2048
     # auto: the Triton kernels on CUDA, torch elsewhere; triton on CPU needs TRITON_INTERPRET=1.
     attention_backend: str = "auto"
     # Prepare and launch step N+1 before turning step N's tokens into text, so the host's work

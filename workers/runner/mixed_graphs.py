@@ -5,10 +5,11 @@ A step that admits a request carries a prompt chunk beside the running decodes. 
 it launches every kernel from Python (about 165 for a 16-layer Llama), which at a few hundred
 tokens takes the host longer than the GPU takes to run them, so under a stream of arrivals
 the decodes wait on the host at every admission. Each bucket (16 tokens up to
-`max_mixed_graph_tokens`, 512 by default) is captured once at start-up; a step of up to
-`MAX_PREFILLS` prompt chunks and at most the bucket's tokens is padded to it and replays it.
-Larger steps run eagerly: their GEMMs are long enough that the host's launches mostly stay
-ahead of the GPU.
+`max_mixed_graph_tokens`, 2048 by default, never past the step budget) is captured once at
+start-up; a step of up to `MAX_PREFILLS` prompt chunks and at most the bucket's tokens is
+padded to it and replays it. Larger steps run eagerly. Even a 2048-token step of a 1B model
+is host-bound when eager: with graphs up to 2048 tokens instead of 512, the offline set ran
+1.26x faster on an H100 and its GPU's busy share rose from 0.84 to 0.89 (bench/RESULTS.md).
 
 A bucket of T tokens holds D = min(max_num_seqs, T) decode rows and `MAX_PREFILLS` prefill
 sequences; the step's inputs land in one persistent int32 buffer laid out as
