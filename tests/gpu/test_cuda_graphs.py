@@ -51,27 +51,29 @@ def test_overlapped_steps_with_graphs_match(llama_dir: str) -> None:
 
 @pytest.mark.parametrize("mixed_step_graphs", [True, False])
 def test_mixed_steps_replay_their_graphs_and_match(llama_dir: str, mixed_step_graphs: bool) -> None:
-    # Six prompts, four sequences at a time, a 64-token budget: prompts arrive while others
-    # decode and long ones come in chunks beside decodes; those steps replay the mixed graphs
-    # (the first one a lone chunk that scores nothing but writes its KV).
-    prompts = mixed_prompts(seed=9, lengths=(60, 3, 30, 9, 5, 22))
+    # Six prompts, four sequences at a time, a 64-token budget: the first step is a lone chunk
+    # of the 80-token prompt that scores nothing but writes its KV (bucket 64), the second
+    # holds four chunks (64), the third the 60-token prompt's rest beside three decodes (48),
+    # and the last two prompts arrive beside the last decode, padded from 27 tokens to 32.
+    # The same schedule runs on CPU through the padded buckets (tests/model/test_gpu_path.py).
+    prompts = mixed_prompts(seed=9, lengths=(80, 3, 30, 60, 5, 22))
     llm = LLM(llama_dir, device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
               gpu_memory_utilization=0.3, mixed_step_graphs=mixed_step_graphs)
     runner = llm.engine.executor.runner
-    replays: list[int] = []
+    replays: list[tuple[int, int]] = []
     if mixed_step_graphs:
         assert sorted(runner.mixed_graphs.graphs) == [16, 32, 48, 64]  # every bucket captured
         run = runner.mixed_graphs.run
 
         def counted(inputs):
-            replays.append(inputs.graph_tokens)
+            replays.append((inputs.graph_tokens, len(inputs.meta.prefills)))
             return run(inputs)
 
         runner.mixed_graphs.run = counted
     else:
         assert runner.mixed_graphs is None
     assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
-    assert (replays[0] == 64 and len(replays) >= 4) if mixed_step_graphs else not replays
+    assert replays == ([(64, 1), (64, 4), (48, 1), (32, 2)] if mixed_step_graphs else [])
     llm.engine.pool.check_all_free()
     llm.shutdown()
 

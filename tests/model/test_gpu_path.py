@@ -133,14 +133,16 @@ def test_mixed_steps_past_max_mixed_graph_tokens_run_eagerly(llama_dir: str, pad
 
 
 def test_mixed_steps_through_padded_mixed_buckets_equal_transformers(llama_dir: str, padded_graphs) -> None:
-    # Four sequences at a time, five prompts: the fifth arrives while the others decode, and
-    # long prompts come in chunks (a 48-token budget) beside decodes. Those steps pad to the
-    # mixed buckets (16, 32, 48 tokens), scheduled ahead on the last step's tokens. The first
-    # step is a lone chunk that scores nothing: its graph still writes its KV.
-    prompts = mixed_prompts(seed=21, lengths=(60, 3, 30, 9, 5))
-    llm = _llm(llama_dir, max_num_seqs=4, max_num_batched_tokens=48, block_size=4, overlap_steps=True)
+    # Six prompts, four sequences at a time, a 64-token budget, steps scheduled ahead on the
+    # last step's tokens: the first step is a lone chunk of the 80-token prompt that scores
+    # nothing (its graph still writes its KV), the second holds four chunks, the third the
+    # 60-token prompt's rest beside three decodes, and the last two prompts arrive beside the
+    # last decode, padded from 27 tokens to 32. tests/gpu/test_cuda_graphs.py replays the same
+    # schedule through captured graphs.
+    prompts = mixed_prompts(seed=9, lengths=(80, 3, 30, 60, 5, 22))
+    llm = _llm(llama_dir, max_num_seqs=4, max_num_batched_tokens=64, overlap_steps=True)
     runner = llm.engine.executor.runner
-    assert runner.mixed_graphs.buckets == [16, 32, 48]
+    assert runner.mixed_graphs.buckets == [16, 32, 48, 64]
     seen: list[tuple[int | None, int | None, int, int]] = []
     build = runner.builder.build
 
@@ -152,11 +154,11 @@ def test_mixed_steps_through_padded_mixed_buckets_equal_transformers(llama_dir: 
 
     runner.builder.build = record
     assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
-    assert seen[0] == (48, None, 48, 1)
-    mixed = [(tokens, real) for tokens, _, real, chunks in seen if chunks]
-    assert mixed and all(tokens is not None and real <= tokens for tokens, real in mixed)  # every one padded
-    assert any(real < tokens for tokens, real in mixed)  # with padding tokens
-    assert any(batch is not None for _, batch, _, _ in seen)  # pure decode steps: the decode buckets
+    mixed = [(tokens, real, chunks) for tokens, _, real, chunks in seen if chunks]
+    assert mixed == [(64, 64, 1), (64, 64, 4), (48, 48, 1), (32, 27, 2)]
+    decodes = [(batch, real) for tokens, batch, real, chunks in seen if not chunks]
+    assert all(tokens is None for tokens, _, _, chunks in seen if not chunks)
+    assert {batch for batch, _ in decodes} == {1, 2, 4}  # pure decode steps: the decode buckets
     llm.engine.pool.check_all_free()
     llm.shutdown()
 
