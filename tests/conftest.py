@@ -69,6 +69,14 @@ def mixed_prompts(seed: int = 0, lengths: tuple[int, ...] = (3, 17, 40, 90)) -> 
     return [[rng.randrange(10, 500) for _ in range(n)] for n in lengths]
 
 
+# A schedule of mixed steps (four sequences at a time, a 64-token step budget, steps scheduled
+# ahead): a lone chunk of the 80-token prompt that scores nothing, four chunks, the 60-token
+# prompt's rest beside three decodes, and the last two prompts beside the last decode. Its
+# steps as (graph bucket, tokens, prompt chunks); the CPU and GPU mixed-graph tests share it.
+MIXED_SCHEDULE_PROMPTS = {"seed": 9, "lengths": (80, 3, 30, 60, 5, 22)}
+MIXED_SCHEDULE_STEPS = [(64, 64, 1), (64, 64, 4), (48, 48, 1), (32, 27, 2)]
+
+
 @cache
 def _hf_model(model_dir: str):
     import torch

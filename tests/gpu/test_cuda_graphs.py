@@ -11,7 +11,15 @@ import torch
 
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
-from tests.conftest import ARCHITECTURES, hf_greedy, host_sampler, mixed_prompts, tiny_model
+from tests.conftest import (
+    ARCHITECTURES,
+    MIXED_SCHEDULE_PROMPTS,
+    MIXED_SCHEDULE_STEPS,
+    hf_greedy,
+    host_sampler,
+    mixed_prompts,
+    tiny_model,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -51,12 +59,10 @@ def test_overlapped_steps_with_graphs_match(llama_dir: str) -> None:
 
 @pytest.mark.parametrize("mixed_step_graphs", [True, False])
 def test_mixed_steps_replay_their_graphs_and_match(llama_dir: str, mixed_step_graphs: bool) -> None:
-    # Six prompts, four sequences at a time, a 64-token budget: the first step is a lone chunk
-    # of the 80-token prompt that scores nothing but writes its KV (bucket 64), the second
-    # holds four chunks (64), the third the 60-token prompt's rest beside three decodes (48),
-    # and the last two prompts arrive beside the last decode, padded from 27 tokens to 32.
-    # The same schedule runs on CPU through the padded buckets (tests/model/test_gpu_path.py).
-    prompts = mixed_prompts(seed=9, lengths=(80, 3, 30, 60, 5, 22))
+    # The shared mixed schedule (tests/conftest.py), which tests/model/test_gpu_path.py runs on
+    # CPU through the padded buckets: each of its mixed steps replays its bucket's graph, the
+    # first a lone chunk that scores nothing but writes its KV.
+    prompts = mixed_prompts(**MIXED_SCHEDULE_PROMPTS)
     llm = LLM(llama_dir, device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
               gpu_memory_utilization=0.3, mixed_step_graphs=mixed_step_graphs)
     runner = llm.engine.executor.runner
@@ -73,7 +79,7 @@ def test_mixed_steps_replay_their_graphs_and_match(llama_dir: str, mixed_step_gr
     else:
         assert runner.mixed_graphs is None
     assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
-    assert replays == ([(64, 1), (64, 4), (48, 1), (32, 2)] if mixed_step_graphs else [])
+    assert replays == ([(bucket, chunks) for bucket, _, chunks in MIXED_SCHEDULE_STEPS] if mixed_step_graphs else [])
     llm.engine.pool.check_all_free()
     llm.shutdown()
 

@@ -14,7 +14,14 @@ from tandem.workers.llm import LLM  # noqa: E402
 from tandem.workers.runner import model_runner  # noqa: E402
 from tandem.workers.runner.model_runner import ModelRunner  # noqa: E402
 from tandem.workers.runner.step_inputs import advance_decodes  # noqa: E402
-from tests.conftest import ARCHITECTURES, hf_greedy, mixed_prompts, tiny_model  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    ARCHITECTURES,
+    MIXED_SCHEDULE_PROMPTS,
+    MIXED_SCHEDULE_STEPS,
+    hf_greedy,
+    mixed_prompts,
+    tiny_model,
+)
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -133,13 +140,11 @@ def test_mixed_steps_past_max_mixed_graph_tokens_run_eagerly(llama_dir: str, pad
 
 
 def test_mixed_steps_through_padded_mixed_buckets_equal_transformers(llama_dir: str, padded_graphs) -> None:
-    # Six prompts, four sequences at a time, a 64-token budget, steps scheduled ahead on the
-    # last step's tokens: the first step is a lone chunk of the 80-token prompt that scores
-    # nothing (its graph still writes its KV), the second holds four chunks, the third the
-    # 60-token prompt's rest beside three decodes, and the last two prompts arrive beside the
-    # last decode, padded from 27 tokens to 32. tests/gpu/test_cuda_graphs.py replays the same
-    # schedule through captured graphs.
-    prompts = mixed_prompts(seed=9, lengths=(80, 3, 30, 60, 5, 22))
+    # The shared mixed schedule (tests/conftest.py), steps scheduled ahead on the last step's
+    # tokens: every mixed step pads to its bucket (the last from 27 tokens to 32), the first a
+    # lone chunk that scores nothing (its graph still writes its KV).
+    # tests/gpu/test_cuda_graphs.py replays the same schedule through captured graphs.
+    prompts = mixed_prompts(**MIXED_SCHEDULE_PROMPTS)
     llm = _llm(llama_dir, max_num_seqs=4, max_num_batched_tokens=64, overlap_steps=True)
     runner = llm.engine.executor.runner
     assert runner.mixed_graphs.buckets == [16, 32, 48, 64]
@@ -154,11 +159,10 @@ def test_mixed_steps_through_padded_mixed_buckets_equal_transformers(llama_dir: 
 
     runner.builder.build = record
     assert _generate(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
-    mixed = [(tokens, real, chunks) for tokens, _, real, chunks in seen if chunks]
-    assert mixed == [(64, 64, 1), (64, 64, 4), (48, 48, 1), (32, 27, 2)]
-    decodes = [(batch, real) for tokens, batch, real, chunks in seen if not chunks]
-    assert all(tokens is None for tokens, _, _, chunks in seen if not chunks)
-    assert {batch for batch, _ in decodes} == {1, 2, 4}  # pure decode steps: the decode buckets
+    assert [(tokens, real, chunks) for tokens, _, real, chunks in seen if chunks] == MIXED_SCHEDULE_STEPS
+    decodes = [(tokens, batch) for tokens, batch, _, chunks in seen if not chunks]
+    assert {tokens for tokens, _ in decodes} == {None}
+    assert {batch for _, batch in decodes} == {1, 2, 4}  # pure decode steps: the decode buckets
     llm.engine.pool.check_all_free()
     llm.shutdown()
 
