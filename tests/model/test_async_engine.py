@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -41,13 +42,34 @@ async def _collect(engine: AsyncEngine, prompt: list[int], interval_s: float) ->
 def test_stream_interval_sends_fewer_larger_deltas_with_the_same_tokens(engine, llama_dir: str):
     prompt = mixed_prompts(seed=41, lengths=(12,))[0]
     every = asyncio.run(_collect(engine, prompt, 0.0))
-    batched = asyncio.run(_collect(engine, prompt, 0.5))
+    # The engine waits after the step that delivers the first token until the consumer holds
+    # it, so how soon this machine wakes the consumer cannot change what the first delta holds.
+    first_held = threading.Event()
+    base = engine.engine.scheduler.num_generated_tokens
+
+    def hold_after_first_token(eng) -> None:
+        if eng.scheduler.num_generated_tokens > base and not first_held.is_set():
+            first_held.wait(60)
+
+    engine.add_step_listener(hold_after_first_token)
+
+    async def collect_batched() -> list[RequestOutput]:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        deltas = []
+        async for out in engine.generate({"prompt_token_ids": prompt}, params, "r-batched", stream_interval_s=30.0):
+            deltas.append(out)
+            first_held.set()
+        return deltas
+
+    batched = asyncio.run(collect_batched())
     expected = hf_greedy(llama_dir, [prompt], 24)[0]
     for deltas in (every, batched):
         assert [t for d in deltas for t in d.outputs[0].token_ids] == expected
         assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
-    assert len(batched[0].outputs[0].token_ids) == 1  # the first token is never held back
-    assert len(batched) < len(every)
+    # The first token is never held back for the interval; the other 23 wait for it, and the
+    # finish ends the wait (a 30 s interval would otherwise hold them).
+    assert [len(d.outputs[0].token_ids) for d in batched] == [1, 23]
+    assert len(every) > 2
     engine.engine.pool.check_all_free()
 
 
