@@ -54,7 +54,8 @@ class ChatServing:
             raise ValueError("messages:" + message[len("prompt:"):] if message.startswith("prompt:")
                              else message) from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        [stream], group_ids = await open_streams([self.client.stream(token_ids, sampling, request_id, deadline)])
+        [stream], group_ids = await open_streams([self.client.stream(token_ids, sampling, request_id, deadline,
+                                                                     final_only=not req.stream)])
         if req.stream:
             return Reply(self._stream(req, request_id, stream), group_ids)
         return Reply(await self._collect(req, request_id, stream), group_ids)

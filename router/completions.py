@@ -65,7 +65,8 @@ class CompletionServing:
             self.client.sampling_params(p.token_ids, sampling)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams, group_ids = await open_streams([
-            self.client.stream(p.token_ids, sampling, f"{request_id}-{i}", deadline) for i, p in enumerate(prompts)])
+            self.client.stream(p.token_ids, sampling, f"{request_id}-{i}", deadline, final_only=not req.stream)
+            for i, p in enumerate(prompts)])
         if req.stream:
             return Reply(self._stream(req, request_id, prompts, streams), group_ids)
         return Reply(await self._collect(req, request_id, prompts, streams), group_ids)

@@ -105,14 +105,21 @@ class EngineClient:
 
     # ---- requests ------------------------------------------------------------------------------
     async def stream(self, prompt_token_ids: list[int], sampling: dict[str, Any],
-                     request_id: str, deadline: float | None = None) -> AsyncIterator[dict]:
+                     request_id: str, deadline: float | None = None, final_only: bool = False
+                     ) -> AsyncIterator[dict]:
         """Yield the group's delta dicts for one request (see GroupServer.generate).
 
-        `deadline` (time.monotonic()): past it the request is aborted with RequestTimeout."""
+        `deadline` (time.monotonic()): past it the request is aborted with RequestTimeout.
+        `final_only`: one delta, when the request finishes, holding all of it; for a caller
+        that answers only at the end (a non-streaming request), which then costs the group no
+        output, and Ray no message, per token. Such a request has yielded nothing until it
+        ends, so a group that fails under it has it sent once more elsewhere."""
         self.sampling_params(prompt_token_ids, sampling)
         if not await self._can_serve_now():
             raise ServiceUnavailable("no replica group is running")
         request = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids), "sampling": sampling}
+        if final_only:
+            request["final_only"] = True
         carrier = tracing.inject()  # None when tracing is off
         if carrier is not None:
             request[tracing.CARRIER_KEY] = carrier

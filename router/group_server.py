@@ -172,7 +172,8 @@ class GroupServer:
         return {"num_blocks": num, "per_rank": per_rank}  # object refs, one per rank
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request's deltas; a cancelled call aborts it and frees its blocks."""
+        """Stream one request's deltas; a cancelled call aborts it and frees its blocks.
+        `"final_only": True` in the request: one delta, when it finishes, with all of it."""
         request_id = request["request_id"]
         try:
             params = SamplingParams(**request["sampling"])
@@ -185,7 +186,8 @@ class GroupServer:
         finished = False
         try:
             async for out in self.engine.generate({"prompt_token_ids": request["prompt_token_ids"]},
-                                                  params, request_id, stream_interval_s=self.stream_interval_s):
+                                                  params, request_id, stream_interval_s=self.stream_interval_s,
+                                                  final_only=bool(request.get("final_only"))):
                 finished = out.finished
                 if finished and out.metrics is not None:
                     self._observe(request, out)

@@ -74,7 +74,8 @@ class GrpcMethods:
                 deadline = _deadline(request)
                 choices: dict[int, pb.Completion] = {}
                 last: dict[str, Any] = {}
-                async with aclosing(self.client.stream(token_ids, sampling, request_id, deadline)) as deltas:
+                async with aclosing(self.client.stream(token_ids, sampling, request_id, deadline,
+                                                       final_only=True)) as deltas:
                     async for last in deltas:
                         _raise_on_error(last)
                         for output in last["outputs"]:

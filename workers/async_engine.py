@@ -104,15 +104,19 @@ class AsyncEngine:
         return self.engine.prefill_tokens_per_s
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       stream_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       stream_interval_s: float = 0.0, final_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs of one request. Leaving the loop early aborts it.
 
         Deltas that are already waiting are merged into one. With `stream_interval_s` > 0,
         after the first delta (time to first token is never held back) each delta also
         gathers what arrives within that interval of the previous one: fewer, larger
         messages for everything downstream, whose cost is per message, not per token.
+
+        `final_only`: one output, when the request finishes, holding everything (a caller
+        that answers only at the end: the engine then makes no per-step output, and decodes
+        the text once, at the end, unless a stop string needs it as it grows).
         """
-        params = replace(params, output_kind="delta")
+        params = replace(params, output_kind="final" if final_only else "delta")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         self._post(lambda: self._add(request_id, prompt, params, stream))

@@ -10,7 +10,7 @@ import pytest
 from tandem.workers.async_engine import AsyncEngine, merge_deltas
 from tandem.workers.core.request import CompletionOutput, RequestOutput, SamplingParams
 from tandem.workers.llm import build_engine
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import hf_greedy, mixed_prompts, wait_for
 
 
 def test_merge_deltas_concatenates_each_sequence_and_keeps_the_latest_state():
@@ -70,6 +70,70 @@ def test_stream_interval_sends_fewer_larger_deltas_with_the_same_tokens(engine, 
     # finish ends the wait (a 30 s interval would otherwise hold them).
     assert [len(d.outputs[0].token_ids) for d in batched] == [1, 23]
     assert len(every) > 2
+    engine.engine.pool.check_all_free()
+
+
+def test_final_only_gives_one_output_with_what_the_deltas_add_up_to(engine, llama_dir: str):
+    prompts = mixed_prompts(seed=43, lengths=(12, 7))
+    expected = hf_greedy(llama_dir, prompts, 24)
+
+    async def run(prompt: list[int], request_id: str, final_only: bool, **params) -> list[RequestOutput]:
+        sampling = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **params)
+        return [out async for out in engine.generate({"prompt_token_ids": prompt}, sampling, request_id,
+                                                     final_only=final_only)]
+
+    async def both() -> list[list[RequestOutput]]:
+        return await asyncio.gather(run(prompts[0], "whole", True), run(prompts[0], "deltas", False),
+                                    run(prompts[1], "whole-n2", True, n=2, logprobs=1))
+
+    whole, deltas, pair = asyncio.run(both())
+    [out] = whole
+    assert out.finished and out.outputs[0].token_ids == expected[0]
+    assert len(deltas) > 1 and sum((d.outputs[0].token_ids for d in deltas), []) == expected[0]
+    assert out.outputs[0].text == "".join(d.outputs[0].text for d in deltas)
+    assert out.outputs[0].finish_reason == deltas[-1].outputs[0].finish_reason == "length"
+    [two] = pair
+    assert [c.token_ids for c in two.outputs] == [expected[1], expected[1]]
+    assert [len(c.logprobs) for c in two.outputs] == [24, 24]
+    # A stop string needs the text as it grows: it still ends the request at the right place.
+    text, stop = out.outputs[0].text, deltas[4].outputs[0].text
+    assert stop and text.index(stop) > 0
+    [stopped] = asyncio.run(run(prompts[0], "stop", True, stop=[stop]))
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == stop
+    assert stopped.outputs[0].text == text[:text.index(stop)]
+    engine.engine.pool.check_all_free()
+
+
+def test_leaving_a_final_only_request_before_it_ends_aborts_it(engine):
+    prompt = mixed_prompts(seed=44, lengths=(9,))[0]
+    # The engine holds after its first token of the request until the caller has left, so
+    # the request cannot finish first however fast this machine is.
+    held, left = threading.Event(), threading.Event()
+    base = engine.engine.scheduler.num_generated_tokens
+
+    def hold(eng) -> None:
+        if eng.scheduler.num_generated_tokens > base and not left.is_set():
+            held.set()
+            left.wait(60)
+
+    engine.add_step_listener(hold)
+
+    async def leave_early() -> None:
+        sampling = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        task = asyncio.ensure_future(anext(engine.generate({"prompt_token_ids": prompt}, sampling, "left",
+                                                           final_only=True)))
+        while not held.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(leave_early())
+    finally:
+        left.set()
+    wait_for(lambda: not engine.engine.has_unfinished_requests(), timeout_s=30)
+    assert engine.engine.scheduler.num_generated_tokens - base < 200
     engine.engine.pool.check_all_free()
 
 

@@ -79,7 +79,8 @@ class FakeEngineClient:
     async def health(self) -> bool:
         return self.healthy
 
-    async def stream(self, prompt_token_ids: list[int], sampling: dict, request_id: str, deadline: float | None = None):
+    async def stream(self, prompt_token_ids: list[int], sampling: dict, request_id: str, deadline: float | None = None,
+                     final_only: bool = False):
         cue = prompt_token_ids[-1]
         if cue == UNAVAILABLE_AT_START:
             raise ServiceUnavailable("every replica group is busy")
@@ -98,11 +99,13 @@ class FakeEngineClient:
             finally:
                 self.num_endless -= 1
         if prompt_token_ids[0] == BOS:
-            echo = {"prompt_token_ids": prompt_token_ids, "sampling": sampling, "request_id": request_id}
+            echo = {"prompt_token_ids": prompt_token_ids, "sampling": sampling, "request_id": request_id,
+                    "final_only": final_only}
             yield _delta(request_id, [_output(0, json.dumps(echo, sort_keys=True), [], "stop")], True, 0)
             return
         num_steps = sampling.get("max_tokens", 3)
         stop_ids = sampling.get("stop_token_ids") or []
+        whole: dict[int, dict] = {}  # final_only: each completion's outputs so far, sent once at the end
         for step in range(num_steps):
             await asyncio.sleep(0.005)
             if cue == UNAVAILABLE_MID_STREAM and step == 1:
@@ -120,7 +123,17 @@ class FakeEngineClient:
                     out["finish_reason"] = "stop" if stop_ids else "length"
                     out["stop_reason"] = stop_ids[0] if stop_ids else None
                 outputs.append(out)
-            yield _delta(request_id, outputs, last, num_cached_tokens=2)
+            if not final_only:
+                yield _delta(request_id, outputs, last, num_cached_tokens=2)
+                continue
+            for out in outputs:
+                so_far = whole.setdefault(out["index"], {**out, "text": "", "token_ids": [], "logprobs": None})
+                so_far.update(text=so_far["text"] + out["text"], token_ids=so_far["token_ids"] + out["token_ids"],
+                              finish_reason=out["finish_reason"], stop_reason=out["stop_reason"])
+                if out["logprobs"] is not None:
+                    so_far["logprobs"] = (so_far["logprobs"] or []) + out["logprobs"]
+        if final_only:
+            yield _delta(request_id, [whole[i] for i in sorted(whole)], True, num_cached_tokens=2)
 
 
 def _output(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
@@ -244,6 +257,7 @@ def test_text_prompt_is_tokenized_and_sampling_fields_reach_the_client(stub) -> 
     echo = json.loads(out.choices[0].text)
     assert echo["prompt_token_ids"] == [BOS, ord("h"), ord("i")]
     assert echo["request_id"] == "echo"
+    assert echo["final_only"] is True  # Generate answers once: its group sends one delta, at the end
     assert echo["sampling"] == {
         "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "min_p": 0.1, "n": 1, "stop": ["x", "yz"],
         "seed": -3, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logprobs": 0,
@@ -265,6 +279,8 @@ def test_generate_stream_sends_deltas_then_usage(stub) -> None:
     assert not any(m.HasField("usage") for m in messages[:-1])
     assert (messages[-1].usage.prompt_tokens, messages[-1].usage.completion_tokens,
             messages[-1].usage.total_tokens) == (3, 4, 7)
+    [echo] = _stream(stub, pb.GenerateRequest(text="hi"))
+    assert json.loads(echo.choices[0].text)["final_only"] is False
 
 
 def test_tokenize(stub) -> None:

@@ -96,6 +96,20 @@ def test_streams_the_groups_deltas_as_sse(http, group):
     assert group.calls[0]["sampling"]["max_tokens"] == 16  # the completions default
 
 
+def test_only_a_streaming_request_asks_its_group_for_every_delta(http, group):
+    # A request answered whole gets one delta from its group, at the end (final_only).
+    group.script = [delta("Hello", 10, "length")]
+    for path, body in (("/v1/completions", {"prompt": ["hi", "ho"]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for stream in (False, True):
+            group.calls.clear()
+            r = post(http, {**body, "stream": stream}, path)
+            assert r.status_code == 200
+            assert [c.get("final_only", False) for c in group.calls] == [not stream] * len(group.calls)
+            assert len(group.calls) == (2 if path == "/v1/completions" else 1)
+    assert post(http, {"prompt": "hi"}).json()["choices"][0]["text"] == "Hello"
+
+
 def test_group_refusal_is_a_400_before_any_byte(http, group):
     group.script = [delta("", 0, error="prompt: 60 tokens need 5 KV blocks but the cache holds 4",
                           error_type="invalid_request")]
