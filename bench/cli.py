@@ -167,6 +167,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    f"(default: the model's; {serve.URL_MODE_VOCAB_SIZE} with --url)")
     p.add_argument("--slo-ttft-ms", type=float, default=serve.DEFAULT_SLO_TTFT_MS)
     p.add_argument("--slo-tpot-ms", type=float, default=serve.DEFAULT_SLO_TPOT_MS)
+    p.add_argument("--no-stream", action="store_true", help="non-streaming requests, each answered whole "
+                   "(TTFT is then E2E): what batch clients that wait for the whole answer cost the server")
 
 
 def _add_prefix_args(p: argparse.ArgumentParser) -> None:
@@ -304,7 +306,7 @@ def _run_serve(hooks: RouterHooks, args: argparse.Namespace) -> int:
         request_rates=[float(r) for r in args.request_rates.split(",")] if args.request_rates else None,
         concurrencies=[int(c) for c in args.concurrency.split(",")] if args.concurrency else None,
         compare_concurrency=args.compare_concurrency, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-        api_key=args.api_key, vocab_size=args.vocab_size))
+        api_key=args.api_key, vocab_size=args.vocab_size, stream=not args.no_stream))
     print_serve_table(figures)
     return _finish(args, figures, plot_serve, warn=args.url is None)  # with --url the server is elsewhere
 

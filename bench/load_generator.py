@@ -114,9 +114,36 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
     return record
 
 
-def completion_payload(request: BenchRequest, model: str | None) -> dict[str, Any]:
+async def send_whole_request(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> RequestRecord:
+    """One non-streaming completion: its first token reaches the client with its last, so its
+    TTFT is its E2E (and its TPOT 0)."""
+    record = RequestRecord(num_prompt_tokens=len(payload["prompt"]))
+    start = time.perf_counter()
+    try:
+        response = await client.post(url, json=payload)
+        if response.status_code != 200:
+            record.error = f"HTTP {response.status_code}: {response.text[:300]}"
+            return record
+        body = response.json()
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+        return record
+    record.e2e_s = record.ttft_s = time.perf_counter() - start
+    record.group = response.headers.get("x-tandem-groups", "")
+    usage = body.get("usage") or {}
+    record.num_prompt_tokens = usage.get("prompt_tokens", record.num_prompt_tokens)
+    record.num_output_tokens = usage.get("completion_tokens", 0)
+    record.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    record.ok = bool(body.get("choices")) and record.num_output_tokens > 0
+    record.error = "" if record.ok else "no tokens in the response"
+    return record
+
+
+def completion_payload(request: BenchRequest, model: str | None, stream: bool = True) -> dict[str, Any]:
     payload = {"prompt": request.prompt_token_ids, "max_tokens": request.output_len, "temperature": 0.0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+               "ignore_eos": True, "stream": stream}
+    if stream:
+        payload["stream_options"] = {"include_usage": True}
     if model:
         payload["model"] = model
     return payload
@@ -124,15 +151,18 @@ def completion_payload(request: BenchRequest, model: str | None) -> dict[str, An
 
 # ---- one load level ---------------------------------------------------------------------------------
 async def run_level(url: str, requests: list[BenchRequest], level: LoadLevel, *, model: str | None,
-                    api_key: str | None = None, seed: int = 0) -> tuple[list[RequestRecord], float]:
-    """All requests at one load level: (records in request order, seconds from first send to last end)."""
+                    api_key: str | None = None, seed: int = 0, stream: bool = True
+                    ) -> tuple[list[RequestRecord], float]:
+    """All requests at one load level: (records in request order, seconds from first send to last end).
+    `stream` False: each request is answered whole (`send_whole_request`)."""
     endpoint = base_url(url) + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
     records: list[RequestRecord | None] = [None] * len(requests)
+    send = send_request if stream else send_whole_request
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(None)) as client:
         async def one(i: int) -> None:
-            records[i] = await send_request(client, endpoint, completion_payload(requests[i], model))
+            records[i] = await send(client, endpoint, completion_payload(requests[i], model, stream))
 
         start = time.perf_counter()
         if level.concurrency is not None:

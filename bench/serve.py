@@ -1,7 +1,8 @@
 """`tandem bench serve`: load on an OpenAI-compatible server, measured the way users feel it.
 
 Each request is a streaming `/v1/completions` call (token-id prompt, `ignore_eos`, a fixed
-`max_tokens`) from a seeded request set, one per level. At each load level, requests arrive as a Poisson
+`max_tokens`; with `--no-stream` one answered whole, whose TTFT is its E2E) from a seeded
+request set, one per level. At each load level, requests arrive as a Poisson
 process at a given rate (`inf` = all at once) or are kept at a fixed number in flight, and
 per request we record:
 
@@ -46,8 +47,9 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
                     concurrencies: list[int] | None = None, compare_concurrency: int | None = None,
                     spec: WorkloadSpec | None = None, slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS,
                     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS, api_key: str | None = None,
-                    vocab_size: int | None = None, show_progress: bool = True) -> dict[str, Any]:
-    """Figures of every load level, as one flat dict.
+                    vocab_size: int | None = None, stream: bool = True, show_progress: bool = True) -> dict[str, Any]:
+    """Figures of every load level, as one flat dict. `stream` False: non-streaming requests
+    (answered whole; TTFT is then E2E).
 
     With `url`, load that server (`served_model`: the model name to send; default: the first of
     its /v1/models). With url None, serve tandem through `local_app` (`model`: a local
@@ -65,13 +67,13 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
         "num_requests": spec.num_requests, "prompt_len_min": spec.prompt_len[0], "prompt_len_max": spec.prompt_len[1],
         "output_len_min": spec.output_len[0], "output_len_max": spec.output_len[1], "workload_seed": spec.seed,
         "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "load_levels": ",".join(lv.key for lv in levels),
-        "quick": quick,
+        "quick": quick, "stream": stream,
     }
     if url is not None:
         url = base_url(url)
         figures.update(url=url, model=served_model or _served_model(url, api_key) or "")
         vocab = vocab_size or URL_MODE_VOCAB_SIZE
-        _run_levels(url, spec, vocab, levels, figures, figures["model"] or None, api_key, show_progress)
+        _run_levels(url, spec, vocab, levels, figures, figures["model"] or None, api_key, show_progress, stream)
         return figures
     if local_app is None:
         raise ValueError("serving tandem here needs local_app (router.serve_cli.local_app), or give a url")
@@ -92,7 +94,7 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
     app_options = {**(serving_options or {}), **options, "model": model_dir}
     with bench_server(local_app, {"": app_options}, num_cpus=(os.cpu_count() or 1) + 4, address=address) as urls:
         figures.update(url=urls[""])
-        _run_levels(urls[""], spec, vocab, server_levels, figures, SERVED_MODEL_NAME, None, show_progress)
+        _run_levels(urls[""], spec, vocab, server_levels, figures, SERVED_MODEL_NAME, None, show_progress, stream)
     figures["server_output_tok_s"] = figures[f"{compare.key}_output_tok_s"]
     figures["server_vs_offline_throughput"] = figures["server_output_tok_s"] / figures["offline_output_tok_s"]
     return figures
@@ -103,14 +105,14 @@ def level_requests(spec: WorkloadSpec, vocab_size: int, index: int) -> list[Benc
 
 
 def _run_levels(url: str, spec: WorkloadSpec, vocab_size: int, levels: list[LoadLevel], figures: dict[str, Any],
-                model: str | None, api_key: str | None, show_progress: bool) -> None:
+                model: str | None, api_key: str | None, show_progress: bool, stream: bool = True) -> None:
     # Warm-up prompts are shorter than a KV block, so they leave nothing in the prefix cache.
     warmup = [BenchRequest(r.prompt_token_ids[:8], 4) for r in level_requests(spec, vocab_size, -1)[:2]]
-    asyncio.run(run_level(url, warmup, LoadLevel(rate=math.inf), model=model, api_key=api_key))
+    asyncio.run(run_level(url, warmup, LoadLevel(rate=math.inf), model=model, api_key=api_key, stream=stream))
     for i, level in enumerate(levels):
         log_progress("serve", show_progress, f"server at {level.key}: {spec.num_requests} requests")
         records, duration = asyncio.run(run_level(url, level_requests(spec, vocab_size, i), level, model=model,
-                                                  api_key=api_key, seed=spec.seed + i))
+                                                  api_key=api_key, seed=spec.seed + i, stream=stream))
         figures.update(summarize(level.key, records, duration, figures["slo_ttft_ms"], figures["slo_tpot_ms"]))
 
 

@@ -23,7 +23,8 @@ SPEC = WorkloadSpec(num_requests=6, prompt_len=(4, 9), output_len=(3, 5), seed=1
 
 
 class FakeOpenAIServer:
-    """/v1/completions streaming one chunk per token at fixed delays, then usage; /v1/models."""
+    """/v1/completions streaming one chunk per token at fixed delays, then usage (or, not
+    streaming, the whole answer after the same delays); /v1/models."""
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
@@ -65,6 +66,13 @@ class FakeOpenAIServer:
         if len(body["prompt"]) == self.fail_prompt_len:
             return web.json_response({"error": {"message": "prompt: too long", "type": "invalid_request_error"}},
                                      status=400)
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"],
+                 "total_tokens": len(body["prompt"]) + body["max_tokens"]}
+        if not body["stream"]:
+            await asyncio.sleep(FIRST_TOKEN_S + (body["max_tokens"] - 1) * TOKEN_GAP_S)
+            text = "".join(f"t{i}" for i in range(body["max_tokens"]))
+            return web.json_response({"choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                                      "usage": usage}, headers={"x-tandem-groups": "g1"})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i in range(body["max_tokens"]):
@@ -72,8 +80,6 @@ class FakeOpenAIServer:
             last = i == body["max_tokens"] - 1
             chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": "length" if last else None}]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"],
-                 "total_tokens": len(body["prompt"]) + body["max_tokens"]}
         await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
         return response
 
@@ -187,6 +193,32 @@ def test_fixed_concurrency_and_failures(fake_server, capsys) -> None:
     # Two in flight: three 3-token requests need two rounds of ~(80 + 2 * 20) ms.
     assert duration >= 2 * (FIRST_TOKEN_S + 2 * TOKEN_GAP_S)
     assert records[0].num_output_tokens == 3 and len(records[0].itl_s) == 2
+
+
+def test_requests_answered_whole(fake_server, tmp_path, monkeypatch) -> None:
+    server, url = fake_server
+    requests = [BenchRequest([7] * 4, 3), BenchRequest([7] * 6, 5)]
+    server.fail_prompt_len = 6
+    records, _ = asyncio.run(load_generator.run_level(url, requests, LoadLevel(concurrency=2), model="m",
+                                                      stream=False))
+    assert [b["stream"] for b in server.bodies] == [False, False]
+    assert all("stream_options" not in b and b["model"] == "m" for b in server.bodies)
+    ok, failed = records
+    assert ok.ok and (ok.num_prompt_tokens, ok.num_output_tokens, ok.group) == (4, 3, "g1")
+    assert ok.ttft_s == ok.e2e_s >= FIRST_TOKEN_S + 2 * TOKEN_GAP_S and ok.tpot_s == 0.0 and ok.itl_s == []
+    assert not failed.ok and failed.error.startswith("HTTP 400") and "too long" in failed.error
+
+    from tandem.router.cli import main
+
+    server.fail_prompt_len = None
+    monkeypatch.setattr(bench_serve, "SERVE_FULL", SPEC)
+    out_json = tmp_path / "out.json"
+    assert main(["bench", "serve", "--url", url, "--num-requests", "3", "--concurrency", "3", "--no-stream",
+                 "--vocab-size", "50", "--output-json", str(out_json)]) == 0
+    figures = json.loads(out_json.read_text())
+    assert figures["stream"] is False and figures["conc3_num_completed"] == 3
+    assert figures["conc3_ttft_p50_ms"] == figures["conc3_e2e_p50_ms"]
+    assert all(b["stream"] is False for b in server.bodies[2:])
 
 
 def test_cli_against_a_url(fake_server, tmp_path, capsys, monkeypatch) -> None:
