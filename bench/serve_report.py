@@ -22,8 +22,10 @@ def print_serve_table(figures: dict[str, Any], file: Any = None) -> None:
     header = ["level"] + [name for name, _ in _COLUMNS]
     rows = [[lv] + [_fmt(figures.get(f"{lv}_{suffix}")) for _, suffix in _COLUMNS] for lv in levels]
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    lines = [f"tandem bench serve: {figures.get('url', '')}  ({figures['num_requests']} requests; latencies in ms; "
-             f"goodput = req/s with TTFT <= {figures['slo_ttft_ms']:g} ms and TPOT <= {figures['slo_tpot_ms']:g} ms)"]
+    whole = "; answered whole, so TTFT is E2E" if figures.get("stream") is False else ""
+    slo = f"TTFT <= {figures['slo_ttft_ms']:g} ms and TPOT <= {figures['slo_tpot_ms']:g} ms"
+    lines = [f"tandem bench serve: {figures.get('url', '')}  ({figures['num_requests']} requests{whole}; latencies "
+             f"in ms; goodput = req/s with {slo})"]
     for row in [header] + rows:
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
     if "server_vs_offline_throughput" in figures:

@@ -195,7 +195,7 @@ def test_fixed_concurrency_and_failures(fake_server, capsys) -> None:
     assert records[0].num_output_tokens == 3 and len(records[0].itl_s) == 2
 
 
-def test_requests_answered_whole(fake_server, tmp_path, monkeypatch) -> None:
+def test_requests_answered_whole(fake_server, tmp_path, capsys, monkeypatch) -> None:
     server, url = fake_server
     requests = [BenchRequest([7] * 4, 3), BenchRequest([7] * 6, 5)]
     server.fail_prompt_len = 6
@@ -218,6 +218,7 @@ def test_requests_answered_whole(fake_server, tmp_path, monkeypatch) -> None:
     figures = json.loads(out_json.read_text())
     assert figures["stream"] is False and figures["conc3_num_completed"] == 3
     assert figures["conc3_ttft_p50_ms"] == figures["conc3_e2e_p50_ms"]
+    assert "(3 requests; answered whole, so TTFT is E2E; latencies in ms;" in capsys.readouterr().out
     assert all(b["stream"] is False for b in server.bodies[2:])
 
 
