@@ -100,10 +100,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
                     num_chunks += 1
                     last = now
                 if chunk.get("usage"):
-                    record.num_prompt_tokens = chunk["usage"].get("prompt_tokens", record.num_prompt_tokens)
-                    record.num_output_tokens = chunk["usage"].get("completion_tokens", 0)
-                    details = chunk["usage"].get("prompt_tokens_details") or {}
-                    record.num_cached_tokens = details.get("cached_tokens") or 0
+                    _take_usage(record, chunk["usage"])
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
@@ -130,13 +127,17 @@ async def send_whole_request(client: httpx.AsyncClient, url: str, payload: dict[
         return record
     record.e2e_s = record.ttft_s = time.perf_counter() - start
     record.group = response.headers.get("x-tandem-groups", "")
-    usage = body.get("usage") or {}
-    record.num_prompt_tokens = usage.get("prompt_tokens", record.num_prompt_tokens)
-    record.num_output_tokens = usage.get("completion_tokens", 0)
-    record.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    _take_usage(record, body.get("usage") or {})
     record.ok = bool(body.get("choices")) and record.num_output_tokens > 0
     record.error = "" if record.ok else "no tokens in the response"
     return record
+
+
+def _take_usage(record: RequestRecord, usage: dict[str, Any]) -> None:
+    """A response's OpenAI `usage` into the record (the prompt's own count where it has none)."""
+    record.num_prompt_tokens = usage.get("prompt_tokens", record.num_prompt_tokens)
+    record.num_output_tokens = usage.get("completion_tokens", 0)
+    record.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 def completion_payload(request: BenchRequest, model: str | None, stream: bool = True) -> dict[str, Any]:
