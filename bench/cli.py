@@ -1,6 +1,6 @@
-"""`tandem bench ...`: the benchmarks' command line, registered into `tandem` by router/cli.py.
+"""`tandem bench ...`: the benchmarks' command line, registered into `tandem` by cli/main.py.
 
-router/cli.py hands in what the bench needs from the router (`RouterHooks`): the bench never
+cli/main.py hands in what the bench needs from the router (`RouterHooks`): the bench never
 imports the router. Each benchmark's module is imported when its command runs.
 """
 

@@ -43,7 +43,7 @@ keep() {
 print(json.dumps({"part": sys.argv[1], **json.load(open(sys.argv[2]))}))' "$1" "$J/$1.json" >> "$OUT/figures.jsonl"
 }
 # Commands, not shell functions: `timeout` runs programs.
-TANDEM=(python3 -c 'import sys; from tandem.router.cli import main; sys.exit(main())')
+TANDEM=(python3 -c 'import sys; from tandem.cli.main import main; sys.exit(main())')
 BUILD=(python3 -c 'import sys; from tandem.bench.bench_models import BENCH_SHAPES, bench_model_dir
 bench_model_dir(BENCH_SHAPES[sys.argv[1]], show_progress=False)')
 built() { ls -d "$TANDEM_CACHE_DIR"/bench-"$1"-* > /dev/null 2>&1; }

@@ -75,7 +75,7 @@ def _measure(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     from tandem.workers.core.request import SamplingParams
     from tandem.workers.core.scheduler_output import NewRequestData, SchedulerOutput
     from tandem.workers.distributed.parallel import init_groups
-    from tandem.workers.distributed.worker import shm_slot_bytes
+    from tandem.workers.executor.worker import shm_slot_bytes
     from tandem.workers.model.hf_config import HFModelConfig
     from tandem.workers.runner.model_runner import ModelRunner
 

@@ -1,7 +1,7 @@
 """The tandem server a benchmark loads: Ray and Serve on this machine, tandem's applications at
 their route prefixes, on a free port, healthy before the benchmark starts.
 
-The bench builds applications through an `AppBuilder` it is handed (router/cli.py hands in
+The bench builds applications through an `AppBuilder` it is handed (cli/main.py hands in
 `router.serve_cli.local_app`): the bench never imports the router.
 """
 

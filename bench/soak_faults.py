@@ -3,7 +3,7 @@ deployment takes to serve again after each. Only against a server on this machin
 bench's own): they need the application's Ray cluster and its processes' ids.
 
     worker     one TP worker process of a group, SIGKILLed (the group's engine fails; the
-               group starts new workers in place, router/group_healer.py)
+               group starts new workers in place, workers/serving/group_healer.py)
     group      a whole replica group: its workers SIGKILLed and its Serve replica actor
                killed, at once
     allocator  the application's cluster KV allocator actor, killed (Ray restarts it; the

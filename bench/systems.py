@@ -67,7 +67,7 @@ class Systems:
 
 
 def resolve_device(option: str) -> torch.device:
-    from tandem.workers.executor import pick_device
+    from tandem.workers.executor.abstract import pick_device
     return pick_device(option)
 
 

@@ -168,7 +168,7 @@ class KVAllocatorActor(KVAllocatorState):
         from ray.util.metrics import Counter
 
         super().__init__(host_bytes_per_node, idle_exit_s=idle_exit_s)
-        # The cluster-wide prefix cache, as routing asks it (Prometheus: router/metrics.py's names).
+        # The cluster-wide prefix cache, as routing asks it (Prometheus: workers/serving/group_metrics.py's names).
         self._queries = Counter("tandem_cluster_prefix_cache_queries", "Prompt blocks looked up in the cluster "
                                 "prefix directory", tag_keys=("application",))
         self._hits = Counter("tandem_cluster_prefix_cache_hits", "Of those, leading blocks some group holds",

@@ -19,12 +19,12 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from tandem.router.admission import AdmissionLimits
-from tandem.router.group_healer import HealPolicy
-from tandem.router.group_server import GroupServer
 from tandem.router.ingress import OpenAIIngress
-from tandem.router.kv_fetch import FETCH_MODES
 from tandem.router.limits import RequestLimits
 from tandem.workers.config import EngineConfig
+from tandem.workers.serving.group_healer import HealPolicy
+from tandem.workers.serving.group_server import GroupServer
+from tandem.workers.serving.kv_fetch import FETCH_MODES
 
 DEMO_MODEL_NAME = "tandem-demo"
 
@@ -43,7 +43,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "health_check_period_s": 1.0,
     # When a worker of a TP or PP group dies, the group starts new workers in place (no new
     # replica): at most this many times in 10 minutes, each within the timeout; beyond, or
-    # with 0, Serve replaces the whole replica (router/group_healer.py).
+    # with 0, Serve replaces the whole replica (workers/serving/group_healer.py).
     "max_group_rebuilds": 3,
     "group_rebuild_timeout_s": 120.0,
     "ingress_num_replicas": 1,
@@ -72,7 +72,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "max_requests": None,
     "retry_after_s": 1,
     "max_request_body_bytes": 8 * 1024 * 1024,  # larger bodies: 413
-    # Metrics (router/metrics.py): how often a group hands its figures to Ray's pipeline (which
+    # Metrics (workers/serving/group_metrics.py): how often a group hands its figures to Ray's pipeline (which
     # exports every metrics_report_interval_ms, 10 s by default), and whether it probes its
     # device's peaks at start-up for the live MBU / MFU gauges.
     "metrics": True,  # False: the groups and the router export no metrics (the engine still counts)

@@ -6,7 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from tandem.router.engine_client import EngineClient
+from tandem.router.engine_client import EngineClient, sampling_params
 from tandem.router.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -20,6 +20,7 @@ from tandem.router.protocol import (
     TopLogprob,
 )
 from tandem.router.streams import DONE, ChoiceState, Reply, UsageCounter, merge, open_streams, sse
+from tandem.workers.core.request import PositionLogprobs
 from tandem.workers.text.tokenizer import apply_chat_template
 
 
@@ -46,16 +47,11 @@ class ChatServing:
     async def create(self, req: ChatCompletionRequest) -> Reply:
         deadline = req.deadline()
         token_ids = self.prompt_token_ids(req)
-        sampling = self.sampling(req)
-        try:
-            self.client.sampling_params(token_ids, sampling)
-        except ValueError as exc:  # the prompt is the rendered messages
-            message = str(exc)
-            raise ValueError("messages:" + message[len("prompt:"):] if message.startswith("prompt:")
-                             else message) from None
+        params = sampling_params(self.sampling(req))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        [stream], group_ids = await open_streams([self.client.stream(token_ids, sampling, request_id, deadline,
-                                                                     final_only=not req.stream)])
+        # The prompt is the rendered messages: its errors name them.
+        request = self.client.request(request_id, token_ids, params, final_only=not req.stream, field="messages")
+        [stream], group_ids = await open_streams([self.client.stream(request, deadline)])
         if req.stream:
             return Reply(self._stream(req, request_id, stream), group_ids)
         return Reply(await self._collect(req, request_id, stream), group_ids)
@@ -65,8 +61,8 @@ class ChatServing:
         usage = UsageCounter()
         async for _, delta in merge([stream]):
             usage.add(0, delta)
-            for out in delta["outputs"]:
-                choices.setdefault(out["index"], ChoiceState(out["index"])).add(out)
+            for out in delta.outputs:
+                choices.setdefault(out.index, ChoiceState(out.index)).add(out)
         result = [ChatChoice(index=c.index, message=AssistantMessage(content="".join(c.text)),
                              logprobs=_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
@@ -86,32 +82,33 @@ class ChatServing:
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
         async for _, delta in merge([stream]):
             usage.add(0, delta)
-            for out in delta["outputs"]:
-                if out["index"] in finished:
+            for out in delta.outputs:
+                if out.index in finished:
                     continue
-                if out["finish_reason"]:
-                    finished.add(out["index"])
-                logprobs = _logprobs(out["token_ids"], out["logprobs"] or [], req) if req.logprobs else None
-                if out["text"] or out["finish_reason"] or (logprobs and logprobs.content):
+                if out.finish_reason:
+                    finished.add(out.index)
+                logprobs = _logprobs(out.token_ids, out.logprobs or [], req) if req.logprobs else None
+                if out.text or out.finish_reason or (logprobs and logprobs.content):
                     yield chunk(ChatChunkChoice(
-                        index=out["index"], delta=DeltaMessage(content=out["text"] or None), logprobs=logprobs,
-                        finish_reason=out["finish_reason"], stop_reason=out["stop_reason"]))
+                        index=out.index, delta=DeltaMessage(content=out.text or None), logprobs=logprobs,
+                        finish_reason=out.finish_reason, stop_reason=out.stop_reason))
         if req.include_usage:
             yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                           usage=usage.usage()))
         yield DONE
 
 
-def _logprobs(token_ids: list[int], entries: list[dict[str, list]], req: ChatCompletionRequest) -> ChatLogprobs:
+def _logprobs(token_ids: list[int], entries: list[PositionLogprobs], req: ChatCompletionRequest) -> ChatLogprobs:
     """The chat form: per token, its logprob and the `top_logprobs` most likely alternatives."""
     num_top = req.top_logprobs or 0
     content = []
     for token_id, entry in zip(token_ids, entries):
-        logprob, _, token = entry[str(token_id)]
-        ranked = sorted(entry.values(), key=lambda e: e[1])[:num_top]
-        content.append(TokenLogprob(token=token or "", logprob=logprob, bytes=_bytes(token),
-                                    top_logprobs=[TopLogprob(token=e[2] or "", logprob=e[0], bytes=_bytes(e[2]))
-                                                  for e in ranked]))
+        chosen = entry[token_id]
+        ranked = sorted(entry.values(), key=lambda e: e.rank)[:num_top]
+        content.append(TokenLogprob(token=chosen.decoded_token or "", logprob=chosen.logprob,
+                                    bytes=_bytes(chosen.decoded_token),
+                                    top_logprobs=[TopLogprob(token=e.decoded_token or "", logprob=e.logprob,
+                                                             bytes=_bytes(e.decoded_token)) for e in ranked]))
     return ChatLogprobs(content=content)
 
 

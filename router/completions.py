@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tandem.router.engine_client import EngineClient
+from tandem.router.engine_client import EngineClient, sampling_params
 from tandem.router.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -18,6 +18,7 @@ from tandem.router.protocol import (
     CompletionResponse,
 )
 from tandem.router.streams import DONE, ChoiceState, Reply, UsageCounter, merge, open_streams, sse
+from tandem.workers.core.request import PositionLogprobs
 
 
 @dataclass
@@ -60,18 +61,17 @@ class CompletionServing:
         """Validate (ValueError), start every prompt's group request, then answer or stream."""
         deadline = req.deadline()
         prompts = self.prompts(req)
-        sampling = self.sampling(req)
-        for p in prompts:
-            self.client.sampling_params(p.token_ids, sampling)
+        params = sampling_params(self.sampling(req))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams, group_ids = await open_streams([
-            self.client.stream(p.token_ids, sampling, f"{request_id}-{i}", deadline, final_only=not req.stream)
-            for i, p in enumerate(prompts)])
+        # Every prompt is checked before any group request starts.
+        requests = [self.client.request(f"{request_id}-{i}", p.token_ids, params, final_only=not req.stream)
+                    for i, p in enumerate(prompts)]
+        streams, group_ids = await open_streams([self.client.stream(r, deadline) for r in requests])
         if req.stream:
             return Reply(self._stream(req, request_id, prompts, streams), group_ids)
         return Reply(await self._collect(req, request_id, prompts, streams), group_ids)
 
-    def _prompt_logprobs(self, prompt: _Prompt, entries: list | None) -> CompletionLogprobs:
+    def _prompt_logprobs(self, prompt: _Prompt, entries: list[PositionLogprobs | None] | None) -> CompletionLogprobs:
         """The echoed prompt's part of a choice's logprobs (its first token has none)."""
         out = CompletionLogprobs()
         if entries is None:  # nothing came back for it: leave the prompt out, never guess
@@ -89,10 +89,10 @@ class CompletionServing:
         prompt_logprobs: dict[int, list] = {}  # prompt index -> its prompt logprobs
         async for i, delta in merge(streams):
             usage.add(i, delta)
-            if delta.get("prompt_logprobs") is not None:
-                prompt_logprobs[i] = delta["prompt_logprobs"]
-            for out in delta["outputs"]:
-                index = i * req.n + out["index"]
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs[i] = delta.prompt_logprobs
+            for out in delta.outputs:
+                index = i * req.n + out.index
                 choices.setdefault(index, ChoiceState(index)).add(out)
         result = []
         for index in sorted(choices):
@@ -129,32 +129,32 @@ class CompletionServing:
                     yield chunk(i * req.n + k, p.text)
         async for i, delta in merge(streams):
             usage.add(i, delta)
-            if echo_with_logprobs and delta.get("prompt_logprobs") is not None:
+            if echo_with_logprobs and delta.prompt_logprobs is not None:
                 # The prompt's logprobs arrive with its first token: echo it just before.
                 for k in range(req.n):
-                    lps = self._prompt_logprobs(prompts[i], delta["prompt_logprobs"])
+                    lps = self._prompt_logprobs(prompts[i], delta.prompt_logprobs)
                     offsets[i * req.n + k] = len(prompts[i].text)
                     yield chunk(i * req.n + k, prompts[i].text, lps)
-            for out in delta["outputs"]:
-                index = i * req.n + out["index"]
+            for out in delta.outputs:
+                index = i * req.n + out.index
                 if index in finished:
                     continue
-                if out["finish_reason"]:
+                if out.finish_reason:
                     finished.add(index)
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = CompletionLogprobs()
-                    _logprobs(out["token_ids"], out["logprobs"] or [], logprobs, offsets.get(index, 0))
+                    _logprobs(out.token_ids, out.logprobs or [], logprobs, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
-                if out["text"] or out["finish_reason"] or (logprobs and logprobs.tokens):
-                    yield chunk(index, out["text"], logprobs, out["finish_reason"], out["stop_reason"])
+                if out.text or out.finish_reason or (logprobs and logprobs.tokens):
+                    yield chunk(index, out.text, logprobs, out.finish_reason, out.stop_reason)
         if req.include_usage:
             yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                          usage=usage.usage()))
         yield DONE
 
 
-def _logprobs(token_ids: list[int], entries: list[dict[str, list]], out: CompletionLogprobs,
+def _logprobs(token_ids: list[int], entries: list[PositionLogprobs | None], out: CompletionLogprobs,
               offset: int | None = None) -> None:
     """Append to the legacy completions form: parallel lists of tokens, their logprobs, top
     alternatives and text offsets (continuing from the text already in `out`)."""
@@ -167,11 +167,11 @@ def _logprobs(token_ids: list[int], entries: list[dict[str, list]], out: Complet
             out.top_logprobs.append(None)
             out.text_offset.append(offset)
             continue
-        logprob, _, token = entry[str(token_id)]
-        token = token or ""
+        chosen = entry[token_id]
+        token = chosen.decoded_token or ""
         out.tokens.append(token)
-        out.token_logprobs.append(logprob)
-        ranked = sorted(entry.values(), key=lambda e: e[1])
-        out.top_logprobs.append({(e[2] or ""): e[0] for e in ranked})
+        out.token_logprobs.append(chosen.logprob)
+        ranked = sorted(entry.values(), key=lambda e: e.rank)
+        out.top_logprobs.append({(e.decoded_token or ""): e.logprob for e in ranked})
         out.text_offset.append(offset)
         offset += len(token)

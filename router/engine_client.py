@@ -1,11 +1,11 @@
 """EngineClient: the ingress's view of the replica groups (HTTP and gRPC share it).
 
-It validates a request before it leaves the ingress (so a bad request never reaches,
-let alone hurts, a group), sends it through a streaming `DeploymentHandle` (the
-request router picks the group), and turns what can go wrong on the way into two
-exception types: `ValueError` (the caller's fault: a 400) and `ServiceUnavailable`
-(no group can take it now: a 503). Leaving the stream early cancels the request in
-its group, which aborts it and frees its KV blocks at once.
+It makes a request's `GroupRequest` (workers/serving/messages.py), validated before it
+leaves the ingress (so a bad request never reaches, let alone hurts, a group); sends it
+through a streaming `DeploymentHandle` (the request router picks the group); and turns
+what can go wrong on the way into two exception types: `ValueError` (the caller's fault:
+a 400) and `ServiceUnavailable` (no group can take it now: a 503). Leaving the stream
+early cancels the request in its group, which aborts it and frees its KV blocks at once.
 
 A group that fails (its engine dead, its replica or a worker killed) ends the request's
 stream with `ServiceUnavailable` as soon as Ray reports it, never a hang. A request that
@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -30,6 +31,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from tandem.router import tracing
 from tandem.workers.core.request import SamplingParams
+from tandem.workers.core.validation import PromptLimits, validate_prompt
+from tandem.workers.serving import tracer
+from tandem.workers.serving.messages import GroupDelta, GroupRequest
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +58,15 @@ class _GroupFailed(Exception):
         self.group_id = group_id
 
 
-async def _next_delta(response: Any, deadline: float | None) -> dict:
+def sampling_params(options: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from an API request's options; ValueError names a bad or unknown field."""
+    try:
+        return SamplingParams(**options)
+    except TypeError as exc:  # an unknown keyword
+        raise ValueError(f"sampling: {exc}") from None
+
+
+async def _next_delta(response: Any, deadline: float | None) -> GroupDelta:
     """The next delta of a group call, or RequestTimeout once `deadline` (monotonic) passes."""
     if deadline is None:
         return await anext(response)
@@ -75,6 +87,7 @@ class EngineClient:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.prompt_limits = PromptLimits(vocab_size, max_model_len, max_tokens_must_fit=True)
         self._group_deployment = group_deployment
         # (checked at, every group healthy, some group running); refreshed at most every ~1 s
         self._status: tuple[float, bool, bool] = (-_HEALTH_TTL_S, True, True)
@@ -82,48 +95,30 @@ class EngineClient:
         self._refresh: asyncio.Task | None = None
         self.num_running_groups = 1  # as last read from Serve (admission sizes its bound by it)
 
-    # ---- validation ----------------------------------------------------------------------------
-    def sampling_params(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> SamplingParams:
-        """Validate one request as the group would, plus the context-length rule; ValueError names the field."""
-        try:
-            params = SamplingParams(**sampling)
-        except TypeError as exc:  # an unknown keyword
-            raise ValueError(f"sampling: {exc}") from None
-        if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty")
-        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:
-            raise ValueError(f"prompt: this model's maximum context length is {self.max_model_len} tokens, "
-                             f"but the prompt has {num_prompt} (at least one must be left to generate)")
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: this model's maximum context length is {self.max_model_len} tokens; "
-                             f"the prompt has {num_prompt} and max_tokens asks for {params.max_tokens} more")
-        return params
-
     # ---- requests ------------------------------------------------------------------------------
-    async def stream(self, prompt_token_ids: list[int], sampling: dict[str, Any],
-                     request_id: str, deadline: float | None = None, final_only: bool = False
-                     ) -> AsyncIterator[dict]:
-        """Yield the group's delta dicts for one request (see GroupServer.generate).
+    def request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                final_only: bool = False, field: str = "prompt") -> GroupRequest:
+        """A group request, checked as the group would check it plus the API's context-length
+        rule for max_tokens; ValueError names the field (`field`: what the prompt came from).
 
-        `deadline` (time.monotonic()): past it the request is aborted with RequestTimeout.
         `final_only`: one delta, when the request finishes, holding all of it; for a caller
         that answers only at the end (a non-streaming request), which then costs the group no
-        output, and Ray no message, per token. Such a request has yielded nothing until it
-        ends, so a group that fails under it has it sent once more elsewhere."""
-        self.sampling_params(prompt_token_ids, sampling)
+        output, and Ray no message, per token."""
+        validate_prompt(prompt_token_ids, params, self.prompt_limits, field)
+        return GroupRequest(request_id, list(prompt_token_ids), params, final_only=final_only)
+
+    async def stream(self, request: GroupRequest, deadline: float | None = None) -> AsyncIterator[GroupDelta]:
+        """Yield the group's deltas for one request (see GroupServer.generate).
+
+        `deadline` (time.monotonic()): past it the request is aborted with RequestTimeout. A
+        request that has yielded nothing yet (a `final_only` one until it ends) is sent once
+        more, elsewhere, if its group fails under it."""
         if not await self._can_serve_now():
             raise ServiceUnavailable("no replica group is running")
-        request = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids), "sampling": sampling}
-        if final_only:
-            request["final_only"] = True
-        carrier = tracing.inject()  # None when tracing is off
+        carrier = tracer.inject()  # None when tracing is off
         if carrier is not None:
-            request[tracing.CARRIER_KEY] = carrier
-            tracing.note_group_request(self.model_name, sampling)
+            request = replace(request, trace_context=carrier)
+            tracing.note_group_request(self.model_name, request.sampling)
         yielded = False
         for attempt in range(_ATTEMPTS):
             try:
@@ -137,10 +132,10 @@ class EngineClient:
                 if yielded or attempt + 1 == _ATTEMPTS:
                     raise ServiceUnavailable(f"the replica group failed: {exc}") from None
                 logger.warning("request %s: its replica group failed before answering (%s); retrying once "
-                               "on another group", request_id, exc)
-                request = {**request, "avoid_group": exc.group_id}
+                               "on another group", request.request_id, exc)
+                request = replace(request, avoid_group=exc.group_id)
 
-    async def _attempt(self, request: dict[str, Any], deadline: float | None) -> AsyncIterator[dict]:
+    async def _attempt(self, request: GroupRequest, deadline: float | None) -> AsyncIterator[GroupDelta]:
         """One group call; a failed group is `_GroupFailed`, whatever way Ray reports it."""
         response = self._handle.generate.remote(request)
         finished = False
@@ -151,16 +146,15 @@ class EngineClient:
                     delta = await _next_delta(response, deadline)
                 except StopAsyncIteration:  # the group's generator ended without a last delta
                     raise _GroupFailed("its stream ended before the request finished") from None
-                error = delta.get("error")
-                if error:
-                    if delta.get("error_type") == "invalid_request":
-                        raise ValueError(error)
-                    raise _GroupFailed(error, delta.get("group_id"))
-                finished = delta["finished"]
-                if tracing.CARRIER_KEY in request:
-                    num_output_tokens += sum(len(o.get("token_ids") or ()) for o in delta["outputs"])
+                if delta.error:
+                    if delta.error_kind == "invalid_request":
+                        raise ValueError(delta.error)
+                    raise _GroupFailed(delta.error, delta.group_id)
+                finished = delta.finished
+                if request.trace_context is not None:
+                    num_output_tokens += delta.num_output_tokens
                     if finished:
-                        tracing.note_usage(delta.get("num_prompt_tokens") or 0, num_output_tokens)
+                        tracing.note_usage(delta.num_prompt_tokens, num_output_tokens)
                 yield delta
                 if finished:
                     return

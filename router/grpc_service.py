@@ -31,16 +31,18 @@ import grpc
 
 from tandem.router import tandem_pb2 as pb
 from tandem.router.admission import Overloaded, admitted
-from tandem.router.engine_client import RequestTimeout, ServiceUnavailable
-from tandem.router.limits import check_finite, check_stop_counts
+from tandem.router.engine_client import RequestTimeout, ServiceUnavailable, sampling_params
+from tandem.router.limits import check_stop_counts
 from tandem.router.tracing import traced_rpc
-from tandem.workers.core.request import SamplingParams
+from tandem.workers.core.request import CompletionOutput, Logprob, PositionLogprobs, SamplingParams
+from tandem.workers.serving.messages import GroupDelta, GroupRequest
 
 if TYPE_CHECKING:
     from ray.serve.grpc_util import RayServegRPCContext
 
 logger = logging.getLogger(__name__)
 
+_NO_LOGPROB = Logprob(math.nan, 0, None)  # a chosen token missing from its position (never expected)
 # Proto fields copied to the sampling dict when set (names equal SamplingParams fields).
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "logprobs", "min_tokens", "skip_special_tokens")
@@ -70,22 +72,21 @@ class GrpcMethods:
         try:
             self._authenticate(grpc_context)
             async with admitted(getattr(self, "admission", None)):
-                request_id, token_ids, sampling = self._prepare(request)
+                group_request = self._prepare(request, final_only=True)
                 deadline = _deadline(request)
                 choices: dict[int, pb.Completion] = {}
-                last: dict[str, Any] = {}
-                async with aclosing(self.client.stream(token_ids, sampling, request_id, deadline,
-                                                       final_only=True)) as deltas:
+                last: GroupDelta | None = None
+                async with aclosing(self.client.stream(group_request, deadline)) as deltas:
                     async for last in deltas:
                         _raise_on_error(last)
-                        for output in last["outputs"]:
-                            choice = choices.setdefault(output["index"], pb.Completion(index=output["index"]))
-                            _merge(choice, output, sampling.get("logprobs"))
+                        for output in last.outputs:
+                            choice = choices.setdefault(output.index, pb.Completion(index=output.index))
+                            _merge(choice, output, group_request.sampling.logprobs)
         except Exception as exc:
             _set_status(grpc_context, exc)
             return pb.GenerateResponse()
         usage = _usage(last, sum(len(c.token_ids) for c in choices.values()))
-        return pb.GenerateResponse(request_id=request_id, model=self.client.model_name,
+        return pb.GenerateResponse(request_id=group_request.request_id, model=self.client.model_name,
                                    choices=[choices[i] for i in sorted(choices)], usage=usage)
 
     @traced_rpc("GenerateStream")
@@ -94,17 +95,18 @@ class GrpcMethods:
         try:
             self._authenticate(grpc_context)
             async with admitted(getattr(self, "admission", None)):
-                request_id, token_ids, sampling = self._prepare(request)
+                group_request = self._prepare(request)
+                request_id, num_top = group_request.request_id, group_request.sampling.logprobs
                 deadline = _deadline(request)
                 num_output_tokens = 0
-                async with aclosing(self.client.stream(token_ids, sampling, request_id, deadline)) as deltas:
+                async with aclosing(self.client.stream(group_request, deadline)) as deltas:
                     async for delta in deltas:
                         _raise_on_error(delta)
                         message = pb.GenerateStreamResponse(request_id=request_id, model=self.client.model_name,
-                                                            finished=bool(delta.get("finished")))
-                        for output in delta["outputs"]:
-                            _merge(message.choices.add(index=output["index"]), output, sampling.get("logprobs"))
-                            num_output_tokens += len(output.get("token_ids") or [])
+                                                            finished=delta.finished)
+                        for output in delta.outputs:
+                            _merge(message.choices.add(index=output.index), output, num_top)
+                            num_output_tokens += len(output.token_ids)
                         if message.finished:
                             message.usage.CopyFrom(_usage(delta, num_output_tokens))
                         yield message
@@ -167,8 +169,8 @@ class GrpcMethods:
             raise RpcError(grpc.StatusCode.NOT_FOUND,
                            f"model: {model!r} is not served here; this server serves {self.client.model_name!r}")
 
-    def _prepare(self, request: pb.GenerateRequest) -> tuple[str, list[int], dict[str, Any]]:
-        """(request id, prompt token ids, sampling dict); ValueError names the bad field."""
+    def _prepare(self, request: pb.GenerateRequest, final_only: bool = False) -> GroupRequest:
+        """The checked group request; ValueError names the bad field."""
         self._check_model(request.model)
         kind = request.WhichOneof("prompt")
         if kind == "text":
@@ -177,10 +179,8 @@ class GrpcMethods:
             token_ids = list(request.token_ids.ids)
         else:
             raise ValueError("prompt: set either text or token_ids")
-        if not token_ids:
-            raise ValueError("prompt: must not be empty")
-        sampling = sampling_dict(request.sampling)
-        return request.request_id or f"grpc-{uuid.uuid4().hex}", token_ids, sampling
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        return self.client.request(request_id, token_ids, sampling_from_proto(request.sampling), final_only=final_only)
 
 
 def _deadline(request: pb.GenerateRequest) -> float | None:
@@ -192,8 +192,8 @@ def _deadline(request: pb.GenerateRequest) -> float | None:
     return time.monotonic() + request.timeout
 
 
-def sampling_dict(proto: pb.SamplingParams) -> dict[str, Any]:
-    """The set fields of a proto SamplingParams as SamplingParams keyword arguments (validated)."""
+def sampling_from_proto(proto: pb.SamplingParams) -> SamplingParams:
+    """SamplingParams from the set fields of a proto SamplingParams; ValueError names a bad field."""
     sampling: dict[str, Any] = {name: getattr(proto, name) for name in _OPTIONAL_SAMPLING if proto.HasField(name)}
     check_stop_counts(list(proto.stop), len(proto.stop_token_ids))
     if proto.stop:
@@ -204,49 +204,48 @@ def sampling_dict(proto: pb.SamplingParams) -> dict[str, Any]:
         sampling["ignore_eos"] = True
     if proto.include_stop_str_in_output:
         sampling["include_stop_str_in_output"] = True
-    check_finite(sampling)
-    SamplingParams(**sampling)  # fail here, before any work, with the field's name
-    return sampling
+    return sampling_params(sampling)
 
 
 # ---- proto building ---------------------------------------------------------------------------------
-def _merge(choice: pb.Completion, output: dict[str, Any], num_top: int | None) -> None:
-    """Append one output delta to a Completion."""
-    choice.text += output.get("text") or ""
-    token_ids = output.get("token_ids") or []
-    choice.token_ids.extend(token_ids)
-    if output.get("logprobs"):
-        choice.logprobs.extend(_token_logprobs(token_ids, output["logprobs"], num_top or 0))
-    if output.get("finish_reason"):
-        choice.finish_reason = output["finish_reason"]
-    stop_reason = output.get("stop_reason")
+def _merge(choice: pb.Completion, output: CompletionOutput, num_top: int | None) -> None:
+    """Append one sequence's delta to a Completion."""
+    choice.text += output.text
+    choice.token_ids.extend(output.token_ids)
+    if output.logprobs:
+        choice.logprobs.extend(_token_logprobs(output.token_ids, output.logprobs, num_top or 0))
+    if output.finish_reason:
+        choice.finish_reason = output.finish_reason
+    stop_reason = output.stop_reason
     if isinstance(stop_reason, int):
         choice.stop_token_id = stop_reason
     elif isinstance(stop_reason, str):
         choice.stop_str = stop_reason
 
 
-def _token_logprobs(token_ids: list[int], positions: list[dict[str, list]], num_top: int) -> list[pb.TokenLogprob]:
-    """positions[i] = {str(token_id): [logprob, rank, decoded token]}: the chosen token plus the top ones."""
+def _token_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_top: int) -> list[pb.TokenLogprob]:
+    """Each position's chosen token plus its `num_top` most likely alternatives."""
     out = []
     for token_id, position in zip(token_ids, positions):
-        logprob, rank, token = position.get(str(token_id), [math.nan, 0, None])
-        top = sorted(position.items(), key=lambda item: item[1][1])[:num_top]
+        chosen = position.get(token_id, _NO_LOGPROB)
+        top = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
         out.append(pb.TokenLogprob(
-            token_id=token_id, token=token or "", logprob=logprob, rank=rank,
-            top_logprobs=[pb.TopLogprob(token_id=int(tid), token=alt[2] or "", logprob=alt[0]) for tid, alt in top]))
+            token_id=token_id, token=chosen.decoded_token or "", logprob=chosen.logprob, rank=chosen.rank,
+            top_logprobs=[pb.TopLogprob(token_id=tid, token=alt.decoded_token or "", logprob=alt.logprob)
+                          for tid, alt in top]))
     return out
 
 
-def _usage(last_delta: dict[str, Any], num_output_tokens: int) -> pb.Usage:
-    num_prompt = last_delta.get("num_prompt_tokens") or 0
+def _usage(last_delta: GroupDelta | None, num_output_tokens: int) -> pb.Usage:
+    num_prompt = last_delta.num_prompt_tokens if last_delta is not None else 0
+    cached = last_delta.num_cached_tokens if last_delta is not None else 0
     return pb.Usage(prompt_tokens=num_prompt, completion_tokens=num_output_tokens,
-                    total_tokens=num_prompt + num_output_tokens, cached_tokens=last_delta.get("num_cached_tokens") or 0)
+                    total_tokens=num_prompt + num_output_tokens, cached_tokens=cached)
 
 
-def _raise_on_error(delta: dict[str, Any]) -> None:
-    if delta.get("error"):
-        raise RpcError(grpc.StatusCode.INTERNAL, f"engine: {delta['error']}")
+def _raise_on_error(delta: GroupDelta) -> None:
+    if delta.error:
+        raise RpcError(grpc.StatusCode.INTERNAL, f"engine: {delta.error}")
 
 
 def _set_status(grpc_context: RayServegRPCContext, exc: Exception) -> tuple[grpc.StatusCode, str]:

@@ -35,7 +35,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
-from tandem.router import tracing
 from tandem.router.admission import Admission, AdmissionLimits, NoGroupUp, Overloaded, ReleasingStream, Ticket
 from tandem.router.chat import ChatServing
 from tandem.router.completions import CompletionServing
@@ -53,6 +52,7 @@ from tandem.router.protocol import (
 )
 from tandem.router.streams import DONE, sse
 from tandem.router.tracing import TracingMiddleware
+from tandem.workers.serving import tracer
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class OpenAIIngress(GrpcMethods):
         self.chat = ChatServing(self.client)
 
     def __del__(self) -> None:
-        tracing.flush_on_stop(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
+        tracer.flush_on_stop(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
 
     # ---- routes --------------------------------------------------------------------------------
     @app.get("/health")

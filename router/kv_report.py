@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
+from tandem.workers.serving.messages import GroupStats, StatsRequest
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def kv_holdings(app_name: str, deployment: str = GROUP_DEPLOYMENT, timeout_s: fl
     if handle is None:
         handle = serve.get_deployment_handle(deployment, app_name)
     replicas = group_replicas(app_name, deployment)
-    calls = {gid: handle.stats.remote({"target_group": gid}) for gid in replicas}
+    calls = {gid: handle.stats.remote(StatsRequest(target_group=gid)) for gid in replicas}
     groups: dict[str, dict[str, Any]] = {}
     unreachable = []
     for gid, call in calls.items():
@@ -57,7 +58,7 @@ def kv_holdings(app_name: str, deployment: str = GROUP_DEPLOYMENT, timeout_s: fl
             logger.info("group %s did not report its KV (%s)", gid, exc)
             unreachable.append(gid)
             continue
-        if stats.get("group_id") != gid:  # the router had no such group: another answered
+        if stats.group_id != gid:  # the router had no such group: another answered
             unreachable.append(gid)
             continue
         groups[gid] = _group_figures(stats, replicas[gid])
@@ -72,16 +73,14 @@ def kv_holdings(app_name: str, deployment: str = GROUP_DEPLOYMENT, timeout_s: fl
     }
 
 
-def _group_figures(stats: dict[str, Any], actor_name: str) -> dict[str, Any]:
-    total = int(stats.get("kv_blocks_total", 0))
+def _group_figures(stats: GroupStats, actor_name: str) -> dict[str, Any]:
     return {
-        "actor_name": actor_name, "healthy": bool(stats.get("is_healthy", False)),
-        "worker_pids": list(stats.get("worker_pids", [])), "num_rebuilds": int(stats.get("num_rebuilds", 0)),
-        "num_running": int(stats.get("num_running", 0)), "num_waiting": int(stats.get("num_waiting", 0)),
-        "device_blocks_total": total, "device_blocks_held": total - int(stats.get("kv_blocks_free", total)),
-        "host_blocks_total": int(stats.get("host_kv_blocks_total", 0)),
-        "host_blocks_held": int(stats.get("host_kv_blocks_pinned", 0)),
-        "host_blocks_cached": int(stats.get("host_kv_blocks_used", 0)),
+        "actor_name": actor_name, "healthy": stats.routing.is_healthy, "worker_pids": list(stats.worker_pids),
+        "num_rebuilds": stats.num_rebuilds, "num_running": stats.routing.num_running,
+        "num_waiting": stats.routing.num_waiting, "device_blocks_total": stats.kv_blocks_total,
+        "device_blocks_held": stats.kv_blocks_total - stats.kv_blocks_free,
+        "host_blocks_total": stats.host_kv_blocks_total, "host_blocks_held": stats.host_kv_blocks_pinned,
+        "host_blocks_cached": stats.host_kv_blocks_used,
     }
 
 

@@ -15,7 +15,6 @@ rules need the tokens and live in EngineClient.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -136,13 +135,6 @@ def _unpaired_surrogate(value: Any, path: str) -> str | None:
         if found is not None:
             return found
     return None
-
-
-def check_finite(sampling: dict[str, Any]) -> None:
-    """No sampling number means anything as NaN or an infinity (JSON cannot carry them; protobuf can)."""
-    for name, value in sampling.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{name}: must be a finite number, got {value}")
 
 
 def check_stop_counts(stop: list[str], num_stop_token_ids: int) -> None:

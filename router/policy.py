@@ -35,7 +35,8 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from tandem.workers.serving.messages import RoutingStats
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,15 @@ class LoadWeights:
             raise ValueError(f"weights: must be >= 0, got {self}")
 
 
-def score_load(stats: Mapping[str, Any], num_in_flight: int = 0, weights: LoadWeights = LoadWeights(),
+def score_load(stats: RoutingStats, num_in_flight: int = 0, weights: LoadWeights = LoadWeights(),
                num_done_since_poll: int = 0) -> float:
-    """Outstanding work of one group; `stats` may be empty (not polled yet)."""
-    if not stats.get("is_healthy", True):
+    """Outstanding work of one group (`RoutingStats()` before its first poll)."""
+    if not stats.is_healthy:
         return math.inf
-    running = stats.get("num_running", 0)
-    reported_waiting = stats.get("num_waiting", 0)
-    waiting = max(0, reported_waiting - num_done_since_poll)  # the finished made room
-    outstanding = max(running + reported_waiting - num_done_since_poll, num_in_flight, 0)
-    return outstanding + weights.waiting * waiting + weights.kv_usage * stats.get("kv_usage", 0.0)
+    reported = stats.num_running + stats.num_waiting
+    waiting = max(0, stats.num_waiting - num_done_since_poll)  # the finished made room
+    outstanding = max(reported - num_done_since_poll, num_in_flight, 0)
+    return outstanding + weights.waiting * waiting + weights.kv_usage * stats.kv_usage
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,10 @@ from typing import Any
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from tandem.router import tracing
-from tandem.router.metrics import start_at_zero
 from tandem.router.policy import CompletionLog, LoadWeights, PrefixWeights, rank_by_score, score_load, score_prefix
 from tandem.router.prefix_lookup import PrefixLookup, allocator_matcher
+from tandem.workers.serving.group_metrics import start_at_zero
+from tandem.workers.serving.messages import GroupRequest, RoutingStats
 
 PREDICTION_TTL_S = 5.0
 
@@ -86,9 +87,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         held = await self.prefix.cached_tokens(hashes) if hashes else {}
         scores = {}
         for rid, replica in by_id.items():
-            stats = replica.routing_stats or {}
+            stats = RoutingStats.from_dict(replica.routing_stats)
             scores[rid] = score_load(stats, self.num_in_flight(rid), self.weights,
-                                     self.completions.since(rid, stats.get("stats_time")))
+                                     self.completions.since(rid, stats.stats_time))
         by_prefix = False
         if hashes:
             by_group = {rid: held.get(rid.unique_id, 0) for rid in by_id}
@@ -125,8 +126,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         if self._decisions is not None:
             self._decisions.inc(1, tags={"decision": decision})
         request = pending_request.args[0] if pending_request.args else None
-        if isinstance(request, dict) and request.get(tracing.CARRIER_KEY):
-            tracing.record_route(request[tracing.CARRIER_KEY], started_ns, time.time_ns(), {
+        if isinstance(request, GroupRequest) and request.trace_context:
+            tracing.record_route(request.trace_context, started_ns, time.time_ns(), {
                 "tandem.route.replica_group": chosen.unique_id, "tandem.route.decision": decision,
                 "tandem.route.prefix_cached_tokens": held.get(chosen.unique_id, 0),
                 "tandem.route.score": scores[chosen], "tandem.route.num_candidates": len(scores)})
@@ -137,9 +138,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             return []
         args = pending_request.args
         request = args[0] if args else pending_request.kwargs.get("request")
-        if not isinstance(request, dict) or not isinstance(request.get("prompt_token_ids"), list):
+        if not isinstance(request, GroupRequest):
             return []
-        return self.prefix.block_hashes(request["prompt_token_ids"])
+        return self.prefix.block_hashes(request.prompt_token_ids)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         predicted = self._predicted.get(replica_id)
@@ -166,9 +167,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
 
 
 def _request_field(pending_request: PendingRequest | None, key: str) -> str | None:
-    """A routing hint in a group call's request dict: `target_group` (a call meant for one
-    group) or `avoid_group` (a retry after that group failed)."""
+    """A routing hint on a group call's message: `target_group` (a call meant for one group)
+    or `avoid_group` (a retry after that group failed)."""
     if pending_request is None or not pending_request.args:
         return None
-    arg = pending_request.args[0]
-    return arg.get(key) if isinstance(arg, dict) else None
+    return getattr(pending_request.args[0], key, None)

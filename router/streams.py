@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.router.protocol import PromptTokensDetails, Usage
+from tandem.workers.core.request import CompletionOutput, PositionLogprobs
+from tandem.workers.serving.messages import GroupDelta
 
 DONE = "data: [DONE]\n\n"
+Deltas = AsyncIterator[GroupDelta]  # one group request's deltas (EngineClient.stream)
 
 
 def sse(payload: Any) -> str:
@@ -26,7 +29,7 @@ def sse(payload: Any) -> str:
     return f"data: {data}\n\n"
 
 
-async def _with_first(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+async def _with_first(first: GroupDelta, rest: Deltas) -> Deltas:
     yield first
     async for delta in rest:
         yield delta
@@ -40,7 +43,7 @@ class Reply:
     group_ids: list[str]
 
 
-async def open_streams(streams: Sequence[AsyncIterator[dict]]) -> tuple[list[AsyncIterator[dict]], list[str]]:
+async def open_streams(streams: Sequence[Deltas]) -> tuple[list[Deltas], list[str]]:
     """Await every stream's first delta; on any error close them all and raise the first.
 
     Returns the streams (from their first delta on) and the ids of the groups serving them."""
@@ -49,19 +52,19 @@ async def open_streams(streams: Sequence[AsyncIterator[dict]]) -> tuple[list[Asy
     if error is not None:
         await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
         raise error
-    group_ids = [first.get("group_id", "") for first in results]
+    group_ids = [first.group_id for first in results]
     return [_with_first(first, s) for first, s in zip(results, streams)], group_ids
 
 
-async def merge(streams: Sequence[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+async def merge(streams: Sequence[Deltas]) -> AsyncIterator[tuple[int, GroupDelta]]:
     """(stream index, delta) in arrival order; the first error ends the lot."""
     if len(streams) == 1:
         async for delta in streams[0]:
             yield 0, delta
         return
-    queue: asyncio.Queue[tuple[int, dict | None, Exception | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, GroupDelta | None, Exception | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[dict]) -> None:
+    async def pump(i: int, stream: Deltas) -> None:
         try:
             async for delta in stream:
                 queue.put_nowait((i, delta, None))
@@ -94,16 +97,16 @@ class ChoiceState:
     index: int
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, list]] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def add(self, output: dict) -> None:
-        self.text.append(output["text"])
-        self.token_ids.extend(output["token_ids"])
-        self.logprobs.extend(output["logprobs"] or ())
-        self.finish_reason = output["finish_reason"]
-        self.stop_reason = output["stop_reason"]
+    def add(self, output: CompletionOutput) -> None:
+        self.text.append(output.text)
+        self.token_ids.extend(output.token_ids)
+        self.logprobs.extend(output.logprobs or ())
+        self.finish_reason = output.finish_reason
+        self.stop_reason = output.stop_reason
 
 
 @dataclass
@@ -113,13 +116,13 @@ class UsageCounter:
     cached_tokens: int = 0
     _seen: set[int] = field(default_factory=set)
 
-    def add(self, stream_index: int, delta: dict) -> None:
+    def add(self, stream_index: int, delta: GroupDelta) -> None:
         if stream_index not in self._seen:  # prompts count once per prompt, not per choice
             self._seen.add(stream_index)
-            self.prompt_tokens += delta["num_prompt_tokens"]
-        if delta["finished"]:
-            self.cached_tokens += delta["num_cached_tokens"]
-        self.completion_tokens += sum(len(o["token_ids"]) for o in delta["outputs"])
+            self.prompt_tokens += delta.num_prompt_tokens
+        if delta.finished:
+            self.cached_tokens += delta.num_cached_tokens
+        self.completion_tokens += delta.num_output_tokens
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,

@@ -28,12 +28,14 @@ import time
 from typing import Any
 
 from tandem.router import tracing
-from tandem.router.metrics import FINISH_REASONS, SNAPSHOT_COUNTERS, SNAPSHOT_GAUGES, GroupMetrics
+from tandem.workers.core.request import SamplingParams
 from tandem.workers.core.stats import RequestMetrics
 from tandem.workers.device_peaks import DevicePeaks
+from tandem.workers.serving import tracer
+from tandem.workers.serving.group_metrics import FINISH_REASONS, SNAPSHOT_COUNTERS, SNAPSHOT_GAUGES, GroupMetrics
 
 TAGS = {"application": "telemetry-cost", "model": "m", "replica_group": "g"}
-SAMPLING = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+SAMPLING = SamplingParams(max_tokens=32, temperature=0.0, top_p=1.0, seed=0)
 
 
 def telemetry_cpu_cost(num_requests: int = 400, steps_per_report: int = 100) -> dict[str, float]:
@@ -47,7 +49,7 @@ def telemetry_cpu_cost(num_requests: int = 400, steps_per_report: int = 100) -> 
     fd, path = tempfile.mkstemp(prefix="tandem-telemetry-cost-", suffix=".jsonl")
     os.close(fd)
     out = open(path, "a", buffering=1)  # noqa: SIM115 - closed below, after the last flush
-    tracing.configure(ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"))
+    tracer.configure(ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"))
     try:
         metrics = GroupMetrics(TAGS)
         metrics.set_peaks(DevicePeaks(flops_per_s=1e12, bytes_per_s=1e11), 1)
@@ -56,12 +58,12 @@ def telemetry_cpu_cost(num_requests: int = 400, steps_per_report: int = 100) -> 
         now = time.monotonic()
         finished = RequestMetrics(now, now + 0.01, now + 0.05, now + 0.5, now + 0.51, "length", 64, 32, 0, 1, 0)
         _one_request(metrics, decisions, finished)  # first calls build the SDK's and Ray's caches
-        tracing.force_flush()
+        tracer.force_flush()
         warm_spans = _count_lines(path)
         start = time.process_time()
         for i in range(num_requests):
             _one_request(metrics, decisions, finished, f"req-{i}")
-        tracing.force_flush()
+        tracer.force_flush()
         per_request = (time.process_time() - start) / num_requests
         spans = (_count_lines(path) - warm_spans) / num_requests
         reports = 20
@@ -70,7 +72,7 @@ def telemetry_cpu_cost(num_requests: int = 400, steps_per_report: int = 100) -> 
             metrics.report(_snapshot(i), [0.02] * steps_per_report, 0)
         per_report = (time.process_time() - start) / reports
     finally:
-        tracing.configure()  # back to what the environment says
+        tracer.configure()  # back to what the environment says
         out.close()
         os.unlink(path)
     return {"telemetry_cpu_s_per_request": per_request, "telemetry_cpu_s_per_report": per_report,
@@ -88,14 +90,14 @@ def _one_request(metrics: GroupMetrics, decisions: Any, finished: RequestMetrics
             "gen_ai.operation.name": "text_completion"}) as span:
         span.set_attribute("http.response.status_code", 200)
         tracing.note_group_request("m", SAMPLING)
-        carrier = tracing.inject()
+        carrier = tracer.inject()
         started = time.time_ns()
         decisions.inc(1, tags={"decision": "load"})
         tracing.record_route(carrier, started, time.time_ns(), {
             "tandem.route.replica_group": "g", "tandem.route.decision": "load",
             "tandem.route.prefix_cached_tokens": 0, "tandem.route.score": 1.0, "tandem.route.num_candidates": 2})
         metrics.observe_request(finished)
-        tracing.record_group_spans(carrier, finished, group_id="g", model="m", request_id=request_id)
+        tracer.record_group_spans(carrier, finished, group_id="g", model="m", request_id=request_id)
         tracing.note_usage(finished.num_prompt_tokens, finished.num_generation_tokens)
 
 

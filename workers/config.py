@@ -88,7 +88,7 @@ class ParallelConfig:
     address: str | None = None  # Ray address to join; None = local / in-process
     # A Ray group's workers wait for steps in a compiled graph's channel, which keeps a core
     # busy per worker; after this many seconds without a step they wait on an event instead
-    # (workers/distributed/parking.py), and the next step wakes them (a few ms). None: never.
+    # (workers/executor/parking.py), and the next step wakes them (a few ms). None: never.
     park_workers_after_s: float | None = 1.0
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Probes of what a device can do: the denominators of MFU and MBU.
 
 `tandem bench` measures them in the same run as the figures they divide; a serving group
-probes them once at start-up for its live MBU / MFU gauges (router/metrics.py).
+probes them once at start-up for its live MBU / MFU gauges (workers/serving/group_metrics.py).
 
 - `matmul_flops`: a large square matmul in the model's dtype (the MFU denominator).
 - `copy_bandwidth`: a large tensor copy, counting bytes read plus bytes written, as STREAM

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.bench_models import BenchShape
-from tandem.router.cli import main
+from tandem.cli.main import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The code path of --bench-model at the size of the tests' tiny models.

@@ -11,7 +11,7 @@ import pytest
 from tandem.bench.bench_models import BENCH_SHAPES
 from tandem.bench.report import sweep_batches
 from tandem.bench.workload import OFFLINE_QUICK, make_workload
-from tandem.router.cli import main
+from tandem.cli.main import main
 from tandem.workers.model.demo_model import cache_dir
 from tests.bench.conftest import PNG_MAGIC, TINY_SHAPE, bench
 from tests.conftest import tiny_model
@@ -158,7 +158,7 @@ def test_single_process_benchmarks_never_import_ray(tmp_path: Path) -> None:
     model = tiny_model()
     script = (
         "import sys\n"
-        "from tandem.router.cli import main\n"
+        "from tandem.cli.main import main\n"
         f"assert main(['bench', 'offline', '--model', {model!r}, '--num-requests', '2', '--no-hf-sequential',"
         " '--quick', '--repeats', '1', '--idle-wait', '0']) == 0\n"
         f"assert main(['bench', 'spec', '--model', {model!r}, '--num-speculative-tokens', '2',"

@@ -6,7 +6,7 @@ from tandem.bench.gpu_busy import allocator_figures, clock_offset, host_figures
 from tandem.bench.host_timeline import PARTS, HostTimeline, Interval, attribute_gaps, flat_segments
 from tandem.workers import LLM, SamplingParams
 from tandem.workers.core.scheduler_output import PendingOutput
-from tandem.workers.engine import GroupEngine
+from tandem.workers.engine.group_engine import GroupEngine
 from tests.conftest import tiny_model
 
 US = 1_000  # ns

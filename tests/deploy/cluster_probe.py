@@ -40,15 +40,18 @@ def _group_handle() -> Any:
 
 
 def _stats(group_id: str) -> dict[str, Any]:
+    from tandem.workers.serving.messages import StatsRequest
+
     """One group's figures; "error" when it could not answer, or another group did (the
     router sends a call for a group it does not know to any group)."""
     try:
-        stats = _group_handle().stats.remote({"target_group": group_id}).result(timeout_s=20)
+        stats = _group_handle().stats.remote(StatsRequest(target_group=group_id)).result(timeout_s=20)
     except Exception as exc:  # noqa: BLE001 - a group still starting, or just gone
         return {"error": f"{type(exc).__name__}: {exc}"}
-    if stats.get("group_id") != group_id:
-        return {"error": f"answered by group {stats.get('group_id')}"}
-    return {k: stats.get(k) for k in FIGURES}
+    if stats.group_id != group_id:
+        return {"error": f"answered by group {stats.group_id}"}
+    return {"num_requests_total": stats.routing.num_requests_total, "kv_blocks_free": stats.kv_blocks_free,
+            "kv_blocks_total": stats.kv_blocks_total, "num_running": stats.routing.num_running}
 
 
 def groups(dashboard: str) -> dict[str, dict[str, Any]]:

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tandem.router import deploy_cli
-from tandem.router.cli import build_parser
+from tandem.cli import deploy as deploy_cli
+from tandem.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -235,7 +235,7 @@ def test_layout_sizes_the_gpu_worker_group() -> None:
 
 
 def test_deploy_kuberay_command_writes_a_valid_manifest(tmp_path, monkeypatch) -> None:
-    from tandem.router.cli import main
+    from tandem.cli.main import main
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "svc.yaml"

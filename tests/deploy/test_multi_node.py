@@ -36,8 +36,8 @@ import pytest
 import requests
 import yaml
 
+from tandem.cli import deploy as deploy_cli
 from tandem.cluster.net import free_port
-from tandem.router import deploy_cli
 from tandem.router import tandem_pb2 as pb
 from tandem.router import tandem_pb2_grpc as pb_grpc
 from tests.conftest import wait_for
@@ -414,7 +414,7 @@ def test_tandem_serve_with_address_auto_joins_the_running_cluster(cluster: Clust
     port, grpc_port = free_port(), free_port()
     log_path = cluster.base / "tandem_serve.log"
     env = {**cluster.env, "RAY_ADDRESS": cluster.gcs}  # what `auto` finds first
-    cmd = [sys.executable, "-c", "import sys; from tandem.router.cli import main; sys.exit(main())", "serve",
+    cmd = [sys.executable, "-c", "import sys; from tandem.cli.main import main; sys.exit(main())", "serve",
            "--address", "auto", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tandem.workers.core.request import SamplingParams
-from tandem.workers.engine import EngineDeadError
+from tandem.workers.engine.group_engine import EngineDeadError
 from tandem.workers.llm import LLM
 from tests import shared_ray
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
@@ -111,7 +111,7 @@ def test_a_worker_killed_before_the_first_step_fails_the_group_without_aborting_
 import os, signal, time, ray
 ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
 from tandem.workers.config import EngineConfig
-from tandem.workers.llm import build_engine
+from tandem.workers.engine.builder import build_engine
 for i in range(4):
     engine = build_engine(EngineConfig.from_options(model={tiny_model("llama")!r}, tensor_parallel_size=2,
                                                     num_kv_blocks=32), show_progress=False)

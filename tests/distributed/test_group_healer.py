@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from tandem.router.group_healer import GroupHealer, HealPolicy
-from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import SamplingParams
-from tandem.workers.llm import build_engine, rebuild_engine
+from tandem.workers.engine.async_engine import AsyncEngine
+from tandem.workers.engine.builder import build_engine, rebuild_engine
+from tandem.workers.serving.group_healer import GroupHealer, HealPolicy
 from tests import shared_ray
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
@@ -47,7 +47,7 @@ async def _first_token_then(engine: AsyncEngine, prompt: list[int], request_id: 
 
 
 def _pids(engine: AsyncEngine) -> list[int]:
-    return [w["pid"] for w in engine.engine.executor.worker_info]
+    return engine.worker_pids()
 
 
 def test_a_killed_worker_is_replaced_in_place_and_the_group_serves_the_same_tokens(ray_local) -> None:
@@ -96,7 +96,6 @@ class _FakeEngine:
     def __init__(self, error: str | None = None) -> None:
         self.dead_error = error
         self.num_kv_blocks = 8
-        self.executor = None  # nothing to probe
         self.shut = False
 
     def shutdown(self) -> None:
@@ -110,6 +109,13 @@ class _FakeAsyncEngine:
 
     def add_failure_listener(self, listener) -> None:
         self.listeners.append(listener)
+
+    @property
+    def dead_error(self) -> str | None:
+        return self.engine.dead_error
+
+    def dead_worker_ranks(self) -> list[str]:
+        return []  # no workers to probe
 
     def fail(self, error: str) -> None:
         self.engine.dead_error = error

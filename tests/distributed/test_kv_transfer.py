@@ -7,7 +7,7 @@ import random
 
 from tandem.workers.core.block_pool import prompt_block_hashes
 from tandem.workers.core.request import SamplingParams
-from tandem.workers.kv_transfer import export_prefix, held_prefix, import_prefix
+from tandem.workers.engine.kv_transfer import export_prefix, held_prefix, import_prefix
 from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, tiny_model
 

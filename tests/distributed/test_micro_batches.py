@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
-from tandem.workers.distributed.worker import merge_outputs, split_micro_batches
+from tandem.workers.executor.worker import merge_outputs, split_micro_batches
 
 
 def _step(tokens: dict[str, int]) -> SchedulerOutput:

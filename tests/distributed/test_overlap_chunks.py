@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tandem.workers.core.request import SamplingParams
-from tandem.workers.distributed.overlap import chunk_bounds, split_metadata
 from tandem.workers.distributed.parallel import ParallelContext
 from tandem.workers.llm import LLM
+from tandem.workers.model.overlap import chunk_bounds, split_metadata
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
 

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from tandem.workers.async_engine import AsyncEngine, merge_deltas
 from tandem.workers.core.request import CompletionOutput, RequestOutput, SamplingParams
-from tandem.workers.llm import build_engine
+from tandem.workers.engine.async_engine import AsyncEngine, merge_deltas
+from tandem.workers.engine.builder import build_engine
 from tests.conftest import hf_greedy, mixed_prompts, wait_for
 
 

@@ -3,7 +3,7 @@ hostile-input battery and the fuzzers run thousands of requests in seconds.
 
 `EchoGroup` stands in for the GroupServer DeploymentHandle: every request gets, per
 choice, `min(max_tokens, 2)` tokens (ids 10 + step), with logprobs and prompt logprobs
-in the group's plain-dict form when asked for, and finishes with "length".
+when asked for, and finishes with "length": the `GroupDelta`s a group would send.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from fastapi.testclient import TestClient
 
 from tandem.router import ingress
 from tandem.router.engine_client import EngineClient
+from tandem.workers.core.request import CompletionOutput, Logprob, PositionLogprobs
+from tandem.workers.serving.messages import GroupDelta, GroupRequest
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
@@ -33,7 +35,7 @@ class FakeResponse:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> dict:
+    async def __anext__(self) -> GroupDelta:
         await asyncio.sleep(0)
         if not self.items:
             raise StopAsyncIteration
@@ -53,14 +55,14 @@ class EchoGroup:
     """A DeploymentHandle whose group answers every request (or raises `fail_with` once)."""
 
     def __init__(self) -> None:
-        self.calls: list[dict] = []
+        self.calls: list[GroupRequest] = []
         self.fail_with: BaseException | None = None
         self.generate = self
 
     def options(self, **_: Any) -> EchoGroup:
         return self
 
-    def remote(self, request: dict) -> FakeResponse:
+    def remote(self, request: GroupRequest) -> FakeResponse:
         self.calls.append(request)
         if self.fail_with is not None:
             error, self.fail_with = self.fail_with, None
@@ -68,36 +70,32 @@ class EchoGroup:
         return FakeResponse(answer(request))
 
 
-def _position(token_id: int, num_top: int) -> dict[str, list]:
+def _position(token_id: int, num_top: int) -> PositionLogprobs:
     """The chosen token (rank 1) and num_top - 1 more alternatives."""
-    entry = {str(token_id): [-0.5, 1, f"t{token_id}"]}
+    entry = {token_id: Logprob(-0.5, 1, f"t{token_id}")}
     for k in range(1, num_top):
-        entry[str(token_id + 100 + k)] = [-1.0 - k, k + 1, f"a{k}"]
+        entry[token_id + 100 + k] = Logprob(-1.0 - k, k + 1, f"a{k}")
     return entry
 
 
-def answer(request: dict) -> list[dict]:
-    sampling = request["sampling"]
-    prompt = request["prompt_token_ids"]
-    n = sampling.get("n", 1)
-    max_tokens = sampling.get("max_tokens") or 2
-    num_steps = min(max_tokens, 2)
-    num_top = sampling.get("logprobs")
+def answer(request: GroupRequest) -> list[GroupDelta]:
+    sampling = request.sampling
+    prompt = request.prompt_token_ids
+    num_steps = min(sampling.max_tokens or 2, 2)
+    num_top = sampling.logprobs
     deltas = []
     for step in range(num_steps):
         last = step == num_steps - 1
-        outputs = []
-        for i in range(n):
-            token = 10 + step
-            outputs.append({"index": i, "text": f"t{token}", "token_ids": [token],
-                            "logprobs": None if num_top is None else [_position(token, max(num_top, 1))],
-                            "finish_reason": "length" if last else None, "stop_reason": None})
+        token = 10 + step
+        outputs = [CompletionOutput(i, f"t{token}", [token],
+                                    None if num_top is None else [_position(token, max(num_top, 1))],
+                                    finish_reason="length" if last else None)
+                   for i in range(sampling.n)]
         prompt_logprobs = None
-        if step == 0 and sampling.get("prompt_logprobs") is not None:
-            prompt_logprobs = [None] + [_position(t, max(sampling["prompt_logprobs"], 1)) for t in prompt[1:]]
-        deltas.append({"request_id": request["request_id"], "group_id": "g0", "outputs": outputs,
-                       "prompt_logprobs": prompt_logprobs, "finished": last, "num_prompt_tokens": len(prompt),
-                       "num_cached_tokens": 0, "error": None, "error_type": None})
+        if step == 0 and sampling.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [_position(t, max(sampling.prompt_logprobs, 1)) for t in prompt[1:]]
+        deltas.append(GroupDelta(request.request_id, "g0", outputs, last, num_prompt_tokens=len(prompt),
+                                 prompt_logprobs=prompt_logprobs))
     return deltas
 
 

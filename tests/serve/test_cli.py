@@ -16,8 +16,8 @@ from tests.serve.conftest import free_port
 
 
 def test_serve_flags_become_build_app_args():
-    from tandem.router.cli import build_parser, engine_options
-    from tandem.router.serve_cli import app_args
+    from tandem.cli.main import build_parser, engine_options
+    from tandem.cli.serve import app_args
 
     def app_args_of(argv: list[str]) -> dict:
         args = build_parser().parse_args(argv)
@@ -53,7 +53,7 @@ def test_serve_flags_become_build_app_args():
 
 
 def test_engine_flags_come_from_one_table():
-    from tandem.router.cli import ENGINE_FLAGS, build_parser, engine_options
+    from tandem.cli.main import ENGINE_FLAGS, build_parser, engine_options
 
     assert [flag.dest for flag in ENGINE_FLAGS] == [
         "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
@@ -77,9 +77,9 @@ def test_engine_flags_come_from_one_table():
 
 
 def test_a_local_tp1_group_leaves_one_core_to_serve(monkeypatch):
+    from tandem.cli.main import build_parser, engine_options
+    from tandem.cli.serve import app_args, local_group_options
     from tandem.router.app import local_group_num_cpus
-    from tandem.router.cli import build_parser, engine_options
-    from tandem.router.serve_cli import app_args, local_group_options
 
     def app_args_of(argv: list[str]) -> dict:
         args = build_parser().parse_args(argv)
@@ -99,7 +99,7 @@ def test_a_local_tp1_group_leaves_one_core_to_serve(monkeypatch):
 
 
 def test_bad_option_fails_before_anything_starts(capsys):
-    from tandem.router.cli import main
+    from tandem.cli.main import main
 
     assert main(["serve", "--block-size", "3"]) == 2
     assert "block_size" in capsys.readouterr().err
@@ -107,7 +107,7 @@ def test_bad_option_fails_before_anything_starts(capsys):
 
 def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
     port, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "tandem.router.cli", "serve", "--model", tiny_llama, "--served-model-name", "tiny",
+    cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--model", tiny_llama, "--served-model-name", "tiny",
            "--max-model-len", "256", "--kv-cache-memory", str(4 << 20), "--host", "127.0.0.1",
            "--port", str(port), "--grpc-port", str(grpc_port), "--api-key", "secret"]
     # A home without ~/.ray/auth_token, as on a fresh machine: the embedded Ray must make its token.

@@ -8,6 +8,7 @@ output against the offline engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import sys
@@ -22,6 +23,9 @@ from tandem.router import tandem_pb2_grpc as pb_grpc
 from tandem.router.admission import NoGroupUp
 from tandem.router.engine_client import ServiceUnavailable
 from tandem.router.grpc_service import GrpcMethods
+from tandem.workers.core.request import CompletionOutput, Logprob, SamplingParams
+from tandem.workers.core.validation import PromptLimits, validate_prompt
+from tandem.workers.serving.messages import GroupDelta, GroupRequest
 from tests.serve.conftest import free_port, wait_for
 from tests.serve.hostile_cases import GRPC_CASES
 
@@ -79,8 +83,15 @@ class FakeEngineClient:
     async def health(self) -> bool:
         return self.healthy
 
-    async def stream(self, prompt_token_ids: list[int], sampling: dict, request_id: str, deadline: float | None = None,
-                     final_only: bool = False):
+    def request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                final_only: bool = False, field: str = "prompt") -> GroupRequest:
+        """Checked as EngineClient checks it."""
+        limits = PromptLimits(self.vocab_size, self.max_model_len, max_tokens_must_fit=True)
+        validate_prompt(prompt_token_ids, params, limits, field)
+        return GroupRequest(request_id, list(prompt_token_ids), params, final_only=final_only)
+
+    async def stream(self, request: GroupRequest, deadline: float | None = None):
+        prompt_token_ids, sampling, request_id = request.prompt_token_ids, request.sampling, request.request_id
         cue = prompt_token_ids[-1]
         if cue == UNAVAILABLE_AT_START:
             raise ServiceUnavailable("every replica group is busy")
@@ -99,52 +110,51 @@ class FakeEngineClient:
             finally:
                 self.num_endless -= 1
         if prompt_token_ids[0] == BOS:
-            echo = {"prompt_token_ids": prompt_token_ids, "sampling": sampling, "request_id": request_id,
-                    "final_only": final_only}
+            echo = {"prompt_token_ids": prompt_token_ids, "sampling": dataclasses.asdict(sampling),
+                    "request_id": request_id, "final_only": request.final_only}
             yield _delta(request_id, [_output(0, json.dumps(echo, sort_keys=True), [], "stop")], True, 0)
             return
-        num_steps = sampling.get("max_tokens", 3)
-        stop_ids = sampling.get("stop_token_ids") or []
-        whole: dict[int, dict] = {}  # final_only: each completion's outputs so far, sent once at the end
+        num_steps = sampling.max_tokens or 3
+        stop_ids = sampling.stop_token_ids
+        whole: dict[int, CompletionOutput] = {}  # final_only: each completion's outputs so far, sent once at the end
         for step in range(num_steps):
             await asyncio.sleep(0.005)
             if cue == UNAVAILABLE_MID_STREAM and step == 1:
                 raise ServiceUnavailable("the replica group failed")
             last = step == num_steps - 1
             outputs = []
-            for i in range(sampling.get("n", 1)):
+            for i in range(sampling.n):
                 token = 100 * i + 10 + step
                 out = _output(i, f"<{i}.{step}>", [token], None)
-                if sampling.get("logprobs") is not None:
-                    # The chosen token ranks 2nd; the dict holds it plus the top alternatives.
-                    out["logprobs"] = [{str(token): [-0.5, 2, f"<{i}.{step}>"], str(token + 1): [-0.25, 1, "alt1"],
-                                        str(token + 2): [-3.0, 3, "alt3"]}]
+                if sampling.logprobs is not None:
+                    # The chosen token ranks 2nd; the position holds it plus the top alternatives.
+                    out.logprobs = [{token: Logprob(-0.5, 2, f"<{i}.{step}>"), token + 1: Logprob(-0.25, 1, "alt1"),
+                                     token + 2: Logprob(-3.0, 3, "alt3")}]
                 if last:
-                    out["finish_reason"] = "stop" if stop_ids else "length"
-                    out["stop_reason"] = stop_ids[0] if stop_ids else None
+                    out.finish_reason = "stop" if stop_ids else "length"
+                    out.stop_reason = stop_ids[0] if stop_ids else None
                 outputs.append(out)
-            if not final_only:
+            if not request.final_only:
                 yield _delta(request_id, outputs, last, num_cached_tokens=2)
                 continue
             for out in outputs:
-                so_far = whole.setdefault(out["index"], {**out, "text": "", "token_ids": [], "logprobs": None})
-                so_far.update(text=so_far["text"] + out["text"], token_ids=so_far["token_ids"] + out["token_ids"],
-                              finish_reason=out["finish_reason"], stop_reason=out["stop_reason"])
-                if out["logprobs"] is not None:
-                    so_far["logprobs"] = (so_far["logprobs"] or []) + out["logprobs"]
-        if final_only:
+                so_far = whole.setdefault(out.index, _output(out.index, "", [], None))
+                whole[out.index] = dataclasses.replace(
+                    so_far, text=so_far.text + out.text, token_ids=so_far.token_ids + out.token_ids,
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                    logprobs=so_far.logprobs if out.logprobs is None else (so_far.logprobs or []) + out.logprobs)
+        if request.final_only:
             yield _delta(request_id, [whole[i] for i in sorted(whole)], True, num_cached_tokens=2)
 
 
-def _output(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None,
-            "finish_reason": finish_reason, "stop_reason": None}
+def _output(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> CompletionOutput:
+    return CompletionOutput(index, text, token_ids, None, finish_reason=finish_reason)
 
 
-def _delta(request_id: str, outputs: list[dict], finished: bool, num_cached_tokens: int,
-           num_prompt_tokens: int = 3) -> dict:
-    return {"request_id": request_id, "outputs": outputs, "finished": finished, "num_prompt_tokens": num_prompt_tokens,
-            "num_cached_tokens": num_cached_tokens, "error": None}
+def _delta(request_id: str, outputs: list[CompletionOutput], finished: bool, num_cached_tokens: int,
+           num_prompt_tokens: int = 3) -> GroupDelta:
+    return GroupDelta(request_id, "g0", outputs, finished, num_prompt_tokens=num_prompt_tokens,
+                      num_cached_tokens=num_cached_tokens)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -258,13 +268,13 @@ def test_text_prompt_is_tokenized_and_sampling_fields_reach_the_client(stub) -> 
     assert echo["prompt_token_ids"] == [BOS, ord("h"), ord("i")]
     assert echo["request_id"] == "echo"
     assert echo["final_only"] is True  # Generate answers once: its group sends one delta, at the end
-    assert echo["sampling"] == {
-        "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "min_p": 0.1, "n": 1, "stop": ["x", "yz"],
-        "seed": -3, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logprobs": 0,
-        "ignore_eos": True, "min_tokens": 2, "include_stop_str_in_output": True, "skip_special_tokens": False}
+    assert echo["sampling"] == dataclasses.asdict(SamplingParams(
+        max_tokens=5, temperature=0.5, top_p=0.9, top_k=0, min_p=0.1, n=1, stop=["x", "yz"],
+        seed=-3, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1, logprobs=0,
+        ignore_eos=True, min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False))
     # Unset fields stay unset: the engine's defaults apply.
     out = _generate(stub, pb.GenerateRequest(text="hi"))
-    assert json.loads(out.choices[0].text)["sampling"] == {}
+    assert json.loads(out.choices[0].text)["sampling"] == dataclasses.asdict(SamplingParams())
 
 
 def test_generate_stream_sends_deltas_then_usage(stub) -> None:

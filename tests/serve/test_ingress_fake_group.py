@@ -17,17 +17,18 @@ from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
 from tandem.router import ingress
-from tandem.router.engine_client import EngineClient, ServiceUnavailable
+from tandem.router.engine_client import EngineClient, ServiceUnavailable, sampling_params
+from tandem.workers.core.request import CompletionOutput, SamplingParams
+from tandem.workers.serving.messages import ErrorKind, GroupDelta, GroupRequest
 from tests.serve.fake_group import FakeResponse
 
 
 def delta(text: str, token_id: int, finish: str | None = None, *, index: int = 0, error: str | None = None,
-          error_type: str | None = None) -> dict:
-    return {"request_id": "r", "group_id": "g0", "finished": finish is not None or error is not None,
-            "num_prompt_tokens": 3, "num_cached_tokens": 0, "error": error, "error_type": error_type,
-            "outputs": [] if error and error_type == "invalid_request" else [
-                {"index": index, "text": text, "token_ids": [token_id], "logprobs": None,
-                 "finish_reason": finish, "stop_reason": None}]}
+          error_kind: ErrorKind | None = None) -> GroupDelta:
+    outputs = [] if error and error_kind == "invalid_request" else [
+        CompletionOutput(index, text, [token_id], None, finish_reason=finish)]
+    return GroupDelta("r", "g0", outputs, finish is not None or error is not None, num_prompt_tokens=3,
+                      error=error, error_kind=error_kind)
 
 
 class FakeGroup:
@@ -36,14 +37,14 @@ class FakeGroup:
     def __init__(self) -> None:
         self.script: list = []
         self.scripts: list[list] = []  # one script per call, first call first (else `script` every time)
-        self.calls: list[dict] = []
+        self.calls: list[GroupRequest] = []
         self.responses: list[FakeResponse] = []
         self.generate = self
 
     def options(self, **_):
         return self
 
-    def remote(self, request: dict) -> FakeResponse:
+    def remote(self, request: GroupRequest) -> FakeResponse:
         self.calls.append(request)
         self.responses.append(FakeResponse(self.scripts.pop(0) if self.scripts else self.script))
         return self.responses[-1]
@@ -93,7 +94,7 @@ def test_streams_the_groups_deltas_as_sse(http, group):
     assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["Hel", "lo", "!"]
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
                                    "prompt_tokens_details": {"cached_tokens": 0}}
-    assert group.calls[0]["sampling"]["max_tokens"] == 16  # the completions default
+    assert group.calls[0].sampling.max_tokens == 16  # the completions default
 
 
 def test_only_a_streaming_request_asks_its_group_for_every_delta(http, group):
@@ -105,14 +106,14 @@ def test_only_a_streaming_request_asks_its_group_for_every_delta(http, group):
             group.calls.clear()
             r = post(http, {**body, "stream": stream}, path)
             assert r.status_code == 200
-            assert [c.get("final_only", False) for c in group.calls] == [not stream] * len(group.calls)
+            assert [c.final_only for c in group.calls] == [not stream] * len(group.calls)
             assert len(group.calls) == (2 if path == "/v1/completions" else 1)
     assert post(http, {"prompt": "hi"}).json()["choices"][0]["text"] == "Hello"
 
 
 def test_group_refusal_is_a_400_before_any_byte(http, group):
     group.script = [delta("", 0, error="prompt: 60 tokens need 5 KV blocks but the cache holds 4",
-                          error_type="invalid_request")]
+                          error_kind="invalid_request")]
     for stream in (False, True):
         r = post(http, {"prompt": "hi", "stream": stream})
         assert r.status_code == 400
@@ -120,13 +121,13 @@ def test_group_refusal_is_a_400_before_any_byte(http, group):
 
 
 def test_group_failure_mid_stream_is_an_error_event(http, group):
-    group.script = [delta("a", 10), delta("", 0, error="worker died", error_type="unavailable")]
+    group.script = [delta("a", 10), delta("", 0, error="worker died", error_kind="unavailable")]
     r = post(http, {"prompt": "hi", "stream": True})
     events = [line for line in r.text.splitlines() if line.startswith("data: ")]
     assert json.loads(events[0][6:])["choices"][0]["text"] == "a"
     assert json.loads(events[1][6:])["error"]["type"] == "server_error"
     assert events[-1] == "data: [DONE]"
-    group.script = [delta("a", 10), delta("", 0, error="worker died", error_type="unavailable")]
+    group.script = [delta("a", 10), delta("", 0, error="worker died", error_kind="unavailable")]
     assert post(http, {"prompt": "hi"}).status_code == 503
 
 
@@ -164,24 +165,26 @@ def test_early_exit_cancels_the_group_request(tokenizer, group):
     group.script = [delta("a", 10), delta("b", 11), delta("c", 12, "length")]
 
     async def take_one():
-        stream = client.stream([1, 2, 3], {"max_tokens": 3}, "r1")
+        stream = client.stream(client.request("r1", [1, 2, 3], SamplingParams(max_tokens=3)))
         first = await anext(stream)
         await stream.aclose()
         return first
 
-    assert asyncio.run(take_one())["outputs"][0]["text"] == "a"
+    assert asyncio.run(take_one()).outputs[0].text == "a"
     assert group.responses[0].cancelled
 
 
 def test_engine_client_validates_like_the_group(tokenizer, group):
     client = EngineClient(group, tokenizer=tokenizer, model_name="tiny", max_model_len=64, vocab_size=512)
     with pytest.raises(ValueError, match="^top_p:"):
-        client.sampling_params([1, 2], {"top_p": 0.0})
+        sampling_params({"top_p": 0.0})
     with pytest.raises(ValueError, match="^prompt:.*vocabulary"):
-        client.sampling_params([1, 512], {})
+        client.request("r", [1, 512], SamplingParams())
     with pytest.raises(ValueError, match="^sampling:"):
-        client.sampling_params([1], {"nonsense": 1})
-    assert client.sampling_params([1] * 60, {"max_tokens": 4}).max_tokens == 4
+        sampling_params({"nonsense": 1})
+    with pytest.raises(ValueError, match="^messages: must not be empty"):
+        client.request("r", [], SamplingParams(), field="messages")
+    assert client.request("r", [1] * 60, SamplingParams(max_tokens=4)).sampling.max_tokens == 4
 
 
 def test_service_unavailable_from_stream(tokenizer, group):
@@ -190,28 +193,28 @@ def test_service_unavailable_from_stream(tokenizer, group):
     group.script = [BackPressureError(num_queued_requests=1, max_queued_requests=1)]
 
     async def consume():
-        return [d async for d in client.stream([1, 2], {}, "r")]
+        return [d async for d in client.stream(client.request("r", [1, 2], SamplingParams()))]
 
     with pytest.raises(ServiceUnavailable, match="overloaded"):
         asyncio.run(consume())
 
 
 def test_group_that_fails_before_its_first_token_is_retried_once_elsewhere(http, group):
-    died = delta("", 0, error="the replica group has failed: worker died", error_type="unavailable")
+    died = delta("", 0, error="the replica group has failed: worker died", error_kind="unavailable")
     group.scripts = [[died], [delta("a", 10), delta("b", 11, "stop")]]
     r = post(http, {"prompt": "hi"})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
-    assert [c.get("avoid_group") for c in group.calls] == [None, "g0"]
+    assert [c.avoid_group for c in group.calls] == [None, "g0"]
     # A replica that dies is the same (Ray says so with an exception: no group id to avoid).
     group.calls.clear()
     group.scripts = [[ActorDiedError()], [delta("c", 12, "stop")]]
     r = post(http, {"prompt": "hi", "stream": True})
     assert json.loads(r.text.splitlines()[0][6:])["choices"][0]["text"] == "c"
-    assert [c.get("avoid_group") for c in group.calls] == [None, None]
+    assert [c.avoid_group for c in group.calls] == [None, None]
 
 
 def test_a_second_failure_or_one_after_a_token_is_not_retried(http, group):
-    died = delta("", 0, error="worker died", error_type="unavailable")
+    died = delta("", 0, error="worker died", error_kind="unavailable")
     group.scripts = [[died], [died]]
     r = post(http, {"prompt": "hi"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"

@@ -8,6 +8,7 @@ import random
 import pytest
 import requests
 
+from tandem.workers.serving.messages import GroupStats, StatsRequest
 from tandem.workers.text.tokenizer import load_tokenizer
 from tests.conftest import hf_greedy
 from tests.serve.conftest import allocator, group_handle, held_by, serve_app, wait_for
@@ -34,8 +35,8 @@ def complete(server: str, prompt: list[int]) -> tuple[str, int, list[int]]:
             r.json()["choices"][0]["text"])
 
 
-def group_stats(group_id: str) -> dict:
-    return group_handle().stats.remote({"target_group": group_id}).result(timeout_s=30)
+def group_stats(group_id: str) -> GroupStats:
+    return group_handle().stats.remote(StatsRequest(target_group=group_id)).result(timeout_s=30)
 
 
 def test_a_group_fetches_a_prefix_it_never_computed_and_outputs_are_unchanged(server, tiny_llama):
@@ -56,12 +57,12 @@ def test_a_group_fetches_a_prefix_it_never_computed_and_outputs_are_unchanged(se
     assert cached == PREFIX_BLOCKS * BLOCK  # fetched from the holder, not recomputed
     assert text == load_tokenizer(tiny_llama).decode(hf_greedy(tiny_llama, [prompt], 6)[0])
     stats = group_stats(group)
-    assert stats["group_id"] == group
-    assert stats["kv_fetches"] == 1 and stats["kv_blocks_fetched"] == PREFIX_BLOCKS
-    assert stats["host_kv_blocks_loaded"] == PREFIX_BLOCKS
+    assert stats.group_id == group
+    assert stats.kv_fetches == 1 and stats.kv_blocks_fetched == PREFIX_BLOCKS
+    assert stats.host_kv_blocks_loaded == PREFIX_BLOCKS
     # Block accounting: both groups idle, every device block free again.
     for g in (holder, group):
-        assert wait_for(lambda g=g: group_stats(g)["kv_blocks_free"] == group_stats(g)["kv_blocks_total"])
+        assert wait_for(lambda g=g: (s := group_stats(g)).kv_blocks_free == s.kv_blocks_total)
 
 
 def test_host_leases_share_the_node_budget(server):

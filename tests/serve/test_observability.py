@@ -106,8 +106,8 @@ def deployment() -> Iterator[Deployment]:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
+    from tandem.cli.serve import GRPC_SERVICER
     from tandem.router.app import build_app
-    from tandem.router.serve_cli import GRPC_SERVICER
 
     workdir = tempfile.mkdtemp(prefix="tandem-observability-")
     traces = os.path.join(workdir, "spans.jsonl")
@@ -246,10 +246,10 @@ def test_prometheus_scrapes_the_deployment(deployment: Deployment) -> None:
 def test_the_telemetry_codes_own_cost_runs_the_real_code(deployment: Deployment) -> None:
     """`tandem bench observability`'s measure of the metrics and tracing code: every span a
     served request makes is exported, and tracing is back to the environment's after."""
-    from tandem.router import tracing
     from tandem.router.telemetry_cost import telemetry_cpu_cost
+    from tandem.workers.serving import tracer
 
     cost = telemetry_cpu_cost(num_requests=20, steps_per_report=10)
     assert cost["telemetry_spans_per_request"] == 6.0  # ingress, route, group_request, queue, prefill, decode
     assert cost["telemetry_cpu_s_per_request"] > 0 and cost["telemetry_cpu_s_per_report"] > 0
-    assert tracing.tracer() is not None  # this module's environment turns tracing on
+    assert tracer.tracer() is not None  # this module's environment turns tracing on

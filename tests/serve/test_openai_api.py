@@ -12,6 +12,7 @@ import openai
 import pytest
 import requests
 
+from tandem.workers.serving.messages import GroupStats
 from tests.serve.conftest import group_handle, serve_app, wait_for
 from tests.serve.hostile_cases import HTTP_CASES
 
@@ -46,7 +47,7 @@ def greedy(client, prompt, max_tokens=16, **kw):
                                      extra_body={"ignore_eos": True}, **kw)
 
 
-def group_stats() -> dict:
+def group_stats() -> GroupStats:
     return group_handle().stats.remote().result()
 
 
@@ -342,26 +343,26 @@ def test_server_still_serves_after_bad_requests(server, client):
     assert requests.get(f"{server}/health", timeout=30).status_code == 200  # no key needed
     assert greedy(client, "Still alive?", max_tokens=4).usage.completion_tokens == 4
     stats = group_stats()
-    assert stats["is_healthy"] and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.routing.is_healthy and stats.kv_blocks_free == stats.kv_blocks_total
 
 
 # ---- disconnects -------------------------------------------------------------------------------------
 def test_disconnect_mid_stream_aborts_and_frees_every_block(server):
     idle = group_stats()
-    assert idle["num_running"] == 0 and idle["kv_blocks_free"] == idle["kv_blocks_total"]
+    assert idle.routing.num_running == 0 and idle.kv_blocks_free == idle.kv_blocks_total
     body = {"model": MODEL, "prompt": [11] * 50, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "stream": True}
     r = requests.post(f"{server}/v1/completions", json=body, headers=AUTH, stream=True, timeout=60)
     lines = r.iter_lines()
     assert next(line for line in lines if line.startswith(b"data: {"))
     busy = group_stats()
-    assert busy["num_running"] == 1 and busy["kv_blocks_free"] < busy["kv_blocks_total"]
+    assert busy.routing.num_running == 1 and busy.kv_blocks_free < busy.kv_blocks_total
     r.close()  # the client goes away mid-stream
 
     def all_free():
         s = group_stats()
-        return s if s["num_running"] == 0 and s["num_waiting"] == 0 \
-            and s["kv_blocks_free"] == s["kv_blocks_total"] else None
+        return s if s.routing.num_running == 0 and s.routing.num_waiting == 0 \
+            and s.kv_blocks_free == s.kv_blocks_total else None
 
     assert wait_for(all_free, timeout_s=20), group_stats()
-    assert group_stats()["num_aborted_total"] == idle["num_aborted_total"] + 1  # aborted, not finished
+    assert group_stats().routing.num_aborted_total == idle.routing.num_aborted_total + 1  # aborted, not finished

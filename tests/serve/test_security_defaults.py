@@ -80,8 +80,8 @@ def test_unknown_paths_and_methods_answer_in_openai_shape(served):
 def test_embedded_ray_listens_on_loopback_with_token_auth(monkeypatch):
     from ray._private import ray_constants
 
-    from tandem.router.cli import build_parser
-    from tandem.router.serve_cli import local_ray_init_kwargs
+    from tandem.cli.main import build_parser
+    from tandem.cli.serve import local_ray_init_kwargs
 
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)  # restored after the test
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)

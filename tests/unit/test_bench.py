@@ -78,7 +78,7 @@ def test_hf_static_counts_only_requested_tokens(tiny_dir) -> None:
 
 
 def test_cli_registers_every_bench_command() -> None:
-    from tandem.router.cli import build_parser
+    from tandem.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "offline", "--quick", "--output-json", "x.json", "--repeats", "2",
                                       "--device", "cpu", "--max-num-seqs", "8", "--num-requests", "5"])

@@ -208,7 +208,7 @@ def test_requests_answered_whole(fake_server, tmp_path, capsys, monkeypatch) -> 
     assert ok.ttft_s == ok.e2e_s >= FIRST_TOKEN_S + 2 * TOKEN_GAP_S and ok.tpot_s == 0.0 and ok.itl_s == []
     assert not failed.ok and failed.error.startswith("HTTP 400") and "too long" in failed.error
 
-    from tandem.router.cli import main
+    from tandem.cli.main import main
 
     server.fail_prompt_len = None
     monkeypatch.setattr(bench_serve, "SERVE_FULL", SPEC)
@@ -223,7 +223,7 @@ def test_requests_answered_whole(fake_server, tmp_path, capsys, monkeypatch) -> 
 
 
 def test_cli_against_a_url(fake_server, tmp_path, capsys, monkeypatch) -> None:
-    from tandem.router.cli import main
+    from tandem.cli.main import main
 
     _, url = fake_server
     monkeypatch.setattr(bench_serve, "SERVE_FULL", SPEC)  # short outputs: a fast test

@@ -16,8 +16,8 @@ from tandem.cluster.placement import PlacementError
 from tandem.router.admission import NoGroupUp, Overloaded
 from tandem.router.engine_client import RequestTimeout, ServiceUnavailable, _GroupFailed
 from tandem.router.grpc_service import RpcError
-from tandem.workers.distributed.ray_executor import GroupFailedError
-from tandem.workers.engine import EngineDeadError
+from tandem.workers.engine.group_engine import EngineDeadError
+from tandem.workers.executor.ray_executor import GroupFailedError
 
 CASES = [
     (NoGroupUp("no replica group is running", 3), {"message": "no replica group is running", "retry_after_s": 3}),

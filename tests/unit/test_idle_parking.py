@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tandem.workers.distributed.parking import IdleParking
+from tandem.workers.executor.parking import IdleParking
 
 
 class FakeGroup:

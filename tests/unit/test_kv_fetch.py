@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.router.kv_fetch import FetchCost, KVFetcher
+from tandem.workers.serving.kv_fetch import FetchCost, KVFetcher
 
 
 def test_fetch_pays_when_moving_the_bytes_is_faster_than_the_prefill():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from tandem.workers.core.request import SamplingParams
-from tandem.workers.runner.step_sampler import StepSampler
 from tandem.workers.sample.pass_sampler import PassSampler
 from tandem.workers.sample.sampler import Sampler, SamplingRow, compute_logprobs
+from tandem.workers.sample.step_sampler import StepSampler
 
 VOCAB = 64
 PARAMS = [

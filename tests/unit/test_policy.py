@@ -7,28 +7,29 @@ import math
 import pytest
 
 from tandem.router.policy import CompletionLog, LoadWeights, rank_by_score, score_load
+from tandem.workers.serving.messages import RoutingStats
 
 
 def test_idle_group_scores_zero():
-    assert score_load({}) == 0.0
-    assert score_load({"num_running": 0, "num_waiting": 0, "kv_usage": 0.0}) == 0.0
+    assert score_load(RoutingStats()) == 0.0
+    assert score_load(RoutingStats(num_running=0, num_waiting=0, kv_usage=0.0)) == 0.0
 
 
 def test_score_counts_running_waiting_and_kv_usage():
-    stats = {"num_running": 3, "num_waiting": 2, "kv_usage": 0.5}
+    stats = RoutingStats(num_running=3, num_waiting=2, kv_usage=0.5)
     # outstanding 5 + waiting 2 * 1.0 + kv 0.5 * 4.0
     assert score_load(stats) == 5 + 2 + 2.0
     assert score_load(stats, weights=LoadWeights(waiting=0.0, kv_usage=10.0)) == 5 + 5.0
 
 
 def test_in_flight_count_covers_stale_stats_without_double_counting():
-    stats = {"num_running": 2, "num_waiting": 0, "kv_usage": 0.0}
+    stats = RoutingStats(num_running=2, num_waiting=0, kv_usage=0.0)
     assert score_load(stats, num_in_flight=1) == 2  # already in the reported figure
     assert score_load(stats, num_in_flight=5) == 5  # sent since the last poll
 
 
 def test_unhealthy_group_scores_infinity():
-    assert score_load({"is_healthy": False, "num_running": 0}) == math.inf
+    assert score_load(RoutingStats(is_healthy=False, num_running=0)) == math.inf
 
 
 def test_rank_groups_equal_scores_share_a_tier_best_first():
@@ -37,13 +38,13 @@ def test_rank_groups_equal_scores_share_a_tier_best_first():
 
 
 def test_rank_prefers_less_loaded_group():
-    busy = {"num_running": 8, "num_waiting": 4, "kv_usage": 0.9}
-    idle = {"num_running": 1, "num_waiting": 0, "kv_usage": 0.1}
+    busy = RoutingStats(num_running=8, num_waiting=4, kv_usage=0.9)
+    idle = RoutingStats(num_running=1, num_waiting=0, kv_usage=0.1)
     assert rank_by_score({"busy": score_load(busy), "idle": score_load(idle)})[0] == ["idle"]
 
 
 def test_fuller_cache_loses_a_tie_on_requests():
-    assert score_load({"num_running": 2, "kv_usage": 0.8}) > score_load({"num_running": 2, "kv_usage": 0.2})
+    assert score_load(RoutingStats(num_running=2, kv_usage=0.8)) > score_load(RoutingStats(num_running=2, kv_usage=0.2))
 
 
 def test_negative_weights_are_refused():
@@ -99,7 +100,7 @@ def test_bad_prefix_weights_are_refused():
 
 
 def test_requests_seen_to_finish_since_the_poll_come_off_the_polled_load():
-    stats = {"num_running": 6, "num_waiting": 2, "kv_usage": 0.0}
+    stats = RoutingStats(num_running=6, num_waiting=2, kv_usage=0.0)
     assert score_load(stats) == 8 + 2
     assert score_load(stats, num_done_since_poll=3) == 5 + 0  # the queue drained into the seats freed
     assert score_load(stats, num_done_since_poll=20) == 0.0  # never below nothing

@@ -139,8 +139,8 @@ def _snapshot(**changes: float) -> dict[str, float]:
 
 
 def test_group_metrics_reports_increases_and_utilization(fake_ray_metrics: None) -> None:
-    from tandem.router.metrics import GroupMetrics
     from tandem.workers.device_peaks import DevicePeaks
+    from tandem.workers.serving.group_metrics import GroupMetrics
 
     metrics = GroupMetrics({"application": "app", "model": "m", "replica_group": "g"})
     metrics.set_peaks(DevicePeaks(flops_per_s=1e10, bytes_per_s=4e9), num_devices=2)

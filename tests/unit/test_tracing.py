@@ -1,5 +1,5 @@
-"""router/tracing.py in one process with an in-memory exporter: the ingress span under the
-client's traceparent, the carrier a group request takes, and the route and group spans made
+"""router/tracing.py and workers/serving/tracer.py in one process with an in-memory exporter:
+the ingress span under the client's traceparent, the carrier a group request takes, and the route and group spans made
 from it, all one connected trace."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tandem.router import tracing
+from tandem.workers.core.request import SamplingParams
 from tandem.workers.core.stats import RequestMetrics
+from tandem.workers.serving import tracer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -20,19 +22,19 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 @pytest.fixture
 def exporter() -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    tracing.configure(exporter)
+    tracer.configure(exporter)
     yield exporter
-    tracing.configure(None)  # back to the environment's choice (off in tests)
+    tracer.configure(None)  # back to the environment's choice (off in tests)
 
 
 def test_off_by_default_without_otel_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
-    assert tracing.configure() is None
-    assert tracing.inject() is None
+    assert tracer.configure() is None
+    assert tracer.inject() is None
     with tracing.ingress_span("POST /v1/completions", {}, {}) as span:
         assert span is None
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
-    assert tracing.configure() is None
+    assert tracer.configure() is None
 
 
 def test_one_connected_trace_under_the_clients_span(exporter: InMemorySpanExporter) -> None:
@@ -43,12 +45,12 @@ def test_one_connected_trace_under_the_clients_span(exporter: InMemorySpanExport
                              num_prompt_tokens=7, num_generation_tokens=4, num_cached_tokens=0, num_prefill_chunks=2,
                              num_preemptions=0, num_draft_tokens=6, num_accepted_tokens=3)
     with tracing.ingress_span("POST /v1/completions", headers, {"gen_ai.operation.name": "text_completion"}):
-        carrier = tracing.inject()
-        tracing.note_group_request("tandem-demo", {"max_tokens": 4, "temperature": 0.0})
+        carrier = tracer.inject()
+        tracing.note_group_request("tandem-demo", SamplingParams(max_tokens=4, temperature=0.0))
         tracing.record_route(carrier, time.time_ns(), time.time_ns(), {"tandem.route.decision": "load"})
-        tracing.record_group_spans(carrier, metrics, group_id="g0", model="tandem-demo", request_id="cmpl-1-0")
+        tracer.record_group_spans(carrier, metrics, group_id="g0", model="tandem-demo", request_id="cmpl-1-0")
         tracing.note_usage(7, 4)
-    tracing.force_flush()
+    tracer.force_flush()
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert sorted(spans) == ["POST /v1/completions", "decode", "group_request", "prefill", "queue", "route"]
     assert {format(s.context.trace_id, "032x") for s in spans.values()} == {TRACE_ID}
@@ -60,7 +62,7 @@ def test_one_connected_trace_under_the_clients_span(exporter: InMemorySpanExport
                          "prefill": "group_request", "decode": "group_request"}
     assert dict(ingress.attributes) == {
         "gen_ai.operation.name": "text_completion", "gen_ai.request.model": "tandem-demo",
-        "gen_ai.request.max_tokens": 4, "gen_ai.request.temperature": 0.0,
+        "gen_ai.request.max_tokens": 4, "gen_ai.request.temperature": 0.0, "gen_ai.request.top_p": 1.0,
         "gen_ai.usage.input_tokens": 7, "gen_ai.usage.output_tokens": 4}
     group = spans["group_request"]
     assert group.attributes["tandem.spec.acceptance_rate"] == 0.5
@@ -81,7 +83,7 @@ class _CollectedMidExport(InMemorySpanExporter):
 
     def export(self, spans):
         result = super().export(spans)
-        tracing.flush_on_stop(timeout_s=0.2)  # OpenAIIngress.__del__ / GroupServer.__del__
+        tracer.flush_on_stop(timeout_s=0.2)  # OpenAIIngress.__del__ / GroupServer.__del__
         self.finalizer_returned += 1
         return result
 
@@ -90,17 +92,17 @@ def test_a_finalizer_flushing_during_an_export_on_its_thread_does_not_deadlock()
     import threading
 
     exporter = _CollectedMidExport()
-    tracing.configure(exporter)
+    tracer.configure(exporter)
     try:
-        with tracing.tracer().start_as_current_span("a"):
+        with tracer.tracer().start_as_current_span("a"):
             pass
         # force_flush holds the batch processor's (non-reentrant) lock while it exports; a
         # flush on this same thread would wait for itself forever.
-        flushing = threading.Thread(target=tracing.force_flush, daemon=True)
+        flushing = threading.Thread(target=tracer.force_flush, daemon=True)
         flushing.start()
         flushing.join(30)
         assert not flushing.is_alive()
         assert exporter.finalizer_returned == 1
         assert [span.name for span in exporter.get_finished_spans()] == ["a"]
     finally:
-        tracing.configure(None)
+        tracer.configure(None)

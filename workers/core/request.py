@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,9 @@ from tandem.workers.config import require_field
 
 if TYPE_CHECKING:
     from tandem.workers.core.stats import RequestMetrics
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -47,6 +51,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        for name in _FLOAT_FIELDS:  # NaN and the infinities mean nothing here (protobuf can carry them)
+            value = getattr(self, name)
+            require_field(isinstance(value, (int, float)) and math.isfinite(value), name,
+                          f"must be a finite number, got {value!r}")
         require_field(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         require_field(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         require_field(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")

@@ -367,7 +367,11 @@ class Scheduler:
 
     # ---- figures -----------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        pool = self.kv.pool
+        pool, host = self.kv.pool, self.kv.host
+        host_stats = {} if host is None else {"host_kv_blocks_total": host.num_slots, "host_kv_blocks_used": len(host),
+                                              "host_kv_blocks_saved": host.num_saved,
+                                              "host_kv_blocks_loaded": host.num_loaded,
+                                              "host_kv_blocks_pinned": host.num_pinned}
         return {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
@@ -376,4 +380,16 @@ class Scheduler:
             "kv_blocks_cached": pool.num_cached_blocks,
             "kv_usage": pool.usage,
             "num_preemptions": self.num_preemptions,
+            **host_stats,
+        }
+
+    def metrics_snapshot(self) -> dict[str, float]:
+        """Cumulative counters and current gauges (see GroupEngine.metrics_snapshot)."""
+        host = self.kv.host
+        return {
+            "num_running": len(self.running), "num_waiting": len(self.waiting),
+            "num_preempted_waiting": self.num_preempted_waiting, "kv_usage": self.kv.pool.usage,
+            "host_kv_usage": len(host) / host.num_slots if host is not None and host.num_slots else 0.0,
+            "num_prompt_tokens": self.num_prompt_tokens, "num_prefix_hit_tokens": self.num_prefix_hit_tokens,
+            "num_generated_tokens": self.num_generated_tokens, "num_preemptions": self.num_preemptions,
         }

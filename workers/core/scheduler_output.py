@@ -36,7 +36,7 @@ class CachedRequestData:
 @dataclass(frozen=True)
 class Park:
     """Executor -> workers while a replica group is idle: wait, off the CPU, until unparked
-    (workers/distributed/parking.py)."""
+    (workers/executor/parking.py)."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What the engine counts for monitoring: plain numbers, cheap to keep, read by the server.
 
 The engine keeps cumulative counters and a request's timestamps (on the objects the request
-already has); nothing here allocates per request per step. The server (router/metrics.py)
+already has); nothing here allocates per request per step. The server (workers/serving/group_metrics.py)
 reads the counters about once a second and turns them into Prometheus metrics; each
 finished request's `RequestMetrics` rides on its last `RequestOutput`.
 
@@ -14,8 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-
-from tandem.workers.model.cost import ModelCost
+from typing import Protocol
 
 # At most this many step intervals wait for the exporter (about 10 s of steps at 1 ms each):
 # with nobody reading, the oldest are dropped, never piled up.
@@ -79,11 +78,19 @@ class RequestMetrics:
         return (self.last_token_time - self.first_token_time) / (num_seqs_tokens - 1)
 
 
+class StepCost(Protocol):
+    """A step's model bytes and FLOPs (workers/model/cost.py's ModelCost)."""
+
+    def step_bytes(self, num_context_tokens: int, num_passes: int = 1) -> int: ...
+
+    def step_flops(self, num_tokens: int, num_attention_pairs: int, num_logit_rows: int) -> int: ...
+
+
 @dataclass
 class EngineStats:
     """Cumulative figures of one engine (the scheduler keeps its own token counters)."""
 
-    cost: ModelCost | None = None  # None: no MBU / MFU figures
+    cost: StepCost | None = None  # None: no MBU / MFU figures
     num_finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
     num_steps: int = 0
     step_seconds: float = 0.0  # sum of launch-to-collect times

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.workers.distributed.overlap import Pending, chunk_bounds, settle, split_metadata
 from tandem.workers.distributed.parallel import ParallelContext, stage_layers
 from tandem.workers.kernels import gpu_kernels
 from tandem.workers.model.attention import AttentionMetadata, KernelRope, kernel_attention, paged_attention
@@ -33,6 +32,7 @@ from tandem.workers.model.layers import (
     VocabParallelEmbedding,
     rope_inv_freq,
 )
+from tandem.workers.model.overlap import Pending, chunk_bounds, settle, split_metadata
 
 
 class LlamaAttention(nn.Module):
@@ -171,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
             chunk 1:              qkv attn o ─ar─────┼──┐      mlp ─ar───────────┐      │
                                                 wait ┘  └ wait           (next layer) wait ┘ qkv ...
 
-        Each chunk attends with its own slice of the metadata (workers/distributed/overlap.py); residual
+        Each chunk attends with its own slice of the metadata (workers/model/overlap.py); residual
         adds happen in the same order as in the serial path.
         """
         bounds = chunk_bounds(x.shape[0], num_chunks)

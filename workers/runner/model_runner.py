@@ -32,9 +32,9 @@ from tandem.workers.runner.block_table import BlockTable
 from tandem.workers.runner.cuda_graphs import DecodeGraphs, GraphLayout
 from tandem.workers.runner.mixed_graphs import MixedGraphs
 from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, MixedTarget, StepInputs, advance_decodes
-from tandem.workers.runner.step_sampler import StepSampler
 from tandem.workers.sample.pass_sampler import PassSampler
 from tandem.workers.sample.sampler import Sampler, compute_logprobs
+from tandem.workers.sample.step_sampler import StepSampler
 
 
 @dataclass

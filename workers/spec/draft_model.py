@@ -68,7 +68,7 @@ class DraftModelCore:
     """Proposes k greedy draft tokens for batches of token sequences, keyed by namespace + id."""
 
     def __init__(self, settings: DraftSettings, pins: list[DevicePin] | None = None, placement: str = "") -> None:
-        from tandem.workers.executor import UniProcExecutor
+        from tandem.workers.executor.uniproc import UniProcExecutor
 
         self.settings = settings
         self.k = settings.k
@@ -81,7 +81,7 @@ class DraftModelCore:
             tensor_parallel_size=settings.tensor_parallel_size,
             max_num_seqs=256, max_num_batched_tokens=max(8192, 256 * (1 + settings.k)))
         if settings.tensor_parallel_size > 1:
-            from tandem.workers.distributed.ray_executor import RayExecutor
+            from tandem.workers.executor.ray_executor import RayExecutor
 
             self.executor: Any = RayExecutor(self.config, self.hf_config, settings.model, pins=pins)
         else:

@@ -66,6 +66,13 @@ class SpeculationPolicy:
         self.stats.num_accepted_tokens += num_accepted
         self.stats.num_verifications += 1
 
+    def figures(self) -> dict[str, float]:
+        """Speculation's figures for the engine's stats."""
+        return {"spec_num_draft_tokens": self.stats.num_draft_tokens,
+                "spec_num_accepted_tokens": self.stats.num_accepted_tokens,
+                "spec_acceptance_rate": self.stats.acceptance_rate,
+                "spec_mean_accepted_length": self.stats.mean_accepted_length}
+
     def forget(self, req_id: str) -> tuple[int, int]:
         """Drop a finished request; returns its (drafted, accepted) token counts."""
         drafted, accepted = self._per_request.pop(req_id, (0, 0))

@@ -1,63 +1,16 @@
-"""How an engine reaches its model: in this process, or over Ray worker actors.
-
-The engine calls `execute_async(step) -> PendingOutput` (and `execute` where it must
-wait at once); everything about where the shards live stays behind this seam.
-"""
+"""UniProcExecutor: the whole model in this process (TP = PP = 1)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from tandem.cluster.placement import DevicePin
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
 from tandem.workers.distributed.parallel import ParallelContext
+from tandem.workers.executor.abstract import pick_device
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.runner.model_runner import ModelRunner
-
-
-class Executor(Protocol):
-    num_kv_blocks: int
-    device_type: str  # "cuda" or "cpu": where the model runs
-
-    def execute(self, step: SchedulerOutput) -> RunnerOutput: ...
-
-    def execute_async(self, step: SchedulerOutput) -> PendingOutput:
-        """Start the step; its output may still be on its way (the device, the workers)."""
-        ...
-
-    def kv_bytes_per_block(self) -> int:
-        """One block's KV over the whole group (every rank's shard)."""
-        ...
-
-    def init_host_cache(self, num_slots: int) -> None: ...
-
-    def export_blocks(self, block_ids: list[int]) -> list[Any]:
-        """Each rank's KV of these blocks (CPU tensors, or object refs to them), in rank order."""
-        ...
-
-    def import_host_blocks(self, slots: list[int], per_rank: list[Any]) -> None: ...
-
-    def device_pins(self) -> list[DevicePin]:
-        """Each rank's node and GPUs, in rank order (a draft model may share them); [] outside Ray."""
-        ...
-
-    def fail(self, reason: str) -> None:
-        """Give the group up from outside a step (a watchdog found a worker dead): stop what is
-        left of it; every later step raises."""
-        ...
-
-    def shutdown(self) -> None: ...
-
-
-def pick_device(option: str) -> torch.device:
-    if option == "cuda" or (option == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("device: cuda was asked for but no CUDA device is visible")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class UniProcExecutor:
@@ -104,6 +57,12 @@ class UniProcExecutor:
         if not gpus and self.runner.device.type == "cuda":  # a driver: it sees every GPU
             gpus = [self.runner.device.index or 0]
         return [DevicePin(ray.get_runtime_context().get_node_id(), tuple(gpus))]
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+    def dead_ranks(self) -> list[str]:
+        return []
 
     def fail(self, reason: str) -> None:
         """Nothing to stop: the model runs in this process, which a watchdog never finds dead."""

@@ -27,8 +27,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.workers.async_engine import AsyncEngine
-from tandem.workers.engine import GroupEngine
+from tandem.workers.engine.async_engine import AsyncEngine
+from tandem.workers.engine.group_engine import GroupEngine
 
 logger = logging.getLogger(__name__)
 
@@ -84,21 +84,16 @@ class GroupHealer:
             self.gave_up = f"the group was not rebuilt within {self.policy.timeout_s:g} s of failing"
             raise RuntimeError(self.gave_up)
 
-    def stats(self) -> dict[str, float | bool]:
-        return {"num_rebuilds": self.num_rebuilds, "rebuilding": self.healing}
-
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
 
     def _probe(self) -> None:
         """Fail the engine when a worker's process is gone (it then heals as after a step)."""
-        engine = self.engine.engine
-        dead_ranks = getattr(engine.executor, "dead_ranks", None)
-        if engine.dead_error is not None or self._failed is not None or dead_ranks is None:
+        if self.engine.dead_error is not None or self._failed is not None:
             return
         try:
-            dead = dead_ranks()
+            dead = self.engine.dead_worker_ranks()
         except Exception:  # noqa: BLE001 - the next probe, or the next step, tells
             logger.debug("probing the group's workers failed", exc_info=True)
             return

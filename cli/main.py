@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.bench import cli as bench_cli
-from tandem.router import deploy_cli, serve_cli
+from tandem.cli import deploy as deploy_cli
+from tandem.cli import serve as serve_cli
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -23,8 +23,10 @@ from tandem.workers.core.request import Request, RequestOutput, RequestStatus, S
 from tandem.workers.core.scheduler import Scheduler, StepUpdate
 from tandem.workers.core.scheduler_output import PendingOutput
 from tandem.workers.core.stats import EngineStats, RequestMetrics
+from tandem.workers.core.validation import PromptLimits, validate_prompt
 from tandem.workers.device_peaks import DevicePeaks
-from tandem.workers.executor import Executor, UniProcExecutor
+from tandem.workers.executor.abstract import Executor
+from tandem.workers.executor.uniproc import UniProcExecutor
 from tandem.workers.model.cost import ModelCost
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.spec.policy import SpeculationPolicy
@@ -61,6 +63,9 @@ class GroupEngine:
                              "when chunked prefill is off")
         self.pool = BlockPool(LocalCapacity(executor.num_kv_blocks), executor.num_kv_blocks)
         self.scheduler = Scheduler(sched, config.cache, self.pool)
+        self.prompt_limits = PromptLimits(
+            vocab_size=hf_config.vocab_size, max_model_len=self.max_model_len,
+            max_cached_tokens=self.pool.num_blocks * config.cache.block_size - sched.num_lookahead_slots)
         self.outputs = OutputProcessor(tokenizer)
         self.states: dict[str, RequestState] = {}
         self._arrival = itertools.count()
@@ -99,7 +104,7 @@ class GroupEngine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
-        self._validate_prompt(token_ids, params)
+        validate_prompt(token_ids, params, self.prompt_limits)
         state = self.outputs.new_state(request_id, text, token_ids, params)
         state.arrival_time = arrival = time.monotonic()
         self.states[request_id] = state
@@ -115,22 +120,6 @@ class GroupEngine:
                 sampling_params=child_params, arrival_seq=next(self._arrival), eos_token_ids=tuple(eos),
                 max_model_len=min(self.max_model_len, capacity), parent_id=request_id, index=i,
                 leader_id=None if i == 0 else leader, arrival_time=arrival))
-
-    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.hf_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                             f"max_model_len={self.max_model_len}")
-        bs = self.config.cache.block_size
-        need = -(-(len(token_ids) + 1 + self.config.scheduler.num_lookahead_slots) // bs)
-        if need > self.pool.num_blocks:
-            raise ValueError(f"prompt: {len(token_ids)} tokens need {need} KV blocks but the cache holds "
-                             f"{self.pool.num_blocks}; raise kv_cache_memory")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort at any time; frees every block the request holds at once."""
@@ -357,35 +346,23 @@ class GroupEngine:
         Read from another thread (the server's event loop) without stopping the engine: each
         figure is one read of a number the engine thread replaces, so it may be a step old,
         never torn."""
-        sched, spec = self.scheduler, self.spec_policy
-        host = sched.kv.host
+        counters, spec = self.counters, self.spec_policy
         return {
-            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
-            "num_preempted_waiting": sched.num_preempted_waiting,
-            "kv_usage": sched.kv.pool.usage,
-            "host_kv_usage": len(host) / host.num_slots if host is not None and host.num_slots else 0.0,
-            "num_prompt_tokens": sched.num_prompt_tokens, "num_prefix_hit_tokens": sched.num_prefix_hit_tokens,
-            "num_generated_tokens": sched.num_generated_tokens, "num_preemptions": sched.num_preemptions,
-            **{f"num_finished_{reason}": n for reason, n in list(self.counters.num_finished.items())},
-            "num_steps": self.counters.num_steps, "step_seconds": self.counters.step_seconds,
-            "bytes_read": self.counters.bytes_read, "flops": self.counters.flops,
+            **self.scheduler.metrics_snapshot(),
+            **{f"num_finished_{reason}": n for reason, n in list(counters.num_finished.items())},
+            "num_steps": counters.num_steps, "step_seconds": counters.step_seconds,
+            "bytes_read": counters.bytes_read, "flops": counters.flops,
             "spec_num_draft_tokens": spec.stats.num_draft_tokens,
             "spec_num_accepted_tokens": spec.stats.num_accepted_tokens,
             "spec_switched_off": float(spec.switched_off),
         }
 
     def stats(self) -> dict[str, float]:
-        spec = self.spec_policy.stats
-        host = self.scheduler.kv.host
-        host_stats = {} if host is None else {"host_kv_blocks_total": host.num_slots, "host_kv_blocks_used": len(host),
-                                              "host_kv_blocks_saved": host.num_saved,
-                                              "host_kv_blocks_loaded": host.num_loaded,
-                                              "host_kv_blocks_pinned": host.num_pinned}
-        return {**self.scheduler.stats(), **host_stats,
-                "spec_num_draft_tokens": spec.num_draft_tokens,
-                "spec_num_accepted_tokens": spec.num_accepted_tokens,
-                "spec_acceptance_rate": spec.acceptance_rate,
-                "spec_mean_accepted_length": spec.mean_accepted_length}
+        return {**self.scheduler.stats(), **self.spec_policy.figures()}
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the group's Ray workers ([] with the model in this process)."""
+        return self.executor.worker_pids()
 
     # ---- the host KV tier ----------------------------------------------------------------------
     def enable_host_tier(self, num_bytes: int) -> int:

@@ -12,7 +12,7 @@ Each step reaches all workers as one message through a Ray compiled graph (share
 channels): an empty step costs a third of what plain actor calls cost (figures in
 bench/RESULTS.md; `measure_control_overhead`; `use_compiled_graph=False` falls back to
 them). After `park_workers_after_s` without a step the workers are parked off the CPU
-(workers/distributed/parking.py), and the next step wakes them. A worker that raises or
+(workers/executor/parking.py), and the next step wakes them. A worker that raises or
 dies fails the step: the executor kills the whole group at once (peers blocked in a
 collective would otherwise wait for it) and raises, so the engine ends its requests with
 finish reason "error". A failed executor is spent; `shutdown()` and a new executor rebuild
@@ -38,7 +38,7 @@ from tandem.cluster.placement import (
 )
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.scheduler_output import Park, PendingOutput, RunnerOutput, SchedulerOutput
-from tandem.workers.distributed.parking import IdleParking
+from tandem.workers.executor.parking import IdleParking
 from tandem.workers.model.hf_config import HFModelConfig
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class RayExecutor:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from tandem.workers.distributed.worker import Worker
+        from tandem.workers.executor.worker import Worker
 
         bundles = self.bundles
         actor_cls = ray.remote(Worker)
@@ -219,7 +219,7 @@ class RayExecutor:
             if parking is not None:
                 parking.step_done()
 
-    # ---- idle parking (workers/distributed/parking.py) -----------------------------------------------
+    # ---- idle parking (workers/executor/parking.py) -----------------------------------------------
     @property
     def parked(self) -> bool:
         """Whether the workers are parked now (waiting off the CPU for the next step)."""
@@ -276,6 +276,9 @@ class RayExecutor:
         self.dead_error = error
         logger.error("replica group failed: %s", error)
         self._teardown(failed=True)
+
+    def worker_pids(self) -> list[int]:
+        return [w["pid"] for w in self.worker_info]
 
     def dead_ranks(self, timeout_s: float = 2.0) -> list[str]:
         """Workers that no longer answer because their process is gone. Cheap (Ray's built-in

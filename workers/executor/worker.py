@@ -47,7 +47,7 @@ def shm_slot_bytes(config: EngineConfig, hf_config: HFModelConfig) -> int:
 class Worker:
     def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str, rank: int,
                  workers_on_node: int) -> None:
-        from tandem.workers.executor import pick_device
+        from tandem.workers.executor.abstract import pick_device
 
         self.config = config
         self.hf_config = hf_config

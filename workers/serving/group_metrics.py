@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 from tandem.workers.core.stats import RequestMetrics
 
 if TYPE_CHECKING:
-    from tandem.router.kv_fetch import KVFetcher
-    from tandem.workers.async_engine import AsyncEngine
     from tandem.workers.device_peaks import DevicePeaks
+    from tandem.workers.engine.async_engine import AsyncEngine
+    from tandem.workers.serving.kv_fetch import KVFetcher
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class GroupMetrics:
 
     def _increase(self, counter: Any, key: str, value: float, tags: dict[str, str] | None = None) -> None:
         last = self._last.get(key, 0.0)
-        # Below the last figure: the group was rebuilt (router/group_healer.py) and counts from 0 again.
+        # Below the last figure: the group was rebuilt (workers/serving/group_healer.py) and counts from 0 again.
         delta = value - last if value >= last else value
         if delta > 0:
             counter.inc(delta, tags=tags)
@@ -214,7 +214,7 @@ def start_group_metrics(engine: AsyncEngine, fetcher: KVFetcher | None, tags: di
     metrics = GroupMetrics(tags)
     if probe_peaks:
         try:
-            probed = engine.engine.probe_device_peaks()
+            probed = engine.probe_device_peaks()
         except Exception:  # noqa: BLE001 - metrics never stop serving
             logger.exception("device peak probe failed: no MBU / MFU gauges")
             probed = None
@@ -225,6 +225,6 @@ def start_group_metrics(engine: AsyncEngine, fetcher: KVFetcher | None, tags: di
 
     def read() -> tuple[dict[str, float], list[float], int]:
         fetched = fetcher.num_blocks_fetched if fetcher is not None else 0
-        return engine.engine.metrics_snapshot(), engine.engine.counters.drain_token_intervals(), fetched
+        return engine.metrics_snapshot(), engine.drain_token_intervals(), fetched
 
     return MetricsReporter(metrics, read, interval_s)

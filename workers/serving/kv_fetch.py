@@ -3,7 +3,7 @@
 A group that misses part of a prompt's prefix asks the cluster prefix directory which
 group with the same KV layout holds more of it, asks that group to export the blocks
 (a `GroupServer.export_prefix` call, routed to it by `target_group`), and writes them
-into its own host tier (workers/kv_transfer.py), where admission finds them.
+into its own host tier (workers/engine/kv_transfer.py), where admission finds them.
 
 The estimate that decides (`FetchCost`), both sides in seconds:
 
@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.cluster.kv_allocator import AllocatorRef
 from tandem.workers.core.block_pool import prompt_block_hashes
+from tandem.workers.serving.messages import PrefixExport, PrefixExportRequest
 
 if TYPE_CHECKING:
-    from tandem.workers.async_engine import AsyncEngine
+    from tandem.workers.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +98,12 @@ class KVFetcher:
         if num < self.cost.min_blocks or (
                 self.mode == "auto" and not self.cost.pays(num, self.block_bytes, self.block_size, speed)):
             return 0
-        reply = await self._group_handle().export_prefix.remote(
-            {"target_group": source, "block_hashes": hashes[local:held]})
-        exported = reply["num_blocks"]
+        reply: PrefixExport = await self._group_handle().export_prefix.remote(
+            PrefixExportRequest(target_group=source, block_hashes=hashes[local:held]))
+        exported = reply.num_blocks
         if not exported:
             return 0  # evicted there since it published
-        imported = await self.engine.import_prefix(hashes[local:local + exported], reply["per_rank"])
+        imported = await self.engine.import_prefix(hashes[local:local + exported], reply.per_rank)
         self.num_fetches += 1
         self.num_blocks_fetched += imported
         return imported
@@ -113,7 +114,3 @@ class KVFetcher:
 
             self._groups = serve.get_deployment_handle("GroupServer", app_name=self.app_name)
         return self._groups
-
-    def stats(self) -> dict[str, int]:
-        return {"kv_fetches": self.num_fetches, "kv_blocks_fetched": self.num_blocks_fetched,
-                "kv_fetches_failed": self.num_failed}

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.workers.config import EngineConfig
-from tandem.workers.engine import GroupEngine
+from tandem.workers.engine.group_engine import GroupEngine
 
 
 def kv_layout(config: EngineConfig) -> str:

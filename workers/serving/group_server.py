@@ -1,25 +1,12 @@
 """GroupServer: the Serve deployment whose one replica is one replica group.
 
-A thin shim over `AsyncEngine`: token ids and sampling options in, plain-dict deltas
-out (tensors never leave the group). With tensor or pipeline parallelism the replica
-runs in bundle 0 of its own placement group (set through the deployment's
-placement-group options in `app.py`) and the engine starts its workers in the rest.
-
-A delta, as `generate` yields it:
-
-    {"request_id", "group_id", "finished", "num_prompt_tokens", "num_cached_tokens",
-     "error", "error_type",
-     "prompt_logprobs": [None, {str(token_id): [logprob, rank, decoded_token]}, ...] | None
-                        (asked for with sampling "prompt_logprobs"; on one delta only),
-     "outputs": [{"index", "text" (new text), "token_ids" (new ids),
-                  "logprobs": [{str(token_id): [logprob, rank, decoded_token]}, ...] | None,
-                  "finish_reason", "stop_reason"}]}
-
-`error` is set (with `error_type` "invalid_request" or "unavailable") on the only delta
-of a request the group refused, or on the last one of a request the group failed.
+A thin shim over `AsyncEngine`: a `GroupRequest` in, `GroupDelta`s out (messages.py;
+tensors never leave the group). With tensor or pipeline parallelism the replica runs in
+bundle 0 of its own placement group (set through the deployment's placement-group
+options in router/app.py) and the engine starts its workers in the rest.
 
 When a worker of a TP or PP group dies, the group starts new workers in its placement
-group and serves again without Serve replacing the replica (router/group_healer.py).
+group and serves again without Serve replacing the replica (workers/serving/group_healer.py).
 
 With prefix caching on, the group registers with the application's cluster KV allocator
 (cluster/kv_allocator.py; created by the first group to start) and publishes its block
@@ -40,15 +27,25 @@ from ray import serve
 
 from tandem.cluster.allocator_client import AllocatorClient, GroupIdentity
 from tandem.cluster.kv_allocator import get_or_create_allocator
-from tandem.router import tracing
-from tandem.router.group_healer import GroupHealer, HealPolicy
-from tandem.router.kv_fetch import KVFetcher
-from tandem.router.metrics import start_group_metrics
-from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.config import EngineConfig
-from tandem.workers.core.request import RequestOutput, SamplingParams
-from tandem.workers.engine import EngineDeadError, GroupEngine
-from tandem.workers.kv_transfer import kv_layout
+from tandem.workers.core.request import RequestOutput
+from tandem.workers.engine.async_engine import AsyncEngine
+from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
+from tandem.workers.engine.kv_transfer import kv_layout
+from tandem.workers.serving import tracer
+from tandem.workers.serving.group_healer import GroupHealer, HealPolicy
+from tandem.workers.serving.group_metrics import start_group_metrics
+from tandem.workers.serving.kv_fetch import KVFetcher
+from tandem.workers.serving.messages import (
+    ErrorKind,
+    GroupDelta,
+    GroupRequest,
+    GroupStats,
+    PrefixExport,
+    PrefixExportRequest,
+    RoutingStats,
+    StatsRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +53,7 @@ logger = logging.getLogger(__name__)
 @serve.deployment(name="GroupServer")
 class GroupServer:
     def __init__(self, config: EngineConfig, group_options: dict[str, Any] | None = None) -> None:
-        from tandem.workers.llm import build_engine, rebuild_engine  # torch and the model: only in the group
+        from tandem.workers.engine.builder import build_engine, rebuild_engine  # torch and the model: only in the group
         from tandem.workers.spec.draft_proposer import draft_actor_name
 
         # Two threads share this process's GIL: the engine's (model steps: hundreds of short
@@ -164,71 +161,81 @@ class GroupServer:
             logger.warning("host KV tier: asked for %d bytes, the node's budget granted %d", ask, granted)
         return granted
 
-    async def export_prefix(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def export_prefix(self, request: PrefixExportRequest) -> PrefixExport:
         """Another group's fetch (kv_fetch.py): this group's device blocks for a hash chain."""
-        if request.get("target_group") != self.group_id:  # routed here by mistake: nothing
-            return {"num_blocks": 0, "per_rank": []}
-        num, per_rank = await self.engine.export_prefix(request["block_hashes"])
-        return {"num_blocks": num, "per_rank": per_rank}  # object refs, one per rank
+        if request.target_group != self.group_id:  # routed here by mistake: nothing
+            return PrefixExport(0)
+        num, per_rank = await self.engine.export_prefix(request.block_hashes)
+        return PrefixExport(num, per_rank)
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: GroupRequest) -> AsyncIterator[GroupDelta]:
         """Stream one request's deltas; a cancelled call aborts it and frees its blocks.
-        `"final_only": True` in the request: one delta, when it finishes, with all of it."""
-        request_id = request["request_id"]
-        try:
-            params = SamplingParams(**request["sampling"])
-        except (TypeError, ValueError) as exc:
-            yield self._error(request_id, str(exc), "invalid_request")
-            return
+        `final_only`: one delta, when it finishes, with all of it."""
         self.num_requests += 1
         if self.fetcher is not None:
-            await self.fetcher.fetch_for(request["prompt_token_ids"])
+            await self.fetcher.fetch_for(request.prompt_token_ids)
         finished = False
         try:
-            async for out in self.engine.generate({"prompt_token_ids": request["prompt_token_ids"]},
-                                                  params, request_id, stream_interval_s=self.stream_interval_s,
-                                                  final_only=bool(request.get("final_only"))):
+            async for out in self.engine.generate({"prompt_token_ids": request.prompt_token_ids},
+                                                  request.sampling, request.request_id,
+                                                  stream_interval_s=self.stream_interval_s,
+                                                  final_only=request.final_only):
                 finished = out.finished
                 if finished and out.metrics is not None:
                     self._observe(request, out)
                 yield self._delta(out)
         except ValueError as exc:  # refused by add_request (prompt too long for the cache, ...)
             finished = True
-            yield self._error(request_id, str(exc), "invalid_request")
+            yield self._failure(request, str(exc), "invalid_request")
         except EngineDeadError as exc:
             finished = True
-            yield self._error(request_id, str(exc), "unavailable")
+            yield self._failure(request, str(exc), "unavailable")
         finally:
             if not finished:  # cancelled: AsyncEngine.generate has aborted it
                 self.num_aborted += 1
 
-    def _observe(self, request: dict[str, Any], out: RequestOutput) -> None:
-        """A finished request's histograms and trace spans (router/metrics.py, router/tracing.py)."""
+    def _observe(self, request: GroupRequest, out: RequestOutput) -> None:
+        """A finished request's histograms and trace spans (group_metrics.py, tracer.py)."""
         try:
             if self.metrics is not None:
                 self.metrics.metrics.observe_request(out.metrics)
-            tracing.record_group_spans(request.get(tracing.CARRIER_KEY), out.metrics, group_id=self.group_id,
-                                       model=self.model_name, request_id=request["request_id"])
+            tracer.record_group_spans(request.trace_context, out.metrics, group_id=self.group_id,
+                                      model=self.model_name, request_id=request.request_id)
         except Exception:  # noqa: BLE001 - monitoring never fails a request
-            logger.exception("recording request %s's metrics / spans failed", request["request_id"])
+            logger.exception("recording request %s's metrics / spans failed", request.request_id)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by Serve for the request router (see request_router.py)."""
-        # stats_time (wall clock): the router takes off the requests it saw finish since.
-        return {**self.engine.last_stats, "is_healthy": self.engine.is_healthy, "stats_time": time.time(),
-                "num_requests_total": self.num_requests, "num_aborted_total": self.num_aborted}
+        """Polled by Serve for the request router (see router/request_router.py)."""
+        return self._routing_stats().as_dict()
 
-    def stats(self, request: dict[str, Any] | None = None) -> dict[str, Any]:
-        """This group's figures (`{"target_group": id}` routes the call to a given group)."""
-        fetch = self.fetcher.stats() if self.fetcher is not None else {}
-        # Where its workers run (fault injection in `tandem bench soak`; none in-process).
-        pids = [w["pid"] for w in getattr(self.engine.engine.executor, "worker_info", ())]
-        heals = self.healer.stats() if self.healer is not None else {"num_rebuilds": 0, "rebuilding": False}
-        return {**self.record_routing_stats(), **fetch, **heals, "group_id": self.group_id, "worker_pids": pids}
+    def _routing_stats(self) -> RoutingStats:
+        stats = self.engine.last_stats
+        # stats_time (wall clock): the router takes off the requests it saw finish since.
+        return RoutingStats(is_healthy=self.engine.is_healthy, num_running=stats["num_running"],
+                            num_waiting=stats["num_waiting"], kv_usage=stats["kv_usage"], stats_time=time.time(),
+                            num_requests_total=self.num_requests, num_aborted_total=self.num_aborted)
+
+    def stats(self, request: StatsRequest | None = None) -> GroupStats:
+        """This group's figures (`StatsRequest(target_group=id)` routes the call to a given group)."""
+        stats = self.engine.last_stats
+        fetcher, healer = self.fetcher, self.healer
+        return GroupStats(
+            group_id=self.group_id, routing=self._routing_stats(), kv_blocks_total=stats["kv_blocks_total"],
+            kv_blocks_free=stats["kv_blocks_free"], host_kv_blocks_total=stats.get("host_kv_blocks_total", 0),
+            host_kv_blocks_used=stats.get("host_kv_blocks_used", 0),
+            host_kv_blocks_pinned=stats.get("host_kv_blocks_pinned", 0),
+            host_kv_blocks_loaded=stats.get("host_kv_blocks_loaded", 0),
+            # Where its workers run (fault injection in `tandem bench soak`; none in-process).
+            worker_pids=tuple(self.engine.worker_pids()),
+            num_rebuilds=healer.num_rebuilds if healer is not None else 0,
+            rebuilding=healer.healing if healer is not None else False,
+            kv_fetches=fetcher.num_fetches if fetcher is not None else 0,
+            kv_blocks_fetched=fetcher.num_blocks_fetched if fetcher is not None else 0,
+            kv_fetches_failed=fetcher.num_failed if fetcher is not None else 0)
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: a failed group that is not being
-        rebuilt in place (router/group_healer.py), or whose rebuild gave up."""
+        rebuilt in place (workers/serving/group_healer.py), or whose rebuild gave up."""
         if self.healer is not None:
             try:
                 self.healer.check()
@@ -240,7 +247,7 @@ class GroupServer:
             raise RuntimeError(f"replica group {self.group_id} has failed: {self.engine.dead_error}")
 
     def __del__(self) -> None:
-        tracing.flush_on_stop(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
+        tracer.flush_on_stop(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
         healer = getattr(self, "healer", None)
         if healer is not None:
             healer.close()
@@ -254,28 +261,12 @@ class GroupServer:
         if engine is not None:
             engine.shutdown()
 
-    # ---- plain-dict deltas -----------------------------------------------------------------------
-    def _delta(self, out: RequestOutput) -> dict[str, Any]:
-        outputs = []
-        for c in out.outputs:
-            logprobs = None
-            if c.logprobs is not None:
-                logprobs = [{str(tid): [lp.logprob, lp.rank, lp.decoded_token] for tid, lp in pos.items()}
-                            for pos in c.logprobs]
-            outputs.append({"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
-                            "logprobs": logprobs, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
-        error_type = "unavailable" if out.error else None
-        prompt_logprobs = None
-        if out.prompt_logprobs is not None:
-            prompt_logprobs = [None if pos is None else
-                               {str(tid): [lp.logprob, lp.rank, lp.decoded_token] for tid, lp in pos.items()}
-                               for pos in out.prompt_logprobs]
-        return {"request_id": out.request_id, "group_id": self.group_id, "outputs": outputs,
-                "prompt_logprobs": prompt_logprobs,
-                "finished": out.finished, "num_prompt_tokens": len(out.prompt_token_ids),
-                "num_cached_tokens": out.num_cached_tokens, "error": out.error, "error_type": error_type}
+    # ---- deltas ------------------------------------------------------------------------------------
+    def _delta(self, out: RequestOutput) -> GroupDelta:
+        return GroupDelta(out.request_id, self.group_id, out.outputs, out.finished,
+                          num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
+                          prompt_logprobs=out.prompt_logprobs, error=out.error,
+                          error_kind="unavailable" if out.error else None)
 
-    def _error(self, request_id: str, message: str, error_type: str) -> dict[str, Any]:
-        return {"request_id": request_id, "group_id": self.group_id, "outputs": [], "finished": True,
-                "num_prompt_tokens": 0, "num_cached_tokens": 0, "error": message, "error_type": error_type}
+    def _failure(self, request: GroupRequest, message: str, kind: ErrorKind) -> GroupDelta:
+        return GroupDelta.failure(request.request_id, self.group_id, message, kind)

@@ -5,7 +5,7 @@ commands (add, abort) to a queue the thread drains before each step; outputs com
 back through `loop.call_soon_threadsafe` into one asyncio.Queue per request. So
 nothing on the event loop ever blocks on model work, and a step never waits on a
 caller. A failed engine (its group's workers died) can be replaced by a rebuilt one
-(`replace_engine`; router/group_healer.py does it): streams and listeners stay.
+(`replace_engine`; workers/serving/group_healer.py does it): streams and listeners stay.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.workers.core.request import RequestOutput, SamplingParams
-from tandem.workers.engine import EngineDeadError, GroupEngine, Prompt
-from tandem.workers.kv_transfer import export_prefix, held_prefix, import_prefix
+from tandem.workers.device_peaks import DevicePeaks
+from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine, Prompt
+from tandem.workers.engine.kv_transfer import export_prefix, held_prefix, import_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,28 @@ class AsyncEngine:
     @property
     def prefill_tokens_per_s(self) -> float | None:
         return self.engine.prefill_tokens_per_s
+
+    @property
+    def model_in_process(self) -> bool:
+        return self.engine.model_in_process
+
+    def worker_pids(self) -> list[int]:
+        return self.engine.worker_pids()
+
+    def dead_worker_ranks(self) -> list[str]:
+        """The group's workers whose process is gone (a Ray call: never on the event loop)."""
+        return self.engine.executor.dead_ranks()
+
+    # Read off the engine thread for the metrics reporter (see GroupEngine.metrics_snapshot).
+    def metrics_snapshot(self) -> dict[str, float]:
+        return self.engine.metrics_snapshot()
+
+    def drain_token_intervals(self) -> list[float]:
+        return self.engine.counters.drain_token_intervals()
+
+    def probe_device_peaks(self) -> tuple[DevicePeaks, int] | None:
+        """Before any request (start-up): nothing else runs on the device meanwhile."""
+        return self.engine.probe_device_peaks()
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
                        stream_interval_s: float = 0.0, final_only: bool = False) -> AsyncIterator[RequestOutput]:
@@ -186,7 +209,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(lambda: self._abort(request_id))
 
-    # ---- prefix KV between groups (workers/kv_transfer.py) ----------------------------------------
+    # ---- prefix KV between groups (workers/engine/kv_transfer.py) ----------------------------------------
     def held_prefix(self, block_hashes: list[int]) -> int:
         """Leading blocks of the chain this group holds (an estimate: read off the engine thread)."""
         return held_prefix(self.engine, block_hashes)

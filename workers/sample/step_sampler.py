@@ -15,12 +15,12 @@ prepare the next step's host work while the device still runs this one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from tandem.workers.core.request import PositionLogprobs
+from tandem.workers.core.request import PositionLogprobs, SamplingParams
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput
-from tandem.workers.runner.step_inputs import RequestView, StepInputs
 from tandem.workers.sample.pass_sampler import PassLogprobs
 from tandem.workers.sample.rejection_sampler import rejection_sample
 from tandem.workers.sample.sampler import (
@@ -33,12 +33,28 @@ from tandem.workers.sample.sampler import (
 )
 
 
+class SampledRequest(Protocol):
+    """What sampling reads of a request's state in the runner."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+class ScoredStep(Protocol):
+    """What sampling reads of a step's inputs (the runner's `StepInputs`)."""
+
+    req_ids: list[str]  # in the order their tokens appear
+    logits_rows: list[list[int]]  # per request: token indices to score ([] = partial prefill)
+    drafts: list[list[int]]
+
+
 @dataclass
 class StepSampler:
     sampler: Sampler
     eos_token_ids: tuple[int, ...]
 
-    def sample(self, inputs: StepInputs, logits: torch.Tensor | None, states: dict[str, RequestView],
+    def sample(self, inputs: ScoredStep, logits: torch.Tensor | None, states: dict[str, SampledRequest],
                prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]],
                plain_greedy: bool | None = None) -> PendingOutput:
         """logits: [scored rows, vocab], the rows of `inputs.logits_rows` flattened in order;
@@ -61,7 +77,7 @@ class StepSampler:
         return PendingOutput.done(self._assemble(inputs, result.token_ids, result.logprobs, logits, rows,
                                                  prompt_logprobs))
 
-    def all_plain_greedy(self, inputs: StepInputs, states: dict[str, RequestView]) -> bool:
+    def all_plain_greedy(self, inputs: ScoredStep, states: dict[str, SampledRequest]) -> bool:
         """Every scored row greedy with nothing else to compute (no penalties, logprobs or
         min_tokens): one argmax samples the step."""
         for req_id, idx in zip(inputs.req_ids, inputs.logits_rows):
@@ -74,7 +90,7 @@ class StepSampler:
                 return False
         return True
 
-    def _greedy_async(self, inputs: StepInputs, logits: torch.Tensor) -> PendingOutput:
+    def _greedy_async(self, inputs: ScoredStep, logits: torch.Tensor) -> PendingOutput:
         tokens = argmax_rows(logits)  # ties -> lowest id, as the sampler's greedy rows
         num = tokens.shape[0]
         if tokens.device.type != "cuda":
@@ -116,7 +132,7 @@ class StepSampler:
         event.record()
         return PendingOutput(lambda: assemble(host), event)
 
-    def _assemble(self, inputs: StepInputs, token_ids: list[int], logprobs: list, logits: torch.Tensor | None,
+    def _assemble(self, inputs: ScoredStep, token_ids: list[int], logprobs: list, logits: torch.Tensor | None,
                   rows: list[SamplingRow] | None,
                   prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]]) -> RunnerOutput:
         if rows is None and not prompt_logprobs and len(token_ids) == len(inputs.req_ids) and not any(inputs.drafts):

@@ -1,0 +1,133 @@
+"""Every message between the ingress and a replica group (and between two groups): the one
+schema of that traffic. Both sides import these classes; Ray pickles them across.
+
+    ingress ──GroupRequest──> GroupServer.generate ──GroupDelta, GroupDelta, ...──> ingress
+    group A ──PrefixExportRequest──> GroupServer.export_prefix (of group B) ──PrefixExport──> A
+    anyone  ──StatsRequest──> GroupServer.stats ──GroupStats──> (kv_report, bench soak)
+    Serve   ──record_routing_stats──> RoutingStats.as_dict() ──> LoadAwareRouter
+
+An abort is no message: the ingress cancels the group call (the client left, or its
+`timeout` passed), Serve cancels the group's generator, and that aborts the request and
+frees its KV blocks (`AsyncEngine.generate`).
+
+`target_group` on a request routes it to that group (request_router.py); `avoid_group`
+sends a retried request elsewhere first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tandem.workers.core.request import CompletionOutput, PositionLogprobs, SamplingParams
+
+# invalid_request: the caller's fault (a 400, gRPC INVALID_ARGUMENT); unavailable: the group
+# failed, and the request may be retried elsewhere if nothing of it was sent yet (a 503).
+ErrorKind = Literal["invalid_request", "unavailable"]
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One generation request, validated at the ingress (workers/core/validation.py)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    # One delta when the request finishes, holding all of it: the group makes no output, and
+    # sends no message, per token (a client that waits for the whole answer).
+    final_only: bool = False
+    trace_context: dict[str, str] | None = None  # a W3C carrier: the ingress span, when tracing
+    avoid_group: str | None = None  # a retry: the group that failed it goes last
+
+
+@dataclass(slots=True)
+class GroupDelta:
+    """What a request produced since its last delta.
+
+    `outputs` holds one entry per sequence that has news (index 0..n-1): its new text and
+    token ids, their logprobs when asked for, and its finish reason once it ends. `error`
+    (with `error_kind`) is set on the only delta of a request the group refused, or on the
+    last one of a request the group failed."""
+
+    request_id: str
+    group_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # With sampling prompt_logprobs: one entry per prompt token (None for the first), once.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: str | None = None
+    error_kind: ErrorKind | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    @staticmethod
+    def failure(request_id: str, group_id: str, message: str, kind: ErrorKind) -> GroupDelta:
+        return GroupDelta(request_id, group_id, [], True, error=message, error_kind=kind)
+
+
+@dataclass(frozen=True)
+class PrefixExportRequest:
+    """Another group's fetch (workers/serving/kv_fetch.py): this group's KV of a hash chain."""
+
+    target_group: str
+    block_hashes: list[int]
+
+
+@dataclass(frozen=True)
+class PrefixExport:
+    num_blocks: int  # leading blocks of the chain exported
+    per_rank: list[Any] = field(default_factory=list)  # object refs, one per rank
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    target_group: str | None = None  # None: whichever group the router picks
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """A group's load, as Serve polls it for the request router. Serve carries it as a dict
+    (`as_dict`); the router reads it back with `from_dict` ({} before the first poll)."""
+
+    is_healthy: bool = True
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of the device KV blocks in use
+    stats_time: float | None = None  # wall clock of the reading
+    num_requests_total: int = 0
+    num_aborted_total: int = 0  # left before the end (a client that went away)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, stats: Mapping[str, Any] | None) -> RoutingStats:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in (stats or {}).items() if k in names})
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """One group's figures: its load, KV blocks (device and host tier), workers, rebuilds and
+    prefix fetches."""
+
+    group_id: str
+    routing: RoutingStats
+    kv_blocks_total: int
+    kv_blocks_free: int
+    host_kv_blocks_total: int = 0
+    host_kv_blocks_used: int = 0  # holding a cached block
+    host_kv_blocks_pinned: int = 0  # held by a request (being loaded or fetched)
+    host_kv_blocks_loaded: int = 0  # cumulative: loaded into the device cache
+    worker_pids: tuple[int, ...] = ()  # the group's Ray workers (none with the model in its process)
+    num_rebuilds: int = 0
+    rebuilding: bool = False
+    kv_fetches: int = 0
+    kv_blocks_fetched: int = 0
+    kv_fetches_failed: int = 0
