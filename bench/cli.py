@@ -1,23 +1,23 @@
 """`tandem bench ...`: the benchmarks' command line, registered into `tandem` by cli/main.py.
 
 cli/main.py hands in what the bench needs from the router (`RouterHooks`): the bench never
-imports the router. Each benchmark's module is imported when its command runs.
+imports the router. Here are each command's arguments; what a command runs with them is in
+bench/commands.py, and each benchmark's module is imported when its command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from tandem.bench import commands
 from tandem.bench.bench_models import BENCH_SHAPES
 from tandem.bench.server import AppBuilder
 
-Figures = dict[str, Any]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 HELP = {
     "offline": "throughput of one request set: tandem vs transformers (static batches, one at a time)",
@@ -79,19 +79,19 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
                          help="leave transformers out (not loaded; its figures are null): tandem's figures alone")
     latency.add_argument("--sweep-batches", default=None, metavar="B,B,...",
                          help="batch sizes of the sweep (default 1,2,...,64; to 128 on CUDA)")
-    offline.set_defaults(func=partial(_run_offline, hooks))
-    latency.set_defaults(func=partial(_run_latency, hooks))
+    offline.set_defaults(func=partial(commands.bench_offline, hooks))
+    latency.set_defaults(func=partial(commands.bench_latency, hooks))
 
     p = _parser(sub, "overlap", None)
     p.add_argument("--model", default=None, help="local model directory (default: built-in benchmark model)")
     p.add_argument("--num-tokens", type=int, default=None, help="tokens of the prefill step (default 512; --quick 256)")
     _add_repeats(p, "default 21; --quick 7")
-    p.set_defaults(func=_run_overlap)
+    p.set_defaults(func=commands.bench_overlap)
 
     p = _parser(sub, "serve", hooks, model="without --url: the local model directory to serve "
                 "(default: built-in benchmark model)")
     _add_serve_args(p)
-    p.set_defaults(func=partial(_run_serve, hooks))
+    p.set_defaults(func=partial(commands.bench_serve, hooks))
 
     from tandem.bench import spec
 
@@ -105,17 +105,17 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
                    "target's)")
     _add_repeats(p, "batch-1 prompts to take the median over; default 9, --quick 5")
     _add_idle_wait(p)
-    p.set_defaults(func=_run_spec)
+    p.set_defaults(func=commands.bench_spec)
 
     p = _parser(sub, "prefix", hooks, model="local model directory to serve (default: built-in benchmark model)",
                 kv_cache_memory="bytes of KV cache per group (default: --cache-requests whole requests)")
     _add_prefix_args(p)
-    p.set_defaults(func=partial(_run_prefix, hooks))
+    p.set_defaults(func=partial(commands.bench_prefix, hooks))
 
     p = _parser(sub, "soak", hooks, model="without --url: the local model directory to serve (default: the "
                 "built-in demo model); with --url: the server's model here, to check outputs against")
     _add_soak_args(p)
-    p.set_defaults(func=partial(_run_soak, hooks))
+    p.set_defaults(func=partial(commands.bench_soak, hooks))
 
     p = _parser(sub, "observability", hooks, model="local model directory to serve (default: built-in benchmark "
                 "model)")
@@ -123,7 +123,7 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
                    "order alternating (default 12; --quick 2)")
     p.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 8)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per pass (default 32; --quick 8)")
-    p.set_defaults(func=partial(_run_observability, hooks))
+    p.set_defaults(func=partial(commands.bench_observability, hooks))
 
 
 def _parser(sub: Any, name: str, hooks: RouterHooks | None, **helps: str) -> argparse.ArgumentParser:
@@ -204,202 +204,3 @@ def _add_soak_args(p: argparse.ArgumentParser) -> None:
                    help="each request's server-side timeout (default 40; --quick 20); lost = no answer 20 s after it")
     p.add_argument("--num-groups", type=int, default=None, help="without --url: replica groups to serve (default 2; "
                    "--quick 1)")
-
-
-# ---- running them ------------------------------------------------------------------------------
-def _measured(run: Callable[[], Figures], device: str = "auto", in_process: bool = False) -> Figures:
-    """run()'s figures, with the machine's, the load average at the end and the wall time.
-
-    `in_process` (the work runs in this process): also `process_cpu_share`, the CPU seconds
-    this process got per wall second per torch thread; well below 1 means other processes
-    took the cores (or the run waited on something else)."""
-    from tandem.bench.hardware import machine_figures
-    from tandem.bench.systems import resolve_device
-
-    before = machine_figures(resolve_device(device))
-    wall, cpu = time.perf_counter(), time.process_time()
-    figures = {**before, **run()}
-    figures["load_average_1m_end"] = os.getloadavg()[0]
-    figures["wall_s"] = time.perf_counter() - wall
-    if in_process:
-        figures["process_cpu_share"] = (time.process_time() - cpu) / figures["wall_s"] / before["torch_num_threads"]
-    return figures
-
-
-def _finish(args: argparse.Namespace, figures: Figures, plot: Callable[[str, Figures], None] | None,
-            warn: bool = True) -> int:
-    from tandem.bench import report
-
-    if warn:
-        report.warn_if_busy(figures)
-    report.write_outputs(figures, args.output_json, args.plot, plot)
-    return 0
-
-
-def _bench_options(hooks: RouterHooks, args: argparse.Namespace) -> Any:
-    from tandem.bench.systems import BenchOptions
-
-    options = hooks.engine_options(args)
-    return BenchOptions(model=options.pop("model", None), bench_model=args.bench_model, dtype=options.pop("dtype"),
-                        device=args.device, quick=args.quick, repeats=args.repeats, engine_options=options,
-                        idle_wait_s=args.idle_wait, temperature=args.temperature)
-
-
-def _run_offline(hooks: RouterHooks, args: argparse.Namespace) -> int:
-    from tandem.bench import offline, report
-    from tandem.bench.workload import OFFLINE_FULL, OFFLINE_QUICK
-
-    opts = _bench_options(hooks, args)
-    spec = OFFLINE_QUICK if args.quick else OFFLINE_FULL
-    if args.num_requests is not None:
-        spec = replace(spec, num_requests=args.num_requests)
-    figures = _measured(lambda: offline.run_offline(opts, spec, hf_sequential=args.hf_sequential, hf=args.hf),
-                        args.device, in_process=True)
-    report.print_table(offline.title(figures), offline.table_rows(figures))
-    return _finish(args, figures, report.plot_offline)
-
-
-def _run_latency(hooks: RouterHooks, args: argparse.Namespace) -> int:
-    from tandem.bench import latency, report
-    from tandem.bench.systems import resolve_device
-
-    opts = _bench_options(hooks, args)
-    shape = None
-    if args.sweep_batches:
-        batches = tuple(int(b) for b in args.sweep_batches.split(","))
-        shape = replace(latency.default_shape(args.quick, resolve_device(args.device)), sweep_batches=batches)
-    figures = _measured(lambda: latency.run_latency(opts, shape, hf_compiled=args.hf_compiled,
-                                                               hf=args.hf), args.device,
-                        in_process=True)
-    report.print_table(latency.title(figures), latency.table_rows(figures))
-    return _finish(args, figures, report.plot_latency)
-
-
-def _run_overlap(args: argparse.Namespace) -> int:
-    from tandem.bench import report
-    from tandem.bench.overlap import run_overlap_bench
-    from tandem.bench.systems import pick_model_dir
-
-    model_dir = pick_model_dir(args.model, args.bench_model)
-    figures = _measured(lambda: run_overlap_bench(args.quick, num_tokens=args.num_tokens, repeats=args.repeats,
-                                                  model_dir=model_dir), "cpu")
-    report.print_table("tandem bench overlap", [(k, v, "") for k, v in figures.items()])
-    return _finish(args, figures, None)
-
-
-def _run_serve(hooks: RouterHooks, args: argparse.Namespace) -> int:
-    from tandem.bench.serve import SERVE_FULL, SERVE_QUICK, run_serve_bench
-    from tandem.bench.serve_report import plot_serve, print_serve_table
-    from tandem.bench.systems import pick_model_dir
-
-    options = hooks.engine_options(args)
-    model = options.pop("model", None)
-    if args.url is not None and args.bench_model is not None:
-        raise ValueError("--bench-model is a model to serve here: not with --url")
-    model_dir = pick_model_dir(model, args.bench_model) if args.url is None else model
-    spec = SERVE_QUICK if args.quick else SERVE_FULL
-    if args.num_requests:
-        spec = replace(spec, num_requests=args.num_requests)
-    figures = _measured(lambda: run_serve_bench(
-        args.url, args.quick, model=model_dir, served_model=args.served_model, engine_options=options,
-        local_app=hooks.local_app, spec=spec,
-        request_rates=[float(r) for r in args.request_rates.split(",")] if args.request_rates else None,
-        concurrencies=[int(c) for c in args.concurrency.split(",")] if args.concurrency else None,
-        compare_concurrency=args.compare_concurrency, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-        api_key=args.api_key, vocab_size=args.vocab_size, stream=not args.no_stream))
-    print_serve_table(figures)
-    return _finish(args, figures, plot_serve, warn=args.url is None)  # with --url the server is elsewhere
-
-
-def _run_spec(args: argparse.Namespace) -> int:
-    from tandem.bench import report, spec
-    from tandem.bench.systems import check_model_choice, pick_model_dir
-
-    check_model_choice(args.model, args.bench_model)
-    if args.draft_model is not None and args.model is None and args.bench_model is None:
-        raise ValueError("--draft-model needs --model or --bench-model (the built-in target comes with its own draft)")
-    model = pick_model_dir(args.model, args.bench_model) if args.model or args.bench_model else None
-    figures = _measured(lambda: spec.run_spec_bench(
-        model, args.quick, args.num_speculative_tokens, args.repeats, draft=args.draft_model,
-        idle_wait_s=args.idle_wait, draft_dtype=args.draft_dtype), in_process=True)
-    report.print_table("tandem bench spec", spec.table_rows(figures))
-    return _finish(args, figures, None)
-
-
-def _run_prefix(hooks: RouterHooks, args: argparse.Namespace) -> int:
-    from tandem.bench import report
-    from tandem.bench.prefix import run_prefix_bench
-    from tandem.bench.prefix_report import plot_prefix, table_rows, title
-    from tandem.bench.prefix_workload import PREFIX_FULL, PREFIX_QUICK
-    from tandem.bench.systems import pick_model_dir
-
-    options = hooks.engine_options(args)
-    if options.pop("address", None):
-        raise ValueError("bench prefix starts its own local Ray (it runs two apps side by side): drop --address")
-    model_dir = pick_model_dir(options.pop("model", None), args.bench_model)
-    overrides = {name: getattr(args, name) for name in (
-        "repeats", "num_requests", "num_prefixes", "prefix_len", "suffix_len", "num_no_share", "num_hit_pairs",
-        "request_rate", "cache_requests")}
-    cfg = replace(PREFIX_QUICK if args.quick else PREFIX_FULL, **{k: v for k, v in overrides.items() if v is not None})
-    figures = _measured(lambda: run_prefix_bench(cfg, hooks.local_app, model=model_dir, engine_options=options,
-                                                 idle_wait_s=args.idle_wait), "cpu")
-    figures["quick"] = args.quick
-    report.print_table(title(figures), table_rows(figures))
-    return _finish(args, figures, plot_prefix)
-
-
-def _run_soak(hooks: RouterHooks, args: argparse.Namespace) -> int:
-    from tandem.bench import report
-    from tandem.bench.soak import SOAK_FULL, SOAK_QUICK, run_soak
-
-    options = hooks.engine_options(args)
-    model = options.pop("model", None)
-    tp = options.pop("tensor_parallel_size", None) or 2
-    if args.bench_model is not None:
-        raise ValueError("bench soak serves the demo model or --model: not --bench-model")
-    cfg = SOAK_QUICK if args.quick else SOAK_FULL
-    changes: dict[str, Any] = {}
-    if args.num_requests:
-        changes.update(overload_requests=args.num_requests, fault_requests=args.num_requests)
-    if args.overload is not None:
-        changes["overload"] = args.overload
-    if args.duration is not None:
-        changes["max_duration_s"] = args.duration
-    faults = args.faults if args.faults is not None else ("none" if args.url else None)
-    if faults is not None:
-        changes["faults"] = () if faults == "none" else tuple(f for f in faults.split(",") if f)
-    if args.timeout is not None:
-        changes["mix"] = replace(cfg.mix, timeout_s=args.timeout)
-    cfg = replace(cfg, **changes)
-    figures = _measured(lambda: run_soak(
-        cfg, url=args.url, grpc_address=args.grpc_address, served_model=args.served_model, api_key=args.api_key,
-        model=model, engine_options=options, local_app=hooks.local_app, kv_holdings=hooks.kv_holdings,
-        grpc_servicer=hooks.grpc_servicer, grpc_messages=hooks.grpc_messages, num_groups=args.num_groups,
-        tensor_parallel_size=tp))
-    figures["quick"] = args.quick
-    report.print_table("tandem bench soak", [(k, v, "") for k, v in figures.items() if k in report.SOAK_ROWS])
-    return _finish(args, figures, None, warn=False)
-
-
-def _run_observability(hooks: RouterHooks, args: argparse.Namespace) -> int:
-    from tandem.bench import report
-    from tandem.bench.observability_cost import OBS_QUICK, ObservabilityCostConfig, run_observability_cost, table_rows
-    from tandem.bench.systems import pick_model_dir, vocab_size_of
-
-    options = hooks.engine_options(args)
-    if options.pop("address", None):
-        raise ValueError("bench observability starts its own local Ray (it counts the CPU of its processes): "
-                         "drop --address")
-    model_dir = pick_model_dir(options.pop("model", None), args.bench_model)
-    cfg = OBS_QUICK if args.quick else ObservabilityCostConfig()
-    changes: dict[str, Any] = {k: v for k, v in (("rounds", args.rounds), ("concurrency", args.concurrency))
-                               if v is not None}
-    if args.num_requests:
-        changes["spec"] = replace(cfg.spec, num_requests=args.num_requests)
-    cfg = replace(cfg, **changes)
-    figures = _measured(lambda: run_observability_cost(cfg, hooks.local_app, model=model_dir, engine_options=options,
-                                                       vocab_size=vocab_size_of(model_dir),
-                                                       telemetry_cost=hooks.telemetry_cost), "cpu")
-    figures["quick"] = args.quick
-    report.print_table("tandem bench observability", table_rows(figures))
-    return _finish(args, figures, None)

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import RequestOutput, SamplingParams
 from tandem.workers.engine.builder import build_engine
-from tandem.workers.engine.group_engine import Prompt
+from tandem.workers.engine.prompts import Prompt
 from tandem.workers.text.tokenizer import apply_chat_template
 
 

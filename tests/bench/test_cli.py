@@ -1,5 +1,6 @@
-"""`tandem bench offline | latency | spec | overlap` end to end through the `tandem` entry point,
-on a tiny model with the smallest settings: exit code 0 and the documented JSON figures."""
+"""`tandem bench`'s parser (every command registered, what it takes from the router as hooks),
+and `tandem bench offline | latency | spec | overlap` end to end through the `tandem` entry
+point, on a tiny model with the smallest settings: exit code 0 and the documented JSON figures."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tandem.bench.bench_models import BENCH_SHAPES
+from tandem.bench.cli import register
 from tandem.bench.report import sweep_batches
 from tandem.bench.workload import OFFLINE_QUICK, make_workload
 from tandem.cli.main import main
@@ -169,3 +171,37 @@ def test_single_process_benchmarks_never_import_ray(tmp_path: Path) -> None:
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ray imported: []" in done.stdout
+
+
+def test_cli_registers_every_bench_command() -> None:
+    from tandem.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "offline", "--quick", "--output-json", "x.json", "--repeats", "2",
+                                      "--device", "cpu", "--max-num-seqs", "8", "--num-requests", "5"])
+    assert (args.bench_command, args.quick, args.output_json, args.repeats, args.device) == (
+        "offline", True, "x.json", 2, "cpu")
+    assert (args.max_num_seqs, args.num_requests, args.bench_model) == (8, 5, None)
+    args = build_parser().parse_args(["bench", "latency", "--bench-model", "llama-8b", "--hf-compiled",
+                                      "--sweep-batches", "1,128"])
+    assert (args.bench_model, args.hf_compiled, args.sweep_batches) == ("llama-8b", True, "1,128")
+    for command in ("overlap", "serve", "spec", "prefix"):
+        args = build_parser().parse_args(["bench", command, "--bench-model", "llama-1b", "--quick"])
+        assert (args.bench_command, args.bench_model, args.quick) == (command, "llama-1b", True)
+    assert build_parser().parse_args(["bench", "spec"]).num_speculative_tokens == 12
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "offline", "--bench-model", "llama-70b"])
+
+
+def test_register_takes_what_it_needs_from_the_router_as_hooks() -> None:
+    import argparse
+
+    from tandem.bench.cli import RouterHooks
+
+    def add_engine_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model")
+        p.add_argument("--dtype", default="auto")
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"), RouterHooks(add_engine_args, vars, lambda options: None))
+    args = parser.parse_args(["bench", "latency", "--plot", "l.png", "--model", "m"])
+    assert (args.bench_command, args.plot, args.repeats, args.model) == ("latency", "l.png", None, "m")

@@ -1,13 +1,86 @@
-"""`tandem bench soak --quick` end to end through the `tandem` entry point: its own Ray and
-Serve (one TP=2 group of the demo model, HTTP and gRPC), overload, the KV allocator killed
-and a TP worker SIGKILLed while the load runs. Nothing may be lost or leaked."""
+"""`bench soak`: its request mix and outcome rules without a server, then `tandem bench soak
+--quick` end to end through the `tandem` entry point: its own Ray and Serve (one TP=2 group
+of the demo model, HTTP and gRPC), overload, the KV allocator killed and a TP worker
+SIGKILLed while the load runs. Nothing may be lost or leaked."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.bench.soak_client import OUTCOMES
+import grpc
+import pytest
+
+from tandem.bench.soak import SoakConfig
+from tandem.bench.soak_client import OUTCOMES, _grpc_outcome, _http_error
+from tandem.bench.soak_mix import MixSpec, SoakRequest, make_mix
 from tests.bench.conftest import bench
+
+
+def test_mix_is_seeded_and_has_its_shares() -> None:
+    spec = MixSpec(num_prefixes=4, prefix_len=16)
+    mix = make_mix(2000, spec, vocab_size=512, max_model_len=256, seed=3, grpc=True)
+    assert mix == make_mix(2000, spec, vocab_size=512, max_model_len=256, seed=3, grpc=True)
+    invalid = sum(1 for r in mix if r.invalid) / len(mix)
+    abandon = sum(1 for r in mix if r.abandon_after) / len(mix)
+    assert 0.08 < invalid < 0.12 and 0.18 < abandon < 0.22
+    assert all(r.stream for r in mix if r.abandon_after)
+    assert {r.api for r in mix} == {"http", "grpc"} and not any(r.chat for r in mix if r.api == "grpc")
+    assert len({tuple(r.prompt_token_ids[:16]) for r in mix if not r.invalid}) == 4  # shared prefixes
+    valid = make_mix(50, spec, vocab_size=512, max_model_len=256, seed=3, grpc=False, valid_only=True)
+    assert all(r.checkable or r.chat for r in valid) and {r.api for r in valid} == {"http"}
+
+
+def test_http_outcomes() -> None:
+    valid, bad = SoakRequest(0, "http", False), SoakRequest(1, "http", False, invalid="top_p_zero")
+    body = b'{"error": {"message": "m", "type": "t", "param": null, "code": null}}'
+    failed = b'{"error": {"message": "service unavailable: the replica group failed: x", "type": "server_error"}}'
+    assert _http_error(valid, 503, body) == ("rejected", "m")
+    assert _http_error(valid, 429, body)[0] == "rejected"
+    assert _http_error(valid, 503, failed)[0] == "failed_clean"
+    assert _http_error(valid, 408, body)[0] == "failed_clean"
+    assert _http_error(valid, 500, body)[0] == "unexpected_5xx"
+    assert _http_error(bad, 400, body)[0] == "invalid_answered"
+    assert _http_error(bad, 400, b"not json")[0] == "invalid_accepted"  # a 4xx, but not OpenAI-shaped
+    assert _http_error(bad, 502, b"")[0] == "unexpected_5xx"
+
+
+def test_grpc_outcomes() -> None:
+    valid, bad = SoakRequest(0, "grpc", True), SoakRequest(1, "grpc", True, invalid="grpc_prompt_missing")
+    code = grpc.StatusCode
+    assert _grpc_outcome(valid, code.DEADLINE_EXCEEDED, "Deadline Exceeded", 0) == "lost"
+    assert _grpc_outcome(valid, code.DEADLINE_EXCEEDED, "timeout: passed", 3) == "failed_clean"
+    assert _grpc_outcome(valid, code.UNAVAILABLE, "overloaded", 0) == "rejected"
+    assert _grpc_outcome(valid, code.UNAVAILABLE, "the replica group failed: x", 0) == "failed_clean"
+    assert _grpc_outcome(valid, code.UNAVAILABLE, "x", 2) == "failed_clean"
+    assert _grpc_outcome(valid, code.INTERNAL, "x", 0) == "unexpected_5xx"
+    assert _grpc_outcome(bad, code.INVALID_ARGUMENT, "prompt: x", 0) == "invalid_answered"
+    assert _grpc_outcome(bad, code.OK, "", 0) == "invalid_accepted"
+
+
+def test_config_checks_fault_names() -> None:
+    with pytest.raises(ValueError, match="faults: unknown nope"):
+        SoakConfig(faults=("worker", "nope"))
+
+
+def test_strength_names_what_is_missing() -> None:
+    from tandem.bench.soak_faults import FaultInjector
+
+    injector = FaultInjector("app", holdings=None, probe=None, num_groups=2)
+    healthy = {"healthy": True}
+    report = {"groups": {"a": healthy, "b": healthy}, "unreachable_groups": 0,
+              "allocator": {"present": True, "leases": {"a": 3, "b": 1}}}
+    assert injector.short_of_strength(report, hit_group="c") == []
+    report = {"groups": {"a": {"healthy": False}}, "unreachable_groups": 1,
+              "allocator": {"present": True, "leases": {"b": 1}}}
+    assert injector.short_of_strength(report, hit_group="a") == [
+        "1 of 2 groups", "1 unreachable", "group a unhealthy", "group a (the one hit) still listed",
+        "group a holds no allocator lease"]
+    # A worker fault: the hit group may stay, once it serves on new workers.
+    report = {"groups": {"a": {"healthy": True, "worker_pids": [7, 9]}, "b": healthy}, "unreachable_groups": 0,
+              "allocator": {"present": True, "leases": {"a": 3, "b": 1}}}
+    assert injector.short_of_strength(report, hit_group="a", old_workers={7, 8}) == [
+        "group a (the one hit) still without new workers"]
+    assert injector.short_of_strength(report, hit_group="a", old_workers={5, 6}) == []
 
 
 def test_soak_quick(tmp_path: Path) -> None:

@@ -20,8 +20,9 @@ from typing import Any
 
 from tandem.workers.core.request import RequestOutput, SamplingParams
 from tandem.workers.device_peaks import DevicePeaks
-from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine, Prompt
+from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
 from tandem.workers.engine.kv_transfer import export_prefix, held_prefix, import_prefix
+from tandem.workers.engine.prompts import Prompt
 
 logger = logging.getLogger(__name__)
 

@@ -22,20 +22,19 @@ from tandem.workers.core.block_pool import BlockPool, LocalCapacity
 from tandem.workers.core.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.workers.core.scheduler import Scheduler, StepUpdate
 from tandem.workers.core.scheduler_output import PendingOutput
-from tandem.workers.core.stats import EngineStats, RequestMetrics
+from tandem.workers.core.stats import EngineStats
 from tandem.workers.core.validation import PromptLimits, validate_prompt
 from tandem.workers.device_peaks import DevicePeaks
+from tandem.workers.engine.figures import exporter_figures, keep_leader_figures, model_cost, request_metrics
+from tandem.workers.engine.prompts import Prompt, sequence_id, sequences, tokenize_prompt
 from tandem.workers.executor.abstract import Executor
 from tandem.workers.executor.uniproc import UniProcExecutor
-from tandem.workers.model.cost import ModelCost
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.spec.policy import SpeculationPolicy
 from tandem.workers.startup_heap import StartupHeap
 from tandem.workers.text.output_processor import OutputProcessor, RequestState
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int] | dict[str, Any]
 
 
 class Proposer(Protocol):
@@ -73,7 +72,8 @@ class GroupEngine:
         self.proposer: Proposer | None = None
         self.prefill_tokens_per_s: float | None = None  # measured; see _note_prefill_speed
         self.spec_policy = SpeculationPolicy(disable_batch_size=config.speculative.disable_batch_size)
-        self.counters = EngineStats(cost=self._model_cost())
+        self.counters = EngineStats(cost=model_cost(hf_config, config.model.dtype,
+                                                    getattr(executor, "device_type", "cpu")))
         overlap = config.model.overlap_steps
         self.overlap_steps = overlap if overlap is not None else getattr(executor, "device_type", "cpu") == "cuda"
         # Steps launched and not yet collected, oldest first: (step, its output, launched at).
@@ -84,18 +84,7 @@ class GroupEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError("prompt: must be a string, a list of token ids or a dict")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
         if self.dead_error is not None:
@@ -110,30 +99,26 @@ class GroupEngine:
         self.states[request_id] = state
         capacity = self.pool.num_blocks * self.config.cache.block_size - self.config.scheduler.num_lookahead_slots
         eos = () if params.ignore_eos else self.hf_config.eos_token_ids
-        leader = request_id if params.n == 1 else f"{request_id}#0"
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = replace(params, seed=params.seed + i)  # vLLM: siblings differ
-            self.scheduler.add_request(Request(
-                request_id=leader if i == 0 else f"{request_id}#{i}", prompt_token_ids=token_ids,
-                sampling_params=child_params, arrival_seq=next(self._arrival), eos_token_ids=tuple(eos),
-                max_model_len=min(self.max_model_len, capacity), parent_id=request_id, index=i,
-                leader_id=None if i == 0 else leader, arrival_time=arrival))
+        for seq in sequences(request_id, token_ids, params, self._arrival, eos_token_ids=tuple(eos),
+                             max_model_len=min(self.max_model_len, capacity), arrival_time=arrival):
+            self.scheduler.add_request(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort at any time; frees every block the request holds at once."""
         state = self.states.pop(request_id, None)
         if state is None:
             return None
-        metrics = self._request_metrics(state)  # before the scheduler lets go of the sequences
+        return self._end(state, RequestStatus.FINISHED_ABORTED, "abort")
+
+    def _end(self, state: RequestState, status: RequestStatus, finish_reason: str) -> RequestOutput:
+        """End every sequence of a request still running (an abort, a failure); its last output."""
+        metrics = request_metrics(state, self.scheduler)  # before the scheduler lets go of the sequences
         for seq in state.seqs:
-            child = request_id if state.params.n == 1 else f"{request_id}#{seq.index}"
-            self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
-            self.outputs.finish(state, seq.index, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_request(sequence_id(state.request_id, state.params.n, seq.index), status)
+            self.outputs.finish(state, seq.index, status)
             self.counters.record_finished(seq.finish_reason)
         output = self.outputs.make_output(state)
-        output.metrics = replace(metrics, finished_time=time.monotonic(), finish_reason="abort")
+        output.metrics = replace(metrics, finished_time=time.monotonic(), finish_reason=finish_reason)
         return output
 
     def has_unfinished_requests(self) -> bool:
@@ -248,7 +233,7 @@ class GroupEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.status.is_finished:
                 if req.index == 0:
-                    _keep_leader_figures(state, req)
+                    keep_leader_figures(state, req)
                 drafted, accepted = self.spec_policy.forget(req.request_id)
                 state.num_draft_tokens += drafted
                 state.num_accepted_tokens += accepted
@@ -260,7 +245,7 @@ class GroupEngine:
             if state.finished:
                 del self.states[request_id]
                 output = self.outputs.make_output(state)
-                output.metrics = replace(self._request_metrics(state), finished_time=now)
+                output.metrics = replace(request_metrics(state, self.scheduler), finished_time=now)
                 for seq in state.seqs:
                     self.counters.record_finished(seq.finish_reason)
                 outputs.append(output)
@@ -269,20 +254,6 @@ class GroupEngine:
                 continue  # its one output comes when it finishes
             outputs.append(self.outputs.make_output(state))
         return outputs
-
-    def _request_metrics(self, state: RequestState) -> RequestMetrics:
-        """The request's timeline and counts (finished_time is set by the caller)."""
-        leader = self.scheduler.requests.get(state.request_id if state.params.n == 1 else f"{state.request_id}#0")
-        if leader is not None:  # still scheduled (an abort, a failure): its figures are current
-            _keep_leader_figures(state, leader)
-        return RequestMetrics(
-            arrival_time=state.arrival_time, first_scheduled_time=state.first_scheduled_time,
-            first_token_time=state.first_token_time, last_token_time=state.last_token_time, finished_time=0.0,
-            finish_reason=state.seqs[0].finish_reason or "abort", num_prompt_tokens=len(state.prompt_token_ids),
-            num_generation_tokens=sum(len(s.token_ids) for s in state.seqs),
-            num_cached_tokens=state.num_cached_tokens, num_prefill_chunks=state.num_prefill_chunks,
-            num_preemptions=state.num_preemptions, num_draft_tokens=state.num_draft_tokens,
-            num_accepted_tokens=state.num_accepted_tokens)
 
     def _note_prefill_speed(self, num_tokens: int, num_requests: int, seconds: float) -> None:
         """Prompt tokens per second of prefill-heavy steps (an EMA): prices recomputing a prefix."""
@@ -303,17 +274,9 @@ class GroupEngine:
         self.dead_error = error
         self._in_flight.clear()
         outputs = []
-        for request_id, state in list(self.states.items()):
+        for state in list(self.states.values()):
             state.error = error
-            metrics = self._request_metrics(state)
-            for seq in state.seqs:
-                child = request_id if state.params.n == 1 else f"{request_id}#{seq.index}"
-                self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
-                self.outputs.finish(state, seq.index, RequestStatus.FINISHED_ERROR)
-                self.counters.record_finished(seq.finish_reason)
-            output = self.outputs.make_output(state)
-            output.metrics = replace(metrics, finished_time=time.monotonic(), finish_reason="error")
-            outputs.append(output)
+            outputs.append(self._end(state, RequestStatus.FINISHED_ERROR, "error"))
         self.states.clear()
         return outputs
 
@@ -325,13 +288,6 @@ class GroupEngine:
     def num_accepted_draft_tokens(self) -> int:
         return self.spec_policy.stats.num_accepted_tokens
 
-    def _model_cost(self) -> ModelCost:
-        import torch
-
-        dtype = self.hf_config.resolve_dtype(self.config.model.dtype,
-                                             torch.device(getattr(self.executor, "device_type", "cpu")))
-        return ModelCost.from_hf_config(self.hf_config, itemsize=dtype.itemsize)
-
     def probe_device_peaks(self) -> tuple[DevicePeaks, int] | None:
         """(peaks of one of the model's devices, how many devices the group has), measured with
         `tandem bench`'s probes; None where the model runs on Ray workers, not here."""
@@ -341,21 +297,9 @@ class GroupEngine:
         return DevicePeaks.probe(runner.device, runner.dtype, quick=True), 1
 
     def metrics_snapshot(self) -> dict[str, float]:
-        """Cumulative counters and current gauges for the server's metrics exporter.
-
-        Read from another thread (the server's event loop) without stopping the engine: each
-        figure is one read of a number the engine thread replaces, so it may be a step old,
-        never torn."""
-        counters, spec = self.counters, self.spec_policy
-        return {
-            **self.scheduler.metrics_snapshot(),
-            **{f"num_finished_{reason}": n for reason, n in list(counters.num_finished.items())},
-            "num_steps": counters.num_steps, "step_seconds": counters.step_seconds,
-            "bytes_read": counters.bytes_read, "flops": counters.flops,
-            "spec_num_draft_tokens": spec.stats.num_draft_tokens,
-            "spec_num_accepted_tokens": spec.stats.num_accepted_tokens,
-            "spec_switched_off": float(spec.switched_off),
-        }
+        """Cumulative counters and current gauges for the server's metrics exporter; safe to call
+        from another thread (see `exporter_figures`)."""
+        return exporter_figures(self.scheduler, self.counters, self.spec_policy)
 
     def stats(self) -> dict[str, float]:
         return {**self.scheduler.stats(), **self.spec_policy.figures()}
@@ -420,10 +364,3 @@ class GroupEngine:
             if self.proposer is not None and hasattr(self.proposer, "shutdown"):
                 self.proposer.shutdown()  # a shared draft: detach (the last group ends it)
             self.executor.shutdown()
-
-
-def _keep_leader_figures(state: RequestState, leader: Request) -> None:
-    """The first sequence's scheduling figures, kept on the request once the scheduler lets go."""
-    state.first_scheduled_time = leader.first_scheduled_time
-    state.num_prefill_chunks = leader.num_prefill_chunks
-    state.num_preemptions = leader.num_preemptions

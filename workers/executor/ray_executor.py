@@ -9,20 +9,20 @@ time, load shards, size the KV cache to what fits on every worker, then run one 
 step through the compiled graph (see __init__).
 
 Each step reaches all workers as one message through a Ray compiled graph (shared-memory
-channels): an empty step costs a third of what plain actor calls cost (figures in
-bench/RESULTS.md; `measure_control_overhead`; `use_compiled_graph=False` falls back to
-them). After `park_workers_after_s` without a step the workers are parked off the CPU
-(workers/executor/parking.py), and the next step wakes them. A worker that raises or
-dies fails the step: the executor kills the whole group at once (peers blocked in a
-collective would otherwise wait for it) and raises, so the engine ends its requests with
-finish reason "error". A failed executor is spent; `shutdown()` and a new executor rebuild
-the group in the same process.
+channels; workers/executor/compiled_graph.py): an empty step costs a third of what plain
+actor calls cost (figures in bench/RESULTS.md; `measure_control_overhead`;
+`use_compiled_graph=False` falls back to them). After `park_workers_after_s` without a step
+the workers are parked off the CPU (workers/executor/parking.py), and the next step wakes
+them. A worker that raises or dies fails the step: the executor kills the whole group at
+once (peers blocked in a collective would otherwise wait for it) and raises, naming the
+worker (workers/executor/worker_failure.py), so the engine ends its requests with finish
+reason "error". A failed executor is spent; `shutdown()` and a new executor rebuild the
+group in the same process.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import statistics
 import time
 from typing import Any
@@ -38,7 +38,9 @@ from tandem.cluster.placement import (
 )
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.scheduler_output import Park, PendingOutput, RunnerOutput, SchedulerOutput
+from tandem.workers.executor.compiled_graph import compile_step_graph, quiet_teardown
 from tandem.workers.executor.parking import IdleParking
+from tandem.workers.executor.worker_failure import describe_failure, rank_name
 from tandem.workers.model.hf_config import HFModelConfig
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,7 @@ class RayExecutor:
             self.num_kv_blocks = self._init_workers()
             self.worker_info = ray.get([w.describe.remote() for w in self.workers])
             if use_compiled_graph:
-                self._dag = self._compile()
+                self._dag = compile_step_graph(self.workers, self.step_timeout_s)
                 # One empty step through the graph: each channel is set up at its first use, and
                 # a graph torn down (a worker died) before any step makes Ray abort this process
                 # (its reader registration fails a check: the channel was never written).
@@ -154,13 +156,6 @@ class RayExecutor:
         ray.get([w.init_kv_cache.remote(num_blocks) for w in self.workers])
         logger.info("replica group up: tp=%d pp=%d, %d KV blocks per worker", self.tp, self.pp, num_blocks)
         return num_blocks
-
-    def _compile(self):
-        from ray.dag import InputNode, MultiOutputNode
-
-        with InputNode() as step:
-            dag = MultiOutputNode([w.execute_step.bind(step) for w in self.workers])
-        return dag.experimental_compile(_submit_timeout=self.step_timeout_s)
 
     @property
     def output_rank(self) -> int:
@@ -258,7 +253,7 @@ class RayExecutor:
 
     def _fail(self, exc: BaseException) -> GroupFailedError:
         """Kill the whole group (peers may be blocked in a collective with the failed worker)."""
-        error = _describe(exc, self.workers, self.worker_info, self.tp)
+        error = describe_failure(exc, self.workers, self.worker_info, self.tp)
         dead = self.dead_ranks()
         if dead and not error.startswith(f"worker {dead[0]} "):
             # A survivor's collective broke first; name the worker whose death caused it.
@@ -296,7 +291,7 @@ class RayExecutor:
                 try:
                     ray.get(ref)
                 except ActorDiedError:
-                    dead.append(_rank_name(rank, self.tp))
+                    dead.append(rank_name(rank, self.tp))
                 except Exception:  # noqa: BLE001 - not known dead: the next probe or step tells
                     pass
         return dead
@@ -338,7 +333,7 @@ class RayExecutor:
             self._parking.close(unpark=not failed)
             self._parking = None
         if self._dag is not None and not failed:
-            _quiet_teardown(self._dag, logging.WARNING)
+            quiet_teardown(self._dag, logging.WARNING)
         for w in self.workers:
             # kill, not exit: a worker may be blocked in a collective
             try:
@@ -346,7 +341,7 @@ class RayExecutor:
             except Exception:  # pragma: no cover - already gone
                 pass
         if self._dag is not None and failed:
-            _quiet_teardown(self._dag, logging.CRITICAL)
+            quiet_teardown(self._dag, logging.CRITICAL)
         self._dag = None
         self.workers = []
         if self.placement_group is not None and self._owns_placement_group:
@@ -356,70 +351,3 @@ class RayExecutor:
                 pass
         self.placement_group = None
 
-
-def _describe(exc: BaseException, workers: list[Any], worker_info: list[dict[str, Any]], tp: int) -> str:
-    """One line naming the worker that failed (when Ray says which) and why."""
-    actor_id = getattr(exc, "actor_id", None)  # RayActorError: the dead actor
-    found = re.search(r"\(pid=(\d+),", str(exc))  # RayTaskError: "ray::Worker() (pid=..., ip=...)"
-    pid = int(found.group(1)) if found else None
-    where = "a worker"
-    for rank, w in enumerate(workers):
-        info = worker_info[rank] if rank < len(worker_info) else {}
-        if (actor_id is not None and w._actor_id.hex() == actor_id) or (pid is not None and info.get("pid") == pid):
-            where = f"worker {_rank_name(rank, tp)}"
-    cause = getattr(exc, "cause", None)
-    kind = type(cause if isinstance(cause, BaseException) else exc).__name__
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else kind
-    verb = "died" if actor_id is not None else "failed"
-    return f"{where} {verb}: {last if last.startswith(kind) else f'{kind}: {last}'}"
-
-
-def _rank_name(rank: int, tp: int) -> str:
-    return f"pp_rank={rank // tp} tp_rank={rank % tp}"
-
-
-def _quiet_teardown(dag: Any, level: int) -> None:
-    """Tear down a compiled graph, keeping Ray's teardown logs below `level` out of the output,
-    and end the actor it made on this node.
-
-    A graph creates a driver proxy actor (`CompiledDAG.DAGDriverProxyActor`, a process of
-    its own) that Ray ends only when the graph object is freed. After a worker's death the
-    graph sits in reference cycles through the errors' tracebacks (Ray's monitor thread and
-    our step's), which only a full collection frees, and a quiet process may not run one for
-    a long time: each failed group would leave its proxy process behind.
-    """
-    import ray
-
-    saved = _DAG_LOGGER.level
-    _DAG_LOGGER.setLevel(level)
-    try:
-        dag.teardown()
-    except Exception:  # the actors are killed right after (or were before) anyway
-        logger.debug("compiled graph teardown failed", exc_info=True)
-    finally:
-        _DAG_LOGGER.setLevel(saved)
-    proxy = getattr(dag, "_proxy_actor", None)  # Ray's name for it (ray/dag/compiled_dag_node.py)
-    if proxy is not None:
-        try:
-            ray.kill(proxy)
-        except Exception:  # pragma: no cover - already gone
-            pass
-
-
-class _KilledActorFilter(logging.Filter):
-    """Drops Ray's traceback for cancelling a compiled graph's loop on an actor we killed.
-
-    When a worker fails, the graph's monitor thread tears the graph down on its own, while
-    `_fail` kills the group; each dead actor would otherwise be logged as an error.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from ray.exceptions import RayActorError
-
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (record.getMessage() == "Error cancelling worker task" and isinstance(exc, RayActorError))
-
-
-_DAG_LOGGER = logging.getLogger("ray.dag.compiled_dag_node")
-_DAG_LOGGER.addFilter(_KilledActorFilter())

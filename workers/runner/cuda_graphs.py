@@ -28,7 +28,8 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.workers.model.attention import AttentionMetadata, KernelTables
-from tandem.workers.runner.step_inputs import GraphTarget, StepInputs
+from tandem.workers.runner.graph_inputs import GraphTarget
+from tandem.workers.runner.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

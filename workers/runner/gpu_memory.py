@@ -63,7 +63,7 @@ def profile_steps(runner: ModelRunner, sched: SchedulerConfig) -> tuple[int, int
 def _dummy_step(num_tokens: int, num_seqs: int, max_len: int, computed: int) -> tuple[SchedulerOutput, dict]:
     """A step of num_seqs sequences sharing num_tokens tokens (each at most max_len), every one of
     whose blocks is block 0; `computed` tokens of each already cached (a decode when num == 1)."""
-    from tandem.workers.runner.model_runner import CachedRequestState
+    from tandem.workers.runner.request_state import CachedRequestState
 
     base, extra = divmod(num_tokens, num_seqs)
     out = SchedulerOutput(step_id=-1)

@@ -13,7 +13,7 @@ is host-bound when eager: with graphs up to 2048 tokens instead of 512, the offl
 
 A bucket of T tokens holds D = min(max_num_seqs, T) decode rows and `MAX_PREFILLS` prefill
 sequences; the step's inputs land in one persistent int32 buffer laid out as
-`step_inputs.mixed_layout` says, with one host-to-device copy. Attention runs over the padded
+`graph_inputs.mixed_layout` says, with one host-to-device copy. Attention runs over the padded
 shapes (`KernelTables.fixed_layout`): padding tokens write no KV, padding rows and sequences
 attend to nothing. The graphs share the decode graphs' memory pool and are captured before
 them (their activations are the larger).
@@ -30,7 +30,8 @@ import torch
 
 from tandem.workers.model.attention import AttentionMetadata
 from tandem.workers.runner.cuda_graphs import GraphLayout, capture_buckets, capture_graph
-from tandem.workers.runner.step_inputs import MixedTarget, StepInputs, mixed_layout, mixed_step_views
+from tandem.workers.runner.graph_inputs import MixedTarget, mixed_layout, mixed_step_views
+from tandem.workers.runner.step_inputs import StepInputs
 
 # (input_ids, positions, meta, logits_index) -> logits [len(logits_index), vocab]
 MixedForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]

@@ -1,28 +1,25 @@
 """Turns a step message into tensors, runs this stage's layers, and (last stage) samples.
 
 The runner keeps each request's token ids and block table, updated from the
-scheduler's diffs; it never decides anything on its own. A step's inputs reach the
-device in one copy (step_inputs.py); on CUDA, decode steps replay captured graphs
-(cuda_graphs.py) and greedy steps leave their sampled tokens in flight
-(step_sampler.py), so the caller can do the next step's host work meanwhile.
+scheduler's diffs (request_state.py); it never decides anything on its own. A step's
+inputs reach the device in one copy (step_inputs.py); on CUDA, decode steps replay
+captured graphs (cuda_graphs.py, graph_steps.py) and greedy steps leave their sampled
+tokens in flight (step_sampler.py), so the caller can do the next step's host work meanwhile.
 
-The KV cache holds one block more than the pool hands out: the scratch block, which
-padding rows of a graph batch read and write, and which no request ever holds.
+The KV cache (kv_cache.py) holds one block more than the pool hands out: the scratch block,
+which padding rows of a graph batch read and write, and which no request ever holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tandem.workers.config import EngineConfig
-from tandem.workers.core.request import PENDING_TOKEN, PositionLogprobs, SamplingParams
+from tandem.workers.core.request import PENDING_TOKEN, PositionLogprobs
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
 from tandem.workers.distributed.parallel import ParallelContext
 from tandem.workers.kernels import cpu_kernels, gpu_kernels
 from tandem.workers.kernels.decode_splits import default_num_splits
-from tandem.workers.kernels.huge_pages import zeros_huge
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.model.layers import pack_cpu_weights, use_fast_gemm_layout
 from tandem.workers.model.llama import LlamaForCausalLM
@@ -30,24 +27,14 @@ from tandem.workers.model.loader import load_weights
 from tandem.workers.runner import gpu_memory
 from tandem.workers.runner.block_table import BlockTable
 from tandem.workers.runner.cuda_graphs import DecodeGraphs, GraphLayout
+from tandem.workers.runner.graph_steps import graph_logits, graph_target
+from tandem.workers.runner.kv_cache import KVCache
 from tandem.workers.runner.mixed_graphs import MixedGraphs
-from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, MixedTarget, StepInputs, advance_decodes
+from tandem.workers.runner.request_state import CachedRequestState, apply_step_diffs, fill_placeholders
+from tandem.workers.runner.step_inputs import InputBuilder, StepInputs, advance_decodes, copy_pending
 from tandem.workers.sample.pass_sampler import PassSampler
 from tandem.workers.sample.sampler import Sampler, compute_logprobs
 from tandem.workers.sample.step_sampler import StepSampler
-
-
-@dataclass
-class CachedRequestState:
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    row: int = -1  # its row of the runner's BlockTable
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 class ModelRunner:
@@ -65,8 +52,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.model.seed)
         self.step_sampler = StepSampler(self.sampler, hf_config.eos_token_ids)
         self.model: LlamaForCausalLM | None = None
-        self.num_blocks = 0
-        self.host_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_cache: KVCache | None = None  # made with the model (it lives in the attention layers)
         self.use_gpu_kernels = gpu_kernels.wanted(config.model.attention_backend, device)
         self.block_table = BlockTable(self._max_blocks_per_seq())
         self.builder: InputBuilder | None = None  # made with the KV cache (it knows the scratch block)
@@ -94,11 +80,10 @@ class ModelRunner:
                 pack_cpu_weights(self.model)
         gpu_kernels.configure(self.use_gpu_kernels, self.device)
         self.model.eval()
+        self.kv_cache = KVCache(self.model, self.block_size, self.dtype, self.device)
 
     def kv_bytes_per_block(self) -> int:
-        attn = self.model.attention_layers[0]
-        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
-        return per_layer * len(self.model.layers)
+        return self.kv_cache.bytes_per_block()
 
     def available_kv_memory(self) -> int:
         cache = self.config.cache
@@ -116,6 +101,11 @@ class ModelRunner:
         from tandem.workers.config import DEFAULT_CPU_KV_CACHE_BYTES
         return cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
 
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks allocated for the pool (0 before `init_kv_cache`)."""
+        return self.kv_cache.num_blocks if self.kv_cache is not None else 0
+
     def num_blocks_fit(self) -> int:
         if self.config.cache.num_kv_blocks is not None:
             return self.config.cache.num_kv_blocks
@@ -123,11 +113,8 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int, show_progress: bool = False) -> None:
         """num_blocks for the pool, plus the scratch block (id num_blocks) for padding rows."""
-        self.num_blocks = num_blocks
         self._kv_heads = self.model.attention_layers[0].num_kv_heads
-        for attn in self.model.attention_layers:
-            shape = ((num_blocks + 1) * self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.key_cache, attn.value_cache = (self._zeros(shape) for _ in range(2))
+        self.kv_cache.allocate(num_blocks)
         self.builder = InputBuilder(self.block_size, self.device, num_blocks, self.use_gpu_kernels,
                                     self._num_splits, host_lists=self.ctx.overlaps_comm)
         mode = self._graph_mode()
@@ -184,100 +171,36 @@ class ModelRunner:
         self.graphs = self.mixed_graphs = None
         self.builder = None
         self.model = None
-        self.host_cache = []
+        self.kv_cache = None
         self.states.clear()
         gpu_memory.release(self.device)
 
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.device.type == "cpu":  # decode reads blocks scattered over the cache: huge pages
-            return zeros_huge(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
-
-    # ---- the host KV tier and block transfer (host_tier.py) -----------------------------------
+    # ---- the host KV tier and block transfer (kv_cache.py) ---------------------------------------
     def init_host_cache(self, num_slots: int) -> None:
-        """Host-memory slots for evicted KV blocks: per layer, K and V of this rank's shard."""
-        pin = self.device.type == "cuda"  # pinned pages: the copies run at full PCIe speed
-        self.host_cache = [
-            tuple(torch.zeros((num_slots, self.block_size, attn.num_kv_heads, attn.head_dim), dtype=self.dtype,
-                              pin_memory=pin) for _ in range(2))
-            for attn in self.model.attention_layers]
+        self.kv_cache.init_host_cache(num_slots)
 
-    def _block_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V as [blocks, block_size, heads, head_dim] (the scratch block left out)."""
-        views = []
-        num_slots = self.num_blocks * self.block_size
-        for attn in self.model.attention_layers:
-            shape = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            views.append((attn.key_cache[:num_slots].view(shape), attn.value_cache[:num_slots].view(shape)))
-        return views
-
-    @torch.inference_mode()
-    def apply_host_copies(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
-        """Saves (device block -> host slot) first, then loads (host slot -> device block)."""
-        for pairs, to_host in ((saves, True), (loads, False)):
-            if not pairs:
-                continue
-            src, dst = zip(*pairs)
-            for device_kv, host_kv in zip(self._block_views(), self.host_cache):
-                for dev, host in zip(device_kv, host_kv):
-                    if to_host:
-                        blocks = torch.tensor(src, device=self.device)
-                        host.index_copy_(0, torch.tensor(dst), dev.index_select(0, blocks).to("cpu"))
-                    else:
-                        rows = host.index_select(0, torch.tensor(src)).to(self.device, non_blocking=True)
-                        dev.index_copy_(0, torch.tensor(dst, device=self.device), rows)
-
-    @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """This rank's KV of some device blocks, on the CPU: [layers, 2, blocks, block_size, heads, dim]."""
-        index = torch.tensor(block_ids, device=self.device)
-        return torch.stack([torch.stack([kv.index_select(0, index) for kv in layer])
-                            for layer in self._block_views()]).to("cpu")
+        return self.kv_cache.export_blocks(block_ids)
 
-    @torch.inference_mode()
     def import_host_blocks(self, slots: list[int], data: torch.Tensor) -> None:
-        """Write blocks exported by another group (same layout) into host slots."""
-        index = torch.tensor(slots)
-        for layer, host_kv in zip(data, self.host_cache):
-            for part, host in zip(layer, host_kv):
-                host.index_copy_(0, index, part.to(host.dtype))
+        self.kv_cache.import_host_blocks(slots, data)
 
     # ---- one step ----------------------------------------------------------------------------
     def update_states(self, out: SchedulerOutput) -> None:
         if out.host_saves or out.host_loads:
-            self.apply_host_copies(out.host_saves, out.host_loads)
-        for req_id in out.finished_req_ids:
-            state = self.states.pop(req_id, None)
-            if state is not None:
-                self.block_table.remove(state.row)
-        for new in out.new_requests:
-            state = CachedRequestState(list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
-                                       list(new.block_ids))
-            if new.req_id in self.states:  # resumed after preemption without a finish in between
-                self.block_table.remove(self.states[new.req_id].row)
-            state.row = self.block_table.add(state.block_ids)
-            self.states[new.req_id] = state
-        placeholders: dict[str, tuple[CachedRequestState, int]] = {}
-        for diff in out.cached_requests:
-            state = self.states[diff.req_id]
-            state.output_token_ids.extend(diff.new_token_ids)
-            if diff.new_token_ids and diff.new_token_ids[-1] == PENDING_TOKEN:
-                # Scheduled ahead: the last step's tokens (one a pass), known when its output is.
-                start = len(state.output_token_ids) - diff.new_token_ids.count(PENDING_TOKEN)
-                placeholders[diff.req_id] = (state, start)
-            del state.block_ids[diff.num_kept_blocks:]
-            state.block_ids.extend(diff.new_block_ids)
-            self.block_table.update(state.row, diff.num_kept_blocks, diff.new_block_ids)
+            self.kv_cache.apply_host_copies(out.host_saves, out.host_loads)
+        placeholders = apply_step_diffs(self.states, self.block_table, out)
         if placeholders:
-            self._last_output.then(lambda output: _fill_placeholders(placeholders, output))
+            self._last_output.then(lambda output: fill_placeholders(placeholders, output))
 
     def prepare_inputs(self, out: SchedulerOutput, passes_after: int = 0) -> StepInputs:
         """A step's inputs (its first pass's, for a multi-step step: `passes_after` more follow)."""
         source = self._last_sampled[1] if self._last_sampled is not None else None
-        inputs = self.builder.build(out, self.states, self.block_table, self._graph_target(out), source,
+        inputs = self.builder.build(out, self.states, self.block_table,
+                                    graph_target(self.graphs, self.mixed_graphs, out, self.states), source,
                                     passes_after=passes_after)
         if inputs.pending_dst is not None:  # tokens scheduled ahead: from the last step's output
-            _copy_pending(inputs, self._last_sampled[0])
+            copy_pending(inputs, self._last_sampled[0])
         return inputs
 
     def _keep_sampled(self, pending: PendingOutput, tokens: torch.Tensor | None, where: dict[str, int]) -> None:
@@ -288,31 +211,6 @@ class ModelRunner:
         if tokens is not None:
             self._last_sampled = (tokens, where)
             pending.on_device = frozenset(where)
-
-    def _graph_target(self, out: SchedulerOutput) -> GraphTarget | MixedTarget | None:
-        """A step a graph bucket holds, on the last stage that runs whole steps: a pure decode
-        step (one token per request) in a decode bucket, a mixed step in a mixed one. Neither
-        with drafts, nor with a prompt position to score for prompt logprobs (those need the
-        hidden states), nor with a context past the graphs' block tables."""
-        sched = out.num_scheduled_tokens
-        if self.graphs is None or out.spec_token_ids or len(sched) > self.graphs.max_batch:
-            return None
-        pure_decode = out.total_num_scheduled_tokens == len(sched)
-        if not pure_decode and self.mixed_graphs is None:
-            return None
-        capture_len = self.graphs.max_context
-        for group in (out.cached_requests, out.new_requests):
-            for r in group:
-                if r.num_computed_tokens + sched[r.req_id] > capture_len:
-                    return None  # a context past the graphs' block tables: eager
-                state = self.states[r.req_id]
-                if state.sampling_params.prompt_logprobs is not None \
-                        and r.num_computed_tokens < len(state.prompt_token_ids) - 1:
-                    return None  # a prompt chunk whose logits score the next prompt tokens
-        if pure_decode:
-            return self.graphs.target(len(sched))
-        num_prefills = sum(1 for n in sched.values() if n != 1)
-        return self.mixed_graphs.target(out.total_num_scheduled_tokens, num_prefills)
 
     def execute(self, out: SchedulerOutput, hidden: torch.Tensor | None = None) -> RunnerOutput | torch.Tensor | None:
         """Run one step. Non-last pipeline stages return hidden states for the next stage."""
@@ -348,7 +246,7 @@ class ModelRunner:
             if not plain_greedy and self._decodes_sampled_on_device(out, inputs):
                 return self._launch_steps(out, inputs)
         if inputs.in_graph:
-            logits = self._graph_logits(inputs)
+            logits = graph_logits(self.graphs, self.mixed_graphs, inputs)
             hidden = None
         else:
             hidden = self.model(inputs.input_ids if self.ctx.is_first_stage else None, inputs.positions,
@@ -422,7 +320,7 @@ class ModelRunner:
                     num_placeholders = advance
                     inputs = self.builder.build(out, self.states, self.block_table, graph, where, advance,
                                                 num_steps - 1 - advance)
-                    _copy_pending(inputs, sampled[-1])
+                    copy_pending(inputs, sampled[-1])
             sampled.append(sample(self.forward(inputs), advance))
         if num_placeholders:
             for tokens in outputs:  # the scheduler's next diff sends the tokens (or placeholders)
@@ -445,26 +343,9 @@ class ModelRunner:
         """The bare model on prepared inputs (graph replay for graph steps), logits of the
         scored rows: what benchmarks compare the whole engine step against."""
         if inputs.in_graph:
-            return self._graph_logits(inputs)
+            return graph_logits(self.graphs, self.mixed_graphs, inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_index])
-
-    def _graph_logits(self, inputs: StepInputs) -> torch.Tensor | None:
-        """A graph step's logits at its scored rows (None if it scores none)."""
-        if inputs.graph_tokens is not None:  # the scored rows come first, in order
-            logits = self.mixed_graphs.run(inputs)  # run even if it scores none: it writes the chunks' KV
-            num_scored = inputs.num_scored
-            return logits[:num_scored] if num_scored else None
-        return self._scored(self.graphs.run(inputs), inputs)
-
-    @staticmethod
-    def _scored(logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
-        """A decode graph step's scored rows: its first rows in order, or the rows its inputs
-        carry (`logits_index`) where a 1-token prefill chunk before them scores nothing."""
-        if inputs.logits_index.numel():
-            return logits.index_select(0, inputs.logits_index)
-        num_scored = inputs.num_scored
-        return logits[:num_scored] if num_scored else None
 
     def prompt_logprobs(self, inputs: StepInputs,
                         hidden: torch.Tensor | None) -> dict[str, tuple[int, list[PositionLogprobs]]]:
@@ -484,25 +365,3 @@ class ModelRunner:
             out[req_id] = (first, entries[k:k + len(req_rows)])
             k += len(req_rows)
         return out
-
-
-def _copy_pending(inputs: StepInputs, tokens: torch.Tensor) -> None:
-    """The tokens of requests scheduled ahead (`inputs.pending_*`), from `tokens` (the last
-    step's sampled ids, on the device) into the step's input ids: one Triton launch on the
-    GPU kernels' path, torch's index ops elsewhere."""
-    gpu = gpu_kernels.active_for(tokens)
-    if gpu is not None:
-        gpu.copy_pending(inputs.input_ids, inputs.pending_dst, inputs.pending_src, tokens)
-        return
-    picked = tokens.index_select(0, inputs.pending_src.long())
-    inputs.input_ids.index_copy_(0, inputs.pending_dst.long(), picked.to(inputs.input_ids.dtype))
-
-
-def _fill_placeholders(placeholders: dict[str, tuple[CachedRequestState, int]], output: RunnerOutput) -> None:
-    """Put a step's sampled tokens in the placeholders a step scheduled ahead on it left in
-    the runner's token lists (`placeholders`: request -> its state and where they begin)."""
-    for req_id, tokens in zip(output.req_ids, output.sampled_token_ids, strict=True):
-        placed = placeholders.get(req_id)
-        if placed is not None and tokens:
-            state, start = placed
-            state.output_token_ids[start:start + len(tokens)] = tokens

@@ -9,8 +9,9 @@ import torch
 from tandem.workers.core.request import PENDING_TOKEN, SamplingParams
 from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.workers.runner.block_table import BlockTable
-from tandem.workers.runner.model_runner import ModelRunner
-from tandem.workers.runner.step_inputs import GraphTarget, InputBuilder, MixedTarget, mixed_layout
+from tandem.workers.runner.graph_inputs import GraphTarget, MixedTarget, mixed_layout
+from tandem.workers.runner.graph_steps import scored_rows
+from tandem.workers.runner.step_inputs import InputBuilder
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 SCRATCH = 50
@@ -124,12 +125,12 @@ def test_graph_step_carries_its_scored_rows_when_a_chunk_before_them_scores_noth
     assert inputs.logits_index.tolist() == [1]
     assert buffer[28].item() == 1  # after 4 x 4 rows and 4 x 3 table entries, no pending
     logits = torch.arange(4 * 5, dtype=torch.float32).view(4, 5)
-    assert ModelRunner._scored(logits, inputs).tolist() == [[5.0, 6.0, 7.0, 8.0, 9.0]]
+    assert scored_rows(logits, inputs).tolist() == [[5.0, 6.0, 7.0, 8.0, 9.0]]
     # In order from the first row, nothing travels: the scored rows are a prefix of the logits.
     out.num_scheduled_tokens = {"c": 1, "d": 1}
     inputs = _builder(kernel_tables=True).build(out, states, table, graph)
     assert inputs.logits_rows == [[0], []] and inputs.logits_index.numel() == 0
-    assert ModelRunner._scored(logits, inputs).tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0]]
+    assert scored_rows(logits, inputs).tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0]]
 
 
 def test_mixed_step_padded_to_its_graph_bucket() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from tandem.workers.runner.cuda_graphs import GraphLayout
+from tandem.workers.runner.graph_inputs import mixed_layout
 from tandem.workers.runner.mixed_graphs import MAX_PREFILLS, MixedGraphs, mixed_buckets
-from tandem.workers.runner.step_inputs import mixed_layout
 
 
 def test_buckets_grow_coarser_and_stop_at_the_largest_step() -> None:
