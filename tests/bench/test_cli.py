@@ -21,6 +21,7 @@ from tests.conftest import tiny_model
 SMALLEST = ["--quick", "--repeats", "1", "--idle-wait", "0"]
 
 
+@pytest.mark.slow
 def test_offline(tmp_path: Path) -> None:
     plot = tmp_path / "offline.png"
     fig = bench(tmp_path, "offline", "--model", tiny_model(), "--device", "cpu", "--num-requests", "3",
@@ -44,6 +45,7 @@ def test_offline(tmp_path: Path) -> None:
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_latency_on_a_bench_model_with_hf_compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--bench-model's path (built into the model cache) and transformers' compiled fast path on CPU."""
     monkeypatch.setitem(BENCH_SHAPES, TINY_SHAPE.name, TINY_SHAPE)
@@ -69,6 +71,7 @@ def test_latency_on_a_bench_model_with_hf_compiled(tmp_path: Path, monkeypatch: 
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_latency_with_multi_step_decoding_reports_per_token_figures(tmp_path: Path) -> None:
     fig = bench(tmp_path, "latency", "--model", tiny_model(), "--device", "cpu", "--sweep-batches", "1,2",
                 "--num-scheduler-steps", "4", *SMALLEST)
@@ -79,6 +82,7 @@ def test_latency_with_multi_step_decoding_reports_per_token_figures(tmp_path: Pa
     assert fig["tpot_ratio_vs_hf"] == pytest.approx(fig["tpot_tandem_ms"] / fig["tpot_hf_ms"])
 
 
+@pytest.mark.slow
 def test_latency_without_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--no-hf: transformers is never loaded, its figures are null, tandem's are all there."""
     import tandem.bench.systems as systems
@@ -97,6 +101,7 @@ def test_latency_without_transformers(tmp_path: Path, monkeypatch: pytest.Monkey
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_offline_without_transformers(tmp_path: Path) -> None:
     """--no-hf: tandem alone (a second run of the set under another engine option): every
     baseline figure null, the plot and the table without them."""
@@ -111,6 +116,7 @@ def test_offline_without_transformers(tmp_path: Path) -> None:
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_tandem_sampling_at_a_temperature(tmp_path: Path) -> None:
     """--temperature: tandem's requests sample (seeded), still to their exact lengths."""
     fig = bench(tmp_path, "offline", "--model", tiny_model(), "--device", "cpu", "--num-requests", "3",
@@ -131,6 +137,7 @@ def test_model_and_bench_model_exclude_each_other(capsys: pytest.CaptureFixture[
         assert "--model and --bench-model" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_spec(tmp_path: Path) -> None:
     fig = bench(tmp_path, "spec", "--model", tiny_model(), "--num-speculative-tokens", "2", *SMALLEST)
     assert (fig["proposer"], fig["num_speculative_tokens"], fig["repeats"], fig["quick"]) == ("ngram", 2, 1, True)
@@ -139,6 +146,7 @@ def test_spec(tmp_path: Path) -> None:
     assert 0.0 <= fig["acceptance_rate"] <= 1.0
 
 
+@pytest.mark.slow
 def test_overlap(tmp_path: Path) -> None:
     fig = bench(tmp_path, "overlap", "--model", tiny_model(), "--num-tokens", "64", "--repeats", "1")
     # Chunked GEMMs may round differently in the last bits (MKL blocks by shape); the greedy
@@ -152,6 +160,7 @@ def test_overlap(tmp_path: Path) -> None:
         assert key in fig
 
 
+@pytest.mark.slow
 def test_single_process_benchmarks_never_import_ray(tmp_path: Path) -> None:
     """TP = PP = 1: `offline` and `spec` run without Ray (GPU machines without it exist)."""
     import subprocess

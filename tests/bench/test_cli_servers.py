@@ -12,6 +12,8 @@ import pytest
 from tests.bench.conftest import bench
 from tests.conftest import tiny_model
 
+pytestmark = pytest.mark.slow  # a Serve application on Ray: not in the fast loop
+
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:

@@ -83,6 +83,7 @@ def test_strength_names_what_is_missing() -> None:
     assert injector.short_of_strength(report, hit_group="a", old_workers={5, 6}) == []
 
 
+@pytest.mark.slow
 def test_soak_quick(tmp_path: Path) -> None:
     fig = bench(tmp_path, "soak", "--quick")
     assert (fig["lost"], fig["unexpected_5xx"], fig["leaked_kv_blocks"]) == (0, 0, 0)

@@ -51,7 +51,7 @@ def _stats(group_id: str) -> dict[str, Any]:
     if stats.group_id != group_id:
         return {"error": f"answered by group {stats.group_id}"}
     return {"num_requests_total": stats.routing.num_requests_total, "kv_blocks_free": stats.kv_blocks_free,
-            "kv_blocks_total": stats.kv_blocks_total, "num_running": stats.routing.num_running}
+            "kv_blocks_total": stats.kv_blocks_total, "num_running": stats.routing.num_running, "error": None}
 
 
 def groups(dashboard: str) -> dict[str, dict[str, Any]]:

@@ -11,6 +11,8 @@ import pytest
 from tandem.cluster.kv_allocator import allocator_name, get_or_create_allocator, kill_allocator
 from tests.conftest import wait_for
 
+pytestmark = pytest.mark.slow  # Ray workers or a simulated cluster: not in the fast loop
+
 
 def _exists(app: str) -> bool:
     import ray

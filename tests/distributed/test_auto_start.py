@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, tiny_model
 
+pytestmark = pytest.mark.slow  # Ray workers or a simulated cluster: not in the fast loop
 
 def test_llm_starts_local_ray_when_none_is_running(monkeypatch) -> None:
     import ray

@@ -8,6 +8,8 @@ from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, mixed_prompts
 
+pytestmark = pytest.mark.slow  # Ray workers or a simulated cluster: not in the fast loop
+
 
 @pytest.fixture(scope="module")
 def cluster():

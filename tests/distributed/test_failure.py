@@ -14,6 +14,8 @@ from tandem.workers.llm import LLM
 from tests import shared_ray
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
+pytestmark = pytest.mark.slow  # Ray workers or a simulated cluster: not in the fast loop
+
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 

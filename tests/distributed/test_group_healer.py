@@ -50,6 +50,7 @@ def _pids(engine: AsyncEngine) -> list[int]:
     return engine.worker_pids()
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_replaced_in_place_and_the_group_serves_the_same_tokens(ray_local) -> None:
     model = tiny_model("llama")
     prompts = mixed_prompts(seed=5)

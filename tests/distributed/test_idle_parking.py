@@ -99,7 +99,7 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _wait_parked(llm: LLM, timeout_s: float = 20.0) -> None:
+def _wait_group_parked(llm: LLM, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not llm.engine.executor.parked:
         assert time.monotonic() < deadline, "the idle group's workers were never parked"
@@ -113,6 +113,7 @@ def _cpu_seconds(llm: LLM) -> list[float]:
     return ray.get([w.__ray_call__.remote(lambda worker: time.process_time()) for w in llm.engine.executor.workers])
 
 
+@pytest.mark.slow
 def test_an_idle_group_parks_its_workers_and_the_next_steps_give_the_same_tokens(ray_local) -> None:
     model = tiny_model("llama")
     prompts = mixed_prompts(seed=5)
@@ -121,7 +122,7 @@ def test_an_idle_group_parks_its_workers_and_the_next_steps_give_the_same_tokens
     try:
         batch = [{"prompt_token_ids": p} for p in prompts]
         assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
-        _wait_parked(llm)
+        _wait_group_parked(llm)
         # Parked, a worker uses next to no CPU; in the graph's polling read it would use a core.
         before = _cpu_seconds(llm)
         time.sleep(1.0)
@@ -130,13 +131,14 @@ def test_an_idle_group_parks_its_workers_and_the_next_steps_give_the_same_tokens
         # The next generate wakes them; every request after it too (parked again in between).
         for _ in range(2):
             assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
-            _wait_parked(llm)
+            _wait_group_parked(llm)
         assert llm.engine.executor._parking.num_parks == 3
         llm.engine.pool.check_all_free()
     finally:
         llm.shutdown()  # from parked: the teardown wakes them first, and does not hang
 
 
+@pytest.mark.slow
 def test_never_parked_when_asked_not_to(ray_local) -> None:
     llm = LLM(tiny_model("llama"), tensor_parallel_size=2, park_workers_after_s=None)
     try:
@@ -147,12 +149,13 @@ def test_never_parked_when_asked_not_to(ray_local) -> None:
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_a_worker_killed_while_parked_fails_the_next_step_and_frees_its_blocks(ray_local) -> None:
     import ray
 
     llm = LLM(tiny_model("llama"), tensor_parallel_size=2, park_workers_after_s=0.2)
     try:
-        _wait_parked(llm)
+        _wait_group_parked(llm)
         ray.kill(llm.engine.executor.workers[1])
         [out] = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], GREEDY, use_tqdm=False)
         assert out.outputs[0].finish_reason == "error"

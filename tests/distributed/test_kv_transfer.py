@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tandem.workers.core.block_pool import prompt_block_hashes
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.engine.kv_transfer import export_prefix, held_prefix, import_prefix
 from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, tiny_model
 
+pytestmark = pytest.mark.slow  # Ray workers or a simulated cluster: not in the fast loop
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -77,6 +77,7 @@ def two_node_cluster():
     cluster.shutdown()
 
 
+@pytest.mark.slow
 def test_tp2_pp2_group_puts_each_stage_on_its_own_node(two_node_cluster) -> None:
     from tandem.cluster.placement import plan_on_cluster, spare_gpus
     from tandem.workers.core.request import SamplingParams
@@ -109,6 +110,7 @@ def test_tp2_pp2_group_puts_each_stage_on_its_own_node(two_node_cluster) -> None
     assert sum(spare_gpus().values()) == 4
 
 
+@pytest.mark.slow
 def test_unplaceable_layout_fails_fast_with_a_clear_message(two_node_cluster) -> None:
     from tandem.workers.llm import LLM
     from tests.conftest import tiny_model
@@ -122,6 +124,7 @@ def test_unplaceable_layout_fails_fast_with_a_clear_message(two_node_cluster) ->
     assert "4 GPU per node" in msg and "2 of 2 free" in msg
 
 
+@pytest.mark.slow
 def test_group_inside_a_replica_uses_the_replicas_placement_group(two_node_cluster) -> None:
     """A Serve replica reserves one bundle for itself and one per worker; the engine it builds
     puts its workers in those bundles instead of reserving more."""

@@ -12,6 +12,8 @@ from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
 
+pytestmark = pytest.mark.slow  # Ray workers or a simulated cluster: not in the fast loop
+
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # A 64-token budget splits the 90-token prompt over two steps (mixed with the others), and

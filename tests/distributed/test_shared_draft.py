@@ -8,6 +8,8 @@ from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, mixed_prompts
 
+pytestmark = pytest.mark.slow  # Ray workers or a simulated cluster: not in the fast loop
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 

@@ -8,6 +8,8 @@ from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, mixed_prompts
 
+pytestmark = pytest.mark.slow  # Ray workers or a simulated cluster: not in the fast loop
+
 
 @pytest.mark.parametrize(("proposer", "k"), [("ngram", 1), ("ngram", 3), ("ngram", 5), ("draft", 1), ("draft", 3),
                                              ("draft", 5)])

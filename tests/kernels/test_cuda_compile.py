@@ -31,7 +31,8 @@ def _ptxas_present() -> bool:
 
 # With a GPU the kernels are compiled for it for real (and the CPU run below has no interpreter).
 pytestmark = [pytest.mark.skipif(not _ptxas_present(), reason="Triton's NVIDIA backend (ptxas) is not installed"),
-              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")]
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"),
+              pytest.mark.slow]  # compiles every kernel variant: not in the fast loop
 
 # (dtype, model overrides): head_dim 16 (fp32, GQA 2), 64 (GQA 4), 128 (GQA 2).
 WORKLOADS = [

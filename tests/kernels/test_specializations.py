@@ -17,6 +17,8 @@ from tandem.workers.runner.model_runner import ModelRunner  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
 from tests.kernels.specializations import recorded_specializations  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a whole workload through Triton's interpreter: not in the fast loop
+
 
 def test_a_varied_workload_needs_one_specialisation_per_kernel_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     # Decode steps go through the graph buckets' buffer as on CUDA (eagerly: no capture on CPU),

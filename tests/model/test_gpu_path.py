@@ -23,6 +23,8 @@ from tests.conftest import (  # noqa: E402
     tiny_model,
 )
 
+pytestmark = pytest.mark.slow  # the engine through Triton's interpreter: not in the fast loop
+
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

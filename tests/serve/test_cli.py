@@ -105,6 +105,7 @@ def test_bad_option_fails_before_anything_starts(capsys):
     assert "block_size" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
     port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--model", tiny_llama, "--served-model-name", "tiny",

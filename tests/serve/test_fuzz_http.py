@@ -25,6 +25,9 @@ from schemathesis.generation.modes import GenerationMode
 from tandem.router import ingress
 from tests.serve.fake_group import EchoGroup, ingress_server, serving
 
+# Thousands of generated requests: not in the fast loop (test_hostile_inputs.py has the cases by hand).
+pytestmark = pytest.mark.slow
+
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
           checks.response_schema_conformance, checks.response_headers_conformance, checks.negative_data_rejection]
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE

@@ -12,6 +12,8 @@ import pytest
 from tandem.bench.load_generator import httpx
 from tests.serve.conftest import serve_app, wait_for
 
+pytestmark = pytest.mark.slow  # a Serve application on Ray: not in the fast loop
+
 LONG = {"prompt": [11, 12, 13], "max_tokens": 1500, "ignore_eos": True, "temperature": 0.0}
 
 

@@ -29,6 +29,8 @@ from tandem.workers.serving.messages import GroupDelta, GroupRequest
 from tests.serve.conftest import free_port, wait_for
 from tests.serve.hostile_cases import GRPC_CASES
 
+pytestmark = pytest.mark.slow  # a Serve application on Ray: not in the fast loop
+
 SERVICER = "tandem.router.grpc_proxy.add_TandemServicer_to_server"
 FAKE_APP = "fake"
 API_KEY = "sesame"

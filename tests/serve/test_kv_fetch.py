@@ -61,6 +61,7 @@ def group_stats(group_id: str) -> GroupStats:
     return group_handle().stats.remote(StatsRequest(target_group=group_id)).result(timeout_s=30)
 
 
+@pytest.mark.slow
 def test_a_group_fetches_a_prefix_it_never_computed_and_outputs_are_unchanged(server, tiny_llama):
     rng = random.Random(5)
     prefix = [rng.randrange(3, 200) for _ in range(PREFIX_BLOCKS * BLOCK)]
@@ -87,6 +88,7 @@ def test_a_group_fetches_a_prefix_it_never_computed_and_outputs_are_unchanged(se
         assert wait_for(lambda g=g: (s := group_stats(g)).kv_blocks_free == s.kv_blocks_total)
 
 
+@pytest.mark.slow
 def test_host_leases_share_the_node_budget(server):
     import ray
 

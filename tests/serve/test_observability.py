@@ -24,6 +24,8 @@ import pytest
 from tandem.cluster.net import free_port
 from tests.conftest import wait_for
 
+pytestmark = pytest.mark.slow  # a Serve application on Ray: not in the fast loop
+
 APP_NAME = "tandem"
 MODEL = "tandem-demo"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,6 +16,8 @@ from tandem.workers.serving.messages import GroupStats
 from tests.serve.conftest import group_handle, serve_app, wait_for
 from tests.serve.hostile_cases import HTTP_CASES
 
+pytestmark = pytest.mark.slow  # a Serve application on Ray: not in the fast loop
+
 API_KEY = "test-key"
 MODEL = "tiny"
 MAX_MODEL_LEN = 256

@@ -11,6 +11,8 @@ import requests
 from tests.serve import conftest
 from tests.serve.conftest import allocator, serve_app, wait_for
 
+pytestmark = pytest.mark.slow  # a Serve application on Ray: not in the fast loop
+
 BLOCK = 16
 PREFIX_BLOCKS = 10
 MAX_IMBALANCE = 2

@@ -11,6 +11,8 @@ import requests
 
 from tests.serve.conftest import serve_app, wait_for
 
+pytestmark = pytest.mark.slow  # a Serve application on Ray: not in the fast loop
+
 
 @pytest.fixture(scope="module")
 def server(shared_ray, tiny_llama):

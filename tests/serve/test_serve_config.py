@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import requests
 import yaml
 
@@ -36,6 +37,7 @@ def _serve_cmd() -> list[str]:
     return [exe] if exe else [sys.executable, "-c", "from ray.serve.scripts import cli; cli()"]
 
 
+@pytest.mark.slow
 def test_serve_run_answers_a_completion(tmp_path):
     config = yaml.safe_load(CONFIG.read_text())
     http_port, grpc_port = free_port(), free_port()

@@ -13,6 +13,8 @@ import pytest
 from tandem.bench.load_generator import httpx
 from tests.serve.conftest import serve_app, wait_for
 
+pytestmark = pytest.mark.slow  # a Serve application on Ray: not in the fast loop
+
 PROMPTS = ["The quick brown fox", "It was the best of times, it was the worst of times"]
 MAX_TOKENS = 24
 
