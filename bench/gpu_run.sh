@@ -77,7 +77,7 @@ part_tests() {
   # where it hangs and leaves the rest their time.
   # shellcheck disable=SC2086
   timeout "$limit" python3 -m pytest -v -p no:cacheprovider --durations=0 -o faulthandler_timeout=80 \
-    -o timeout=100 ${GPU_TESTS:-$FUSED_ROPE tests/gpu/test_host_syncs.py tests/gpu/test_cuda_graphs.py tests/model/test_gpu_path.py} > "$OUT/tests.log" 2>&1
+    -o timeout=100 ${GPU_TESTS:-$FUSED_ROPE tests/gpu/test_step_syncs.py tests/gpu/test_cuda_graphs.py tests/model/test_gpu_path.py} > "$OUT/tests.log" 2>&1
   log "tests rc $?"
 }
 

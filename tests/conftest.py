@@ -133,12 +133,32 @@ def shared_ray(request):
     instance.settle(request.module.__name__)
 
 
+# Test modules with a test on the shared local Ray (filled at collection).
+_SHARED_RAY_MODULES: set[str] = set()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules on the shared local Ray run last, one after another, so that one Ray serves
+    them all (tests/shared_ray.py); every other module keeps its place and order.
+
+    A test on the shared Ray must be marked slow: the fast loop (-m "not slow") starts no Ray,
+    and stays fast because nothing can slip into it that does."""
+    unmarked = [item.nodeid for item in items
+                if "shared_ray" in item.fixturenames and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError("tests on the shared Ray must be marked slow: " + ", ".join(unmarked))
+    _SHARED_RAY_MODULES.update(item.module.__name__ for item in items if "shared_ray" in item.fixturenames)
+    items[:] = ([item for item in items if item.module.__name__ not in _SHARED_RAY_MODULES]
+                + [item for item in items if item.module.__name__ in _SHARED_RAY_MODULES])
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """Before a module that does not request `shared_ray`, no shared Ray is left running: it
-    may start its own, or a Cluster, or need none at all."""
+    """Before a module with no test on the shared Ray, no shared Ray is left running: it may
+    start its own, or a Cluster, or need none at all."""
     yield
-    if nextitem is None or (nextitem.module is not item.module and "shared_ray" not in nextitem.fixturenames):
+    if nextitem is None or (nextitem.module is not item.module
+                            and nextitem.module.__name__ not in _SHARED_RAY_MODULES):
         from tests import shared_ray as instance
 
         instance.release()

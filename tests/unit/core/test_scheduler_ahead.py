@@ -81,7 +81,6 @@ def test_blocks_holding_a_pending_token_are_not_hashed() -> None:
 
 
 # --- multi-step decoding --------------------------------------------------------------------------
-
 def greedy_req(req_id: str, prompt_ids: list[int], arrival: int, **params: object) -> Request:
     return make_req(req_id, prompt_ids, arrival, **{"temperature": 0.0, **params})
 
@@ -196,7 +195,6 @@ def test_multi_step_only_for_running_decodes_with_room() -> None:
 
 
 # --- multi-step steps scheduled ahead ---------------------------------------------------------------
-
 def _in_flight_multi_step(a: Request, num_blocks: int = 16) -> tuple[Scheduler, SchedulerOutput]:
     """`a`'s prefill done (output [100]), then a multi-step step launched and not yet collected."""
     s, w = make_scheduler(num_blocks), FakeWorkers()

@@ -14,8 +14,8 @@ from tests.unit.core.scheduler_harness import (
     step,
 )
 
-# --- chunked prefill, budget and seats ----------------------------------------------------------
 
+# --- chunked prefill, budget and seats ----------------------------------------------------------
 def test_chunked_prefill_with_decodes_first() -> None:
     s, w = make_scheduler(max_num_batched_tokens=8), FakeWorkers()
     a = make_req("a", [1, 3, 4], 0, max_tokens=4)
@@ -128,7 +128,6 @@ def test_empty_schedule() -> None:
 
 
 # --- preemption -------------------------------------------------------------------------------
-
 def test_preemption_by_recompute_picks_the_latest_arrival() -> None:
     s, w = make_scheduler(num_blocks=5), FakeWorkers()
     a = make_req("a", prompt(4), 0, max_tokens=6)
@@ -244,7 +243,6 @@ def test_preempted_request_resumes_from_its_cached_prefix() -> None:
 
 
 # --- finishing and aborting -------------------------------------------------------------------
-
 def test_abort_frees_blocks_at_once_in_any_state() -> None:
     s, w = make_scheduler(num_blocks=8, max_num_batched_tokens=8), FakeWorkers()
     running = make_req("running", prompt(10), 0)

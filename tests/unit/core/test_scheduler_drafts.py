@@ -14,8 +14,8 @@ from tests.unit.core.scheduler_harness import (
     step,
 )
 
-# --- lookahead and draft tokens ---------------------------------------------------------------
 
+# --- lookahead and draft tokens ---------------------------------------------------------------
 def test_lookahead_slots_are_reserved_for_decodes() -> None:
     s, w = make_scheduler(lookahead=3), FakeWorkers()
     a = make_req("a", prompt(4), 0)

@@ -14,8 +14,8 @@ from tests.unit.core.scheduler_harness import (
     step,
 )
 
-# --- prefix caching and n > 1 ---------------------------------------------------------------
 
+# --- prefix caching and n > 1 ---------------------------------------------------------------
 def test_prefix_cache_hit_at_admission() -> None:
     s, w = make_scheduler(prefix=True), FakeWorkers()
     first = make_req("first", prompt(10), 0, max_tokens=1)

@@ -13,8 +13,8 @@ from tests.unit.core.scheduler_harness import (
     step,
 )
 
-# --- stop conditions --------------------------------------------------------------------------
 
+# --- stop conditions --------------------------------------------------------------------------
 def run_to_end(s: Scheduler, w: FakeWorkers, req: Request, tokens: list[int]) -> list[int]:
     s.add_request(req)
     emitted: list[int] = []
