@@ -80,7 +80,7 @@ class GroupEngine:
         # At most two, and two only inside step() while one is scheduled ahead.
         self._in_flight: deque[tuple[Any, PendingOutput, float]] = deque()
         self._failed_outputs: list[RequestOutput] = []
-        self.startup_heap: StartupHeap | None = None  # frozen once the group is assembled (llm.py)
+        self.startup_heap: StartupHeap | None = None  # frozen once the group is assembled (builder.py)
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     # transformers is imported here, not with the module: ~2 s of CPU that a group's start-up
-    # spends on a thread of its own while its workers load the model (workers/llm.py).
+    # spends on a thread of its own while its workers load the model (workers/engine/builder.py).
     from transformers import AutoTokenizer
 
     try:

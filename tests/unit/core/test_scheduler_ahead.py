@@ -6,14 +6,7 @@ from __future__ import annotations
 from tandem.workers.core.request import Request, RequestStatus
 from tandem.workers.core.scheduler import Scheduler, StepUpdate
 from tandem.workers.core.scheduler_output import CachedRequestData, RunnerOutput, SchedulerOutput
-from tests.unit.core.scheduler_harness import (
-    EOS,
-    FakeWorkers,
-    finish_all,
-    make_req,
-    make_scheduler,
-    prompt,
-)
+from tests.unit.core.scheduler_harness import EOS, FakeWorkers, finish_all, make_req, make_scheduler, prompt
 
 
 # ---- scheduling ahead on tokens still on the device ---------------------------------------------

@@ -5,14 +5,7 @@ from __future__ import annotations
 
 from tandem.workers.core.request import RequestStatus
 from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, RunnerOutput
-from tests.unit.core.scheduler_harness import (
-    FakeWorkers,
-    finish_all,
-    make_req,
-    make_scheduler,
-    prompt,
-    step,
-)
+from tests.unit.core.scheduler_harness import FakeWorkers, finish_all, make_req, make_scheduler, prompt, step
 
 
 # --- chunked prefill, budget and seats ----------------------------------------------------------

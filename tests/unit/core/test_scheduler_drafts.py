@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from tandem.workers.core.request import RequestStatus
 from tandem.workers.core.scheduler_output import CachedRequestData
-from tests.unit.core.scheduler_harness import (
-    EOS,
-    FakeWorkers,
-    finish_all,
-    make_req,
-    make_scheduler,
-    prompt,
-    step,
-)
+from tests.unit.core.scheduler_harness import EOS, FakeWorkers, finish_all, make_req, make_scheduler, prompt, step
 
 
 # --- lookahead and draft tokens ---------------------------------------------------------------

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from tandem.workers.core.request import Request, RequestStatus
 from tandem.workers.core.scheduler import Scheduler
-from tests.unit.core.scheduler_harness import (
-    EOS,
-    FakeWorkers,
-    make_req,
-    make_scheduler,
-    prompt,
-    step,
-)
+from tests.unit.core.scheduler_harness import EOS, FakeWorkers, make_req, make_scheduler, prompt, step
 
 
 # --- stop conditions --------------------------------------------------------------------------

@@ -8,26 +8,18 @@ import pickle
 from ray import cloudpickle
 
 from tandem.workers.core.request import CompletionOutput, Logprob, SamplingParams
-from tandem.workers.serving.messages import (
-    GroupDelta,
-    GroupRequest,
-    GroupStats,
-    PrefixExport,
-    PrefixExportRequest,
-    RoutingStats,
-    StatsRequest,
-)
+from tandem.workers.serving import messages as m
 
 
 def test_every_message_survives_pickling_whole() -> None:
     messages = [
-        GroupRequest("cmpl-1-0", [1, 2, 3], SamplingParams(n=2, max_tokens=4, stop=["x"]), final_only=True,
+        m.GroupRequest("cmpl-1-0", [1, 2, 3], SamplingParams(n=2, max_tokens=4, stop=["x"]), final_only=True,
                      trace_context={"traceparent": "00-ab-cd-01"}, avoid_group="g1"),
-        GroupDelta("cmpl-1-0", "g0", [CompletionOutput(0, "hi", [7], [{7: Logprob(-0.5, 1, "hi")}], "stop", 7)],
+        m.GroupDelta("cmpl-1-0", "g0", [CompletionOutput(0, "hi", [7], [{7: Logprob(-0.5, 1, "hi")}], "stop", 7)],
                    True, num_prompt_tokens=3, num_cached_tokens=2, prompt_logprobs=[None, {2: Logprob(-1.0, 2, "b")}]),
-        GroupDelta.failure("cmpl-2-0", "g0", "prompt: must not be empty", "invalid_request"),
-        PrefixExportRequest("g2", [11, 12]), PrefixExport(2, ["ref-a", "ref-b"]), StatsRequest("g0"),
-        GroupStats("g0", RoutingStats(num_running=1, kv_usage=0.5), kv_blocks_total=8, kv_blocks_free=3,
+        m.GroupDelta.failure("cmpl-2-0", "g0", "prompt: must not be empty", "invalid_request"),
+        m.PrefixExportRequest("g2", [11, 12]), m.PrefixExport(2, ["ref-a", "ref-b"]), m.StatsRequest("g0"),
+        m.GroupStats("g0", m.RoutingStats(num_running=1, kv_usage=0.5), kv_blocks_total=8, kv_blocks_free=3,
                    worker_pids=(41, 42)),
     ]
     for message in messages:
@@ -35,20 +27,20 @@ def test_every_message_survives_pickling_whole() -> None:
 
 
 def test_a_failure_is_a_finished_delta_with_no_outputs() -> None:
-    delta = GroupDelta.failure("r", "g0", "the replica group has failed: worker died", "unavailable")
+    delta = m.GroupDelta.failure("r", "g0", "the replica group has failed: worker died", "unavailable")
     assert (delta.finished, delta.outputs, delta.error_kind, delta.num_output_tokens) == (True, [], "unavailable", 0)
 
 
 def test_output_tokens_count_every_sequence() -> None:
     outputs = [CompletionOutput(0, "ab", [5, 6], None), CompletionOutput(1, "c", [7], None)]
-    assert GroupDelta("r", "g0", outputs, False).num_output_tokens == 3
+    assert m.GroupDelta("r", "g0", outputs, False).num_output_tokens == 3
 
 
 def test_routing_stats_come_back_from_serves_dict_as_they_went() -> None:
-    stats = RoutingStats(is_healthy=False, num_running=3, num_waiting=1, kv_usage=0.25, stats_time=12.5,
+    stats = m.RoutingStats(is_healthy=False, num_running=3, num_waiting=1, kv_usage=0.25, stats_time=12.5,
                          num_requests_total=9, num_aborted_total=2)
     assert stats.as_dict() == {"is_healthy": False, "num_running": 3, "num_waiting": 1, "kv_usage": 0.25,
                                "stats_time": 12.5, "num_requests_total": 9, "num_aborted_total": 2}
-    assert RoutingStats.from_dict(stats.as_dict()) == stats
-    assert RoutingStats.from_dict(None) == RoutingStats.from_dict({}) == RoutingStats()  # not polled yet
-    assert RoutingStats.from_dict({"num_running": 2, "from_a_newer_group": 1}) == RoutingStats(num_running=2)
+    assert m.RoutingStats.from_dict(stats.as_dict()) == stats
+    assert m.RoutingStats.from_dict(None) == m.RoutingStats.from_dict({}) == m.RoutingStats()  # not polled yet
+    assert m.RoutingStats.from_dict({"num_running": 2, "from_a_newer_group": 1}) == m.RoutingStats(num_running=2)
