@@ -60,6 +60,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(("--num-scheduler-steps",), {
         "type": int, "help": "multi-step decoding: forward passes a step of decodes runs before "
                              "the host schedules again (default 1: off; needs TP = PP = 1 and no speculation)"}),
+    EngineFlag(("--simulated-step-ms",), {
+        "metavar": "BASE,PER_SEQ",
+        "help": "simulate the device: load no weights and make each step's forward pass a wait of BASE + "
+                "PER_SEQ x (requests in the step) ms, with deterministic tokens (never EOS); the scheduler, KV "
+                "blocks, detokenizer and outputs stay real (e.g. 5.9,0.01 ~ an 8B model on an H100). "
+                "TP = PP = 1, no speculation, no multi-step"}),
     EngineFlag(("--tensor-parallel-size", "-tp"), {"type": int}),
     EngineFlag(("--pipeline-parallel-size", "-pp"), {"type": int}),
     EngineFlag(("--speculative-model",), {"help": 'draft model directory, or "ngram"'}),

@@ -9,11 +9,16 @@ keyword options users pass (vLLM-style names) are split into the parts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+# Executors' device types whose steps run beside the host: a GPU, or the simulated device
+# (workers/executor/simulated.py) that stands for one. The host's work overlaps their steps,
+# and a garbage collection's pause leaves them idle.
+ASYNC_DEVICE_TYPES = ("cuda", "sim")
 
 
 def require_field(ok: bool, field_name: str, message: str) -> None:
@@ -55,11 +60,23 @@ class ModelConfig:
     # (workers/startup_heap.py); None = on CUDA, where a collection's pause idles the GPU (on
     # CPU every start would pay a full collection for pauses its slower steps barely notice).
     freeze_startup_heap: bool | None = None
+    # (BASE, PER_SEQ) in ms: no weights are loaded and each step's forward pass is a wait of
+    # BASE + PER_SEQ x its requests (workers/executor/simulated.py); the scheduler, KV blocks,
+    # detokenizer and outputs stay real, so the serving path runs anywhere at a GPU's step
+    # rate. Options may give "5.9,0.01" or a list; it is kept as a tuple of two floats.
+    simulated_step_ms: tuple[float, float] | None = None
 
     def freezes_startup_heap(self, device_type: str) -> bool:
-        return self.freeze_startup_heap if self.freeze_startup_heap is not None else device_type == "cuda"
+        if self.freeze_startup_heap is not None:
+            return self.freeze_startup_heap
+        return device_type in ASYNC_DEVICE_TYPES
+
+    def overlaps_steps(self, device_type: str) -> bool:
+        return self.overlap_steps if self.overlap_steps is not None else device_type in ASYNC_DEVICE_TYPES
 
     def __post_init__(self) -> None:
+        if self.simulated_step_ms is not None:
+            object.__setattr__(self, "simulated_step_ms", _step_ms(self.simulated_step_ms))
         require_field(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         require_field(self.max_seq_len_to_capture >= 1, "max_seq_len_to_capture",
                       f"must be >= 1, got {self.max_seq_len_to_capture}")
@@ -71,6 +88,19 @@ class ModelConfig:
                  f"must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None:
             require_field(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+
+
+def _step_ms(value: Any) -> tuple[float, float]:
+    """simulated_step_ms from "BASE,PER_SEQ", a list or a tuple: two finite floats >= 0."""
+    parts = value.split(",") if isinstance(value, str) else value
+    try:
+        numbers = tuple(float(p) for p in parts if not isinstance(p, bool))
+        count = len(parts)
+    except (TypeError, ValueError):
+        numbers, count = (), 0
+    require_field(count == len(numbers) == 2 and all(math.isfinite(n) and n >= 0 for n in numbers),
+                  "simulated_step_ms", f"must be BASE,PER_SEQ: two finite numbers of milliseconds >= 0, got {value!r}")
+    return numbers[0], numbers[1]
 
 
 @dataclass(frozen=True)
@@ -214,6 +244,15 @@ class EngineConfig:
         require_field(self.scheduler.num_scheduler_steps == 1 or (
             self.parallel.world_size == 1 and not self.speculative.enabled), "num_scheduler_steps",
             "multi-step decoding needs tensor_parallel_size = pipeline_parallel_size = 1 and no speculative model")
+        # The simulated device is one device in this process: it has no ranks to spread over, no
+        # draft model to run, and its steps return each request's token one pass at a time.
+        if self.model.simulated_step_ms is not None:
+            require_field(self.parallel.world_size == 1, "simulated_step_ms",
+                          "a simulated device runs with tensor_parallel_size = pipeline_parallel_size = 1")
+            require_field(not self.speculative.enabled, "simulated_step_ms",
+                          "a simulated device runs no speculative decoding")
+            require_field(self.scheduler.num_scheduler_steps == 1, "simulated_step_ms",
+                          "a simulated device runs no multi-step decoding (num_scheduler_steps = 1)")
 
     @staticmethod
     def from_options(**options: Any) -> EngineConfig:

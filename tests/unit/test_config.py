@@ -39,6 +39,14 @@ BAD = [
     (SpeculativeConfig, dict(ngram_prompt_lookup_min=0), "ngram_prompt_lookup_min"),
     (SpeculativeConfig, dict(ngram_prompt_lookup_min=5, ngram_prompt_lookup_max=4), "ngram_prompt_lookup_min"),
     (SpeculativeConfig, dict(speculative_model="ngram"), "num_speculative_tokens"),
+    (ModelConfig, dict(simulated_step_ms="5.9"), "simulated_step_ms"),
+    (ModelConfig, dict(simulated_step_ms="5.9,fast"), "simulated_step_ms"),
+    (ModelConfig, dict(simulated_step_ms=(1.0, -0.1)), "simulated_step_ms"),
+    (ModelConfig, dict(simulated_step_ms=[float("nan"), 0.0]), "simulated_step_ms"),
+    (ModelConfig, dict(simulated_step_ms=(float("inf"), 0.0)), "simulated_step_ms"),
+    (ModelConfig, dict(simulated_step_ms=(1, 2, 3)), "simulated_step_ms"),
+    (ModelConfig, dict(simulated_step_ms=5.9), "simulated_step_ms"),
+    (ModelConfig, dict(simulated_step_ms=(True, 0)), "simulated_step_ms"),
 ]
 
 
@@ -160,3 +168,26 @@ def test_multi_step_decoding_needs_one_process_and_no_speculation(options: dict)
         EngineConfig.from_options(num_scheduler_steps=4, **options)
     assert EngineConfig.from_options(num_scheduler_steps=1, **options).scheduler.num_scheduler_steps == 1
     assert EngineConfig.from_options(num_scheduler_steps=4).scheduler.num_scheduler_steps == 4
+
+
+@pytest.mark.parametrize("value", ["5.9,0.01", " 5.9, 0.01", [5.9, 0.01], (5.9, 0.01), ["5.9", "0.01"]])
+def test_simulated_step_ms_is_two_floats_whatever_form_it_comes_in(value) -> None:
+    step_ms = EngineConfig.from_options(simulated_step_ms=value).model.simulated_step_ms
+    assert step_ms == (5.9, 0.01) and type(step_ms) is tuple
+    assert ModelConfig(simulated_step_ms=(0, 0)).simulated_step_ms == (0.0, 0.0)
+    assert ModelConfig().simulated_step_ms is None
+
+
+@pytest.mark.parametrize("options", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                     dict(speculative_model="ngram", num_speculative_tokens=2),
+                                     dict(num_scheduler_steps=4)])
+def test_a_simulated_device_is_one_device_without_drafts_or_multi_step(options: dict) -> None:
+    with pytest.raises(ValueError, match="^simulated_step_ms: a simulated device runs"):
+        EngineConfig.from_options(simulated_step_ms="1,0", **options)
+
+
+def test_a_simulated_device_overlaps_steps_and_freezes_the_heap_as_a_gpu() -> None:
+    model = ModelConfig()
+    assert [model.overlaps_steps(d) for d in ("cuda", "sim", "cpu")] == [True, True, False]
+    assert [model.freezes_startup_heap(d) for d in ("cuda", "sim", "cpu")] == [True, True, False]
+    assert ModelConfig(overlap_steps=False).overlaps_steps("sim") is False

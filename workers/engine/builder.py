@@ -4,7 +4,9 @@ server's group (`GroupServer`) build their engines here, and a failed group is r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.group_engine import GroupEngine
@@ -27,7 +29,7 @@ def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEn
     # loads: a group rebuilt after a fault serves that much sooner, most of all on a busy host.
     with ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer") as pool:
         tokenizer_loaded = pool.submit(load_tokenizer, model_dir)
-        executor = _start_executor(config, hf_config, model_dir, show_progress)
+        executor = _start_executor(config, hf_config, model_dir, show_progress, tokenizer_loaded.result)
         try:
             tokenizer = tokenizer_loaded.result()
         except BaseException:
@@ -40,11 +42,17 @@ def rebuild_engine(failed: GroupEngine) -> GroupEngine:
     """A group in place of a failed one: new workers for the same model and options (in the
     same placement group when the group runs in one), the tokenizer kept, the cache empty."""
     failed.shutdown()  # what is left of the old workers, and its draft's attachment
-    executor = _start_executor(failed.config, failed.hf_config, failed.model_dir, show_progress=False)
+    executor = _start_executor(failed.config, failed.hf_config, failed.model_dir, False, lambda: failed.tokenizer)
     return _assemble(failed.config, failed.hf_config, failed.tokenizer, executor, failed.model_dir)
 
 
-def _start_executor(config: EngineConfig, hf_config, model_dir: str, show_progress: bool):
+def _start_executor(config: EngineConfig, hf_config, model_dir: str, show_progress: bool,
+                    tokenizer: Callable[[], Any]):
+    if config.model.simulated_step_ms is not None:
+        from tandem.workers.executor.simulated import SimulatedExecutor, tokenizer_special_ids
+
+        # No weights to load meanwhile: it waits for the tokenizer, whose special ids its tokens avoid.
+        return SimulatedExecutor(config, hf_config, special_token_ids=tokenizer_special_ids(tokenizer()))
     if config.parallel.world_size > 1:
         from tandem.workers.executor.ray_executor import RayExecutor  # Ray only when a group spans ranks
 

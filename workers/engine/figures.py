@@ -62,5 +62,6 @@ def model_cost(hf_config: HFModelConfig, dtype_option: str, device_type: str) ->
     """What the whole model's forward pass costs (FLOPs, bytes), in the dtype it runs in on `device_type`."""
     import torch
 
-    dtype = hf_config.resolve_dtype(dtype_option, torch.device(device_type))
+    # A simulated device stands for a GPU: the model's dtype as it would run there.
+    dtype = hf_config.resolve_dtype(dtype_option, torch.device("cuda" if device_type == "sim" else device_type))
     return ModelCost.from_hf_config(hf_config, itemsize=dtype.itemsize)

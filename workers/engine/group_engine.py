@@ -28,6 +28,7 @@ from tandem.workers.device_peaks import DevicePeaks
 from tandem.workers.engine.figures import exporter_figures, keep_leader_figures, model_cost, request_metrics
 from tandem.workers.engine.prompts import Prompt, sequence_id, sequences, tokenize_prompt
 from tandem.workers.executor.abstract import Executor
+from tandem.workers.executor.simulated import SimulatedExecutor
 from tandem.workers.executor.uniproc import UniProcExecutor
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.spec.policy import SpeculationPolicy
@@ -74,8 +75,7 @@ class GroupEngine:
         self.spec_policy = SpeculationPolicy(disable_batch_size=config.speculative.disable_batch_size)
         self.counters = EngineStats(cost=model_cost(hf_config, config.model.dtype,
                                                     getattr(executor, "device_type", "cpu")))
-        overlap = config.model.overlap_steps
-        self.overlap_steps = overlap if overlap is not None else getattr(executor, "device_type", "cpu") == "cuda"
+        self.overlap_steps = config.model.overlaps_steps(getattr(executor, "device_type", "cpu"))
         # Steps launched and not yet collected, oldest first: (step, its output, launched at).
         # At most two, and two only inside step() while one is scheduled ahead.
         self._in_flight: deque[tuple[Any, PendingOutput, float]] = deque()
@@ -290,8 +290,8 @@ class GroupEngine:
 
     def probe_device_peaks(self) -> tuple[DevicePeaks, int] | None:
         """(peaks of one of the model's devices, how many devices the group has), measured with
-        `tandem bench`'s probes; None where the model runs on Ray workers, not here."""
-        if not self.model_in_process:
+        `tandem bench`'s probes; None where the model runs on Ray workers, or is simulated."""
+        if not isinstance(self.executor, UniProcExecutor):
             return None
         runner = self.executor.runner
         return DevicePeaks.probe(runner.device, runner.dtype, quick=True), 1
@@ -336,8 +336,9 @@ class GroupEngine:
     @property
     def model_in_process(self) -> bool:
         """The model runs in this process, not on Ray workers: the KV blocks it exports and
-        imports are tensors here, where Ray workers would take object refs themselves."""
-        return isinstance(self.executor, UniProcExecutor)
+        imports are tensors here, where Ray workers would take object refs themselves. A simulated
+        device is in this process too."""
+        return isinstance(self.executor, (UniProcExecutor, SimulatedExecutor))
 
     # ---- the cluster allocator's view ----------------------------------------------------------
     def enable_block_events(self) -> None:

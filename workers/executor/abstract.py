@@ -16,7 +16,7 @@ from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, Sc
 
 class Executor(Protocol):
     num_kv_blocks: int
-    device_type: str  # "cuda" or "cpu": where the model runs
+    device_type: str  # "cuda" or "cpu": where the model runs; "sim": nowhere (simulated_step_ms)
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput: ...
 
