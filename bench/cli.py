@@ -163,12 +163,24 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-concurrency", type=int, default=None, help="in flight for the server/offline "
                    "comparison (default 16; 8 with --quick)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per level (default 64; --quick 24)")
+    p.add_argument("--prompt-len", type=int, default=None, metavar="N", help="every prompt N tokens (default: "
+                   "uniform in 32..256; --quick 16..96)")
+    p.add_argument("--output-len", type=int, default=None, metavar="N", help="every request N output tokens "
+                   "(default: uniform in 32..128; --quick 16..48)")
+    p.add_argument("--no-stall-check", dest="stall_check", action="store_false", help="without --url: leave out "
+                   "the stall check (32 streams, without and with an 8 MiB text prompt arriving; "
+                   "stall_itl_p99_ratio)")
     p.add_argument("--vocab-size", type=int, default=None, help="prompt token ids are drawn below this "
                    f"(default: the model's; {serve.URL_MODE_VOCAB_SIZE} with --url)")
     p.add_argument("--slo-ttft-ms", type=float, default=serve.DEFAULT_SLO_TTFT_MS)
     p.add_argument("--slo-tpot-ms", type=float, default=serve.DEFAULT_SLO_TPOT_MS)
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests, each answered whole "
                    "(TTFT is then E2E): what batch clients that wait for the whole answer cost the server")
+    p.add_argument("--no-stream-channels", dest="stream_channels", action="store_false", help="without --url: "
+                   "each streamed request's deltas over its own group call, one Ray message per delta (the "
+                   "path before channels; for comparison)")
+    p.add_argument("--ingress-replicas", type=int, default=None, help="without --url: ingress replicas "
+                   "(default: the server's)")
 
 
 def _add_prefix_args(p: argparse.ArgumentParser) -> None:

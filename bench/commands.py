@@ -113,15 +113,28 @@ def bench_serve(hooks: RouterHooks, args: argparse.Namespace) -> int:
     spec = SERVE_QUICK if args.quick else SERVE_FULL
     if args.num_requests:
         spec = replace(spec, num_requests=args.num_requests)
+    if args.prompt_len:
+        spec = replace(spec, prompt_len=(args.prompt_len, args.prompt_len))
+    if args.output_len:
+        spec = replace(spec, output_len=(args.output_len, args.output_len))
     figures = _measured(lambda: run_serve_bench(
         args.url, args.quick, model=model_dir, served_model=args.served_model, engine_options=options,
-        local_app=hooks.local_app, spec=spec,
+        local_app=hooks.local_app, spec=spec, serving_options=_serve_bench_serving(args),
         request_rates=[float(r) for r in args.request_rates.split(",")] if args.request_rates else None,
         concurrencies=[int(c) for c in args.concurrency.split(",")] if args.concurrency else None,
         compare_concurrency=args.compare_concurrency, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-        api_key=args.api_key, vocab_size=args.vocab_size, stream=not args.no_stream))
+        api_key=args.api_key, vocab_size=args.vocab_size, stream=not args.no_stream, stall_check=args.stall_check))
+    if args.url is None:
+        figures.update({f"serving_{k}": v for k, v in _serve_bench_serving(args).items()})
     print_serve_table(figures)
     return _finish(args, figures, plot_serve, warn=args.url is None)  # with --url the server is elsewhere
+
+
+def _serve_bench_serving(args: argparse.Namespace) -> dict[str, Any]:
+    serving: dict[str, Any] = {"stream_channels": args.stream_channels}
+    if args.ingress_replicas is not None:
+        serving["ingress_num_replicas"] = args.ingress_replicas
+    return serving
 
 
 def bench_spec(args: argparse.Namespace) -> int:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.bench.load_generator import LoadLevel, run_level
+from tandem.bench.process_cpu import cpu_used, tree_cpu_seconds
 from tandem.bench.report import log_progress
 from tandem.bench.serve import SERVE_QUICK, level_requests
 from tandem.bench.server import SERVED_MODEL_NAME, AppBuilder, bench_server
@@ -151,7 +152,7 @@ def telemetry_share(cost: dict[str, float], num_requests: int, seconds: float, c
 def _measure(url: str, requests: list[BenchRequest], level: LoadLevel) -> Pass:
     before = tree_cpu_seconds(os.getpid())
     records, seconds = asyncio.run(run_level(url, requests, level, model=SERVED_MODEL_NAME))
-    cpu = _cpu_used(before, tree_cpu_seconds(os.getpid()))
+    cpu = cpu_used(before, tree_cpu_seconds(os.getpid()))
     return Pass(sum(rec.num_output_tokens for rec in records if rec.ok), seconds, cpu,
                 sum(1 for rec in records if not rec.ok))
 
@@ -174,41 +175,6 @@ def _count_request_spans(path: str) -> int:
         return 0
     with open(path) as f:
         return sum(1 for line in f if line.strip() and not json.loads(line)["name"].startswith("GET "))
-
-
-# ---- CPU time of a process tree (Linux /proc) ------------------------------------------------------
-def tree_cpu_seconds(root: int) -> dict[int, float]:
-    """{pid: user + system CPU seconds} of `root` and every process descended from it."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        pid = int(entry)
-        parents[pid] = int(fields[1])
-        times[pid] = (int(fields[11]) + int(fields[12])) / tick
-    children: dict[int, list[int]] = {}
-    for pid, parent in parents.items():
-        children.setdefault(parent, []).append(pid)
-    tree, stack = {}, [root]
-    while stack:
-        pid = stack.pop()
-        if pid in times:
-            tree[pid] = times[pid]
-        stack.extend(children.get(pid, ()))
-    return tree
-
-
-def _cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
-    """CPU seconds spent between two readings (a process new since `before` counts whole)."""
-    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
 
 
 def table_rows(figures: dict[str, Any]) -> list[tuple[str, Any, str]]:

@@ -15,6 +15,9 @@ second that met every SLO (TTFT and TPOT bounds, stated in the output).
 With no `--url` it serves tandem itself (bench/server.py), and also runs the
 offline engine on the same requests with the same number in flight:
 `server_vs_offline_throughput` = server output tok/s / offline output tok/s (target >= 0.9).
+There it also measures the served path (bench/serve_figures.py): `server_cpu_us_per_token`
+over the compare level, `single_stream_itl_ratio` (with `simulated_step_ms`) and
+`stall_itl_p99_ratio` (streaming; `stall_check` False leaves it out).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from collections import deque
 from typing import Any
 
+from tandem.bench import serve_figures
 from tandem.bench.load_generator import LoadLevel, base_url, httpx, run_level, summarize
 from tandem.bench.report import log_progress
 from tandem.bench.server import SERVED_MODEL_NAME, AppBuilder, bench_server
@@ -47,9 +51,10 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
                     concurrencies: list[int] | None = None, compare_concurrency: int | None = None,
                     spec: WorkloadSpec | None = None, slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS,
                     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS, api_key: str | None = None,
-                    vocab_size: int | None = None, stream: bool = True, show_progress: bool = True) -> dict[str, Any]:
+                    vocab_size: int | None = None, stream: bool = True, stall_check: bool = True,
+                    show_progress: bool = True) -> dict[str, Any]:
     """Figures of every load level, as one flat dict. `stream` False: non-streaming requests
-    (answered whole; TTFT is then E2E).
+    (answered whole; TTFT is then E2E; no ITL, so no single-stream level or stall check).
 
     With `url`, load that server (`served_model`: the model name to send; default: the first of
     its /v1/models). With url None, serve tandem through `local_app` (`model`: a local
@@ -92,9 +97,19 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
     compare_requests = level_requests(spec, vocab, server_levels.index(compare))
     figures["offline_output_tok_s"] = offline_throughput(model_dir, options, compare_requests, compare.concurrency)
     app_options = {**(serving_options or {}), **options, "model": model_dir}
+    step_ms = serve_figures.simulated_step(options)
     with bench_server(local_app, {"": app_options}, num_cpus=(os.cpu_count() or 1) + 4, address=address) as urls:
         figures.update(url=urls[""])
-        _run_levels(urls[""], spec, vocab, server_levels, figures, SERVED_MODEL_NAME, None, show_progress, stream)
+        # A joined cluster's processes are not this one's descendants: their CPU is not ours to
+        # read. Without /proc (not Linux) there is nothing to read it from.
+        cpu_key = compare.key if address is None and os.path.isdir("/proc") else None
+        _run_levels(urls[""], spec, vocab, server_levels, figures, SERVED_MODEL_NAME, None, show_progress, stream,
+                    cpu_key)
+        extra = len(server_levels)  # request-set indices past the levels': no prefix-cache hits
+        if stream and step_ms is not None:
+            _single_stream(urls[""], spec, vocab, extra, step_ms, figures, show_progress)
+        if stream and stall_check:
+            _stall_check(urls[""], spec, vocab, extra + 1, figures, show_progress)
     figures["server_output_tok_s"] = figures[f"{compare.key}_output_tok_s"]
     figures["server_vs_offline_throughput"] = figures["server_output_tok_s"] / figures["offline_output_tok_s"]
     return figures
@@ -105,15 +120,45 @@ def level_requests(spec: WorkloadSpec, vocab_size: int, index: int) -> list[Benc
 
 
 def _run_levels(url: str, spec: WorkloadSpec, vocab_size: int, levels: list[LoadLevel], figures: dict[str, Any],
-                model: str | None, api_key: str | None, show_progress: bool, stream: bool = True) -> None:
+                model: str | None, api_key: str | None, show_progress: bool, stream: bool = True,
+                cpu_key: str | None = None) -> None:
+    """Each level's figures into `figures`; around the level named `cpu_key`, the server's CPU too."""
     # Warm-up prompts are shorter than a KV block, so they leave nothing in the prefix cache.
     warmup = [BenchRequest(r.prompt_token_ids[:8], 4) for r in level_requests(spec, vocab_size, -1)[:2]]
     asyncio.run(run_level(url, warmup, LoadLevel(rate=math.inf), model=model, api_key=api_key, stream=stream))
     for i, level in enumerate(levels):
         log_progress("serve", show_progress, f"server at {level.key}: {spec.num_requests} requests")
+        cpu_before = serve_figures.read_server_cpu() if level.key == cpu_key else None
         records, duration = asyncio.run(run_level(url, level_requests(spec, vocab_size, i), level, model=model,
                                                   api_key=api_key, seed=spec.seed + i, stream=stream))
+        if cpu_before is not None:
+            figures.update(serve_figures.server_cpu_figures(cpu_before, serve_figures.read_server_cpu(), records,
+                                                            duration))
         figures.update(summarize(level.key, records, duration, figures["slo_ttft_ms"], figures["slo_tpot_ms"]))
+
+
+def _single_stream(url: str, spec: WorkloadSpec, vocab_size: int, index: int, step_ms: tuple[float, float],
+                   figures: dict[str, Any], show_progress: bool) -> None:
+    """One request in flight at a time: `single_stream_*` and its ITL p50 over the simulated step."""
+    few = dataclasses.replace(spec, num_requests=serve_figures.SINGLE_STREAM_REQUESTS)
+    log_progress("serve", show_progress, f"single stream: {few.num_requests} requests, one at a time")
+    records, duration = asyncio.run(run_level(url, level_requests(few, vocab_size, index), LoadLevel(concurrency=1),
+                                              model=SERVED_MODEL_NAME))
+    figures.update(summarize("single_stream", records, duration, figures["slo_ttft_ms"], figures["slo_tpot_ms"]))
+    figures.update(simulated_step_base_ms=step_ms[0], simulated_step_per_seq_ms=step_ms[1],
+                   single_stream_itl_ratio=serve_figures.single_stream_itl_ratio(serve_figures.itl_gaps(records),
+                                                                                 step_ms))
+
+
+def _stall_check(url: str, spec: WorkloadSpec, vocab_size: int, index: int, figures: dict[str, Any],
+                 show_progress: bool) -> None:
+    """`stall_*`: the streams of request sets `index` and `index + 1`, the second with the 8 MiB prompt."""
+    many = dataclasses.replace(spec, num_requests=serve_figures.STALL_STREAMS)
+    log_progress("serve", show_progress, f"stall check: {many.num_requests} streams, without and with an 8 MiB "
+                 "text prompt")
+    figures.update(serve_figures.run_stall_check(
+        url, level_requests(many, vocab_size, index), level_requests(many, vocab_size, index + 1),
+        model=SERVED_MODEL_NAME, slo_ttft_ms=figures["slo_ttft_ms"], slo_tpot_ms=figures["slo_tpot_ms"]))
 
 
 def _served_model(url: str, api_key: str | None) -> str | None:

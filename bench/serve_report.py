@@ -11,6 +11,7 @@ from tandem.bench.load_generator import METRICS, PERCENTILES
 
 TARGET_SERVER_VS_OFFLINE = 0.9
 
+_SERVED_PATH_LEVELS = ("single_stream", "stall_off", "stall_on")  # bench/serve_figures.py's
 _COLUMNS = [("req/s", "request_throughput"), ("out tok/s", "output_tok_s"), ("goodput", "goodput_req_s"),
             ("fail", "num_failed")] + [(f"{m.upper()} p{p}", f"{m}_p{p}_ms") for m in METRICS for p in (50, 99)]
 
@@ -19,6 +20,7 @@ def print_serve_table(figures: dict[str, Any], file: Any = None) -> None:
     levels = [k for k in figures["load_levels"].split(",")]
     if "compare_concurrency" in figures and f"conc{figures['compare_concurrency']}" not in levels:
         levels.append(f"conc{figures['compare_concurrency']}")
+    levels += [key for key in _SERVED_PATH_LEVELS if f"{key}_num_failed" in figures]
     header = ["level"] + [name for name, _ in _COLUMNS]
     rows = [[lv] + [_fmt(figures.get(f"{lv}_{suffix}")) for _, suffix in _COLUMNS] for lv in levels]
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
@@ -34,7 +36,32 @@ def print_serve_table(figures: dict[str, Any], file: Any = None) -> None:
         lines.append(f"server_vs_offline_throughput {ratio:.3f} (server {figures['server_output_tok_s']:.1f} vs "
                      f"offline {figures['offline_output_tok_s']:.1f} out tok/s at {figures['compare_concurrency']} "
                      f"in flight; target >= {TARGET_SERVER_VS_OFFLINE}: {verdict})")
+    lines += served_path_lines(figures)
     print("\n".join(lines), file=file, flush=True)
+
+
+def served_path_lines(figures: dict[str, Any]) -> list[str]:
+    """One line per figure of the served path (bench/serve_figures.py) the run measured."""
+    lines = []
+    if "server_cpu_us_per_token" in figures:
+        lines.append(f"server_cpu_us_per_token {figures['server_cpu_us_per_token']:.1f} (server process tree: "
+                     f"{figures['server_cpu_s']:.2f} CPU s, {figures['server_cpu_cores']:.2f} cores on average, "
+                     f"{figures['server_num_processes']} processes, at {figures['compare_concurrency']} in flight)")
+    if "single_stream_itl_ratio" in figures:
+        step = figures["simulated_step_base_ms"] + figures["simulated_step_per_seq_ms"]
+        lines.append(f"single_stream_itl_ratio {figures['single_stream_itl_ratio']:.3f} (ITL p50 "
+                     f"{figures['single_stream_itl_p50_ms']:.2f} ms, one stream at a time, over the simulated "
+                     f"step of one sequence, {step:g} ms)")
+    if "stall_itl_p99_ratio" in figures:
+        overlap = "" if figures["stall_overlapped"] else "; the streams had ended before it was sent"
+        lines.append(f"stall_itl_p99_ratio {figures['stall_itl_p99_ratio']:.3f} (ITL p99 of "
+                     f"{figures['stall_streams']} streams {figures['stall_on_itl_p99_ms']:.1f} ms with a "
+                     f"{figures['stall_prompt_bytes']}-byte text prompt arriving vs "
+                     f"{figures['stall_off_itl_p99_ms']:.1f} ms without; ITL max {figures['stall_on_itl_max_ms']:.1f}"
+                     f" vs {figures['stall_off_itl_max_ms']:.1f} ms, x{figures['stall_itl_max_ratio']:.2f}; the "
+                     f"prompt's answer: HTTP "
+                     f"{figures['stall_request_status']} after {figures['stall_request_s']:.2f} s{overlap})")
+    return lines
 
 
 def _fmt(value: Any) -> str:

@@ -197,6 +197,13 @@ def test_cli_registers_every_bench_command() -> None:
         args = build_parser().parse_args(["bench", command, "--bench-model", "llama-1b", "--quick"])
         assert (args.bench_command, args.bench_model, args.quick) == (command, "llama-1b", True)
     assert build_parser().parse_args(["bench", "spec"]).num_speculative_tokens == 12
+    args = build_parser().parse_args(["bench", "serve", "--concurrency", "128", "--compare-concurrency", "128",
+                                      "--num-requests", "256", "--output-len", "256", "--prompt-len", "64",
+                                      "--no-stall-check"])
+    assert (args.concurrency, args.compare_concurrency, args.num_requests) == ("128", 128, 256)
+    assert (args.output_len, args.prompt_len, args.stall_check) == (256, 64, False)
+    args = build_parser().parse_args(["bench", "serve"])
+    assert (args.output_len, args.prompt_len, args.stall_check) == (None, None, True)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "offline", "--bench-model", "llama-70b"])
 

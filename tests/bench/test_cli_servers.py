@@ -29,7 +29,7 @@ def local_ray() -> Iterator[None]:
 
 def test_serve(local_ray: None, tmp_path: Path) -> None:
     fig = bench(tmp_path, "serve", "--model", tiny_model(), "--quick", "--num-requests", "3", "--request-rates", "inf",
-                "--compare-concurrency", "2")
+                "--compare-concurrency", "2", "--no-stall-check")
     assert (fig["num_requests"], fig["load_levels"], fig["compare_concurrency"]) == (3, "rateinf", 2)
     assert fig["url"].startswith("http://127.0.0.1:") and fig["model"] == tiny_model()
     for level in ("rateinf", "conc2"):
@@ -38,6 +38,11 @@ def test_serve(local_ray: None, tmp_path: Path) -> None:
             assert fig[f"{level}_{key}"] > 0, f"{level}_{key}"
     assert fig["server_vs_offline_throughput"] == pytest.approx(
         fig["server_output_tok_s"] / fig["offline_output_tok_s"])
+    # The served path: the server's processes (Ray's, Serve's, the replicas') took CPU for the level's tokens.
+    assert fig["server_cpu_us_per_token"] > 0 and fig["server_num_processes"] >= 3
+    # The stall check (tests/bench/test_serve_figures.py) costs this test seconds of tokenizing
+    # 8 MiB; there is no simulated step for a single-stream level.
+    assert not any(key.startswith(("stall_", "single_stream")) for key in fig)
 
 
 def test_prefix(local_ray: None, tmp_path: Path) -> None:

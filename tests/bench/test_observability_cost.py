@@ -1,41 +1,17 @@
-"""`tandem bench observability`'s parts: CPU time of a process tree, the tracing environment
-of a run, and the rounds' ratios (runs stubbed; the real servers run in tests/bench)."""
+"""`tandem bench observability`'s parts: the tracing environment of a run and the rounds'
+ratios (runs stubbed; the real servers run in tests/bench; the process tree's CPU is
+tests/bench/test_process_cpu.py's)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 from contextlib import contextmanager
 
 import pytest
 
 from tandem.bench import observability_cost as obs
-from tandem.bench.observability_cost import ObservabilityCostConfig, tree_cpu_seconds
+from tandem.bench.observability_cost import ObservabilityCostConfig
 from tandem.bench.workload import WorkloadSpec
-
-SPIN = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(30)"
-
-
-def test_a_process_tree_counts_its_childrens_cpu() -> None:
-    # A child that burns 0.6 s of CPU, then sleeps: its time is in the tree, a stranger's is not.
-    child = subprocess.Popen([sys.executable, "-c", SPIN])
-    try:
-        deadline = time.monotonic() + 30
-        while tree_cpu_seconds(os.getpid()).get(child.pid, 0.0) < 0.6:
-            assert time.monotonic() < deadline, "the child's CPU time never showed"
-            time.sleep(0.1)
-        tree = tree_cpu_seconds(os.getpid())
-        assert os.getpid() in tree and child.pid in tree and 1 not in tree
-        assert tree[child.pid] == pytest.approx(0.6, abs=0.15)
-    finally:
-        child.kill()
-        child.wait()
-
-
-def test_cpu_used_counts_new_processes_whole_and_old_ones_by_their_increase() -> None:
-    assert obs._cpu_used({1: 2.0, 2: 5.0}, {1: 2.5, 3: 0.25}) == 0.75
 
 
 def test_the_tracing_variables_are_cleared_for_a_run_and_restored_after(monkeypatch) -> None:

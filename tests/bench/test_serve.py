@@ -1,94 +1,22 @@
-"""`tandem bench serve` against a fake OpenAI streaming server: metrics math, requests sent, outputs."""
+"""`tandem bench serve` against a fake OpenAI streaming server (tests/bench/conftest.py): metrics
+math, requests sent, outputs."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-import threading
 
 import pytest
-from aiohttp import web
 
 from tandem.bench import load_generator, report, serve_report
 from tandem.bench import serve as bench_serve
 from tandem.bench.load_generator import LoadLevel, RequestRecord, arrival_offsets, summarize
 from tandem.bench.serve import run_serve_bench
 from tandem.bench.workload import BenchRequest, WorkloadSpec, make_workload
+from tests.bench.conftest import FIRST_TOKEN_S, PNG_MAGIC, TOKEN_GAP_S
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FIRST_TOKEN_S = 0.08  # the fake server's time to first token
-TOKEN_GAP_S = 0.02  # and between tokens
 SPEC = WorkloadSpec(num_requests=6, prompt_len=(4, 9), output_len=(3, 5), seed=1)
-
-
-class FakeOpenAIServer:
-    """/v1/completions streaming one chunk per token at fixed delays, then usage (or, not
-    streaming, the whole answer after the same delays); /v1/models."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict] = []
-        self.fail_prompt_len: int | None = None  # prompts of this length get a 400
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> str:
-        self._thread.start()
-        assert self._ready.wait(10), "fake server did not start"
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_get("/v1/models", self._models)
-        runner = web.AppRunner(app)
-        self._loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.port = runner.addresses[0][1]
-        self._ready.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(runner.cleanup())
-
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        if len(body["prompt"]) == self.fail_prompt_len:
-            return web.json_response({"error": {"message": "prompt: too long", "type": "invalid_request_error"}},
-                                     status=400)
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"],
-                 "total_tokens": len(body["prompt"]) + body["max_tokens"]}
-        if not body["stream"]:
-            await asyncio.sleep(FIRST_TOKEN_S + (body["max_tokens"] - 1) * TOKEN_GAP_S)
-            text = "".join(f"t{i}" for i in range(body["max_tokens"]))
-            return web.json_response({"choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-                                      "usage": usage}, headers={"x-tandem-groups": "g1"})
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for i in range(body["max_tokens"]):
-            await asyncio.sleep(FIRST_TOKEN_S if i == 0 else TOKEN_GAP_S)
-            last = i == body["max_tokens"] - 1
-            chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": "length" if last else None}]}
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
-        return response
-
-
-@pytest.fixture
-def fake_server():
-    server = FakeOpenAIServer()
-    with server as url:
-        yield server, url
 
 
 # ---- pure math ------------------------------------------------------------------------------------
@@ -240,3 +168,34 @@ def test_cli_against_a_url(fake_server, tmp_path, capsys, monkeypatch) -> None:
 def test_serving_here_needs_an_app_builder() -> None:
     with pytest.raises(ValueError, match="local_app"):
         run_serve_bench(None, True, spec=SPEC)
+
+
+def test_fixed_prompt_and_output_lengths(fake_server, tmp_path) -> None:
+    from tandem.cli.main import main
+
+    server, url = fake_server
+    out_json = tmp_path / "out.json"
+    assert main(["bench", "serve", "--url", url, "--num-requests", "3", "--concurrency", "3", "--prompt-len", "7",
+                 "--output-len", "4", "--vocab-size", "50", "--output-json", str(out_json)]) == 0
+    figures = json.loads(out_json.read_text())
+    lengths = ("prompt_len_min", "prompt_len_max", "output_len_min", "output_len_max")
+    assert [figures[k] for k in lengths] == [7, 7, 4, 4]
+    assert [(len(b["prompt"]), b["max_tokens"]) for b in server.bodies[2:]] == [(7, 4)] * 3  # after the warm-up
+    # The served path's figures are measured only on a tandem served here.
+    assert not any(k.startswith(("stall_", "single_stream", "server_cpu")) for k in figures)
+
+
+def test_the_served_path_levels_against_the_fake_server(fake_server) -> None:
+    server, url = fake_server
+    figures = {"slo_ttft_ms": 1000.0, "slo_tpot_ms": 1000.0}
+    bench_serve._single_stream(url, SPEC, 100, 5, (6.0, 0.5), figures, show_progress=False)
+    assert figures["single_stream_num_completed"] == 4 and len(server.bodies) == 4
+    assert all(b["model"] == "tandem-bench" for b in server.bodies)
+    assert (figures["simulated_step_base_ms"], figures["simulated_step_per_seq_ms"]) == (6.0, 0.5)
+    assert figures["single_stream_itl_ratio"] == pytest.approx(figures["single_stream_itl_p50_ms"] / 6.5)
+    bench_serve._stall_check(url, SPEC, 100, 6, figures, show_progress=False)
+    # 32 streams without, 32 with, and the 8 MiB body (over the fake server's 1 MiB limit: never parsed).
+    assert (figures["stall_off_num_completed"], figures["stall_on_num_completed"]) == (32, 32)
+    assert len(server.bodies) == 4 + 64 and figures["stall_body_bytes"] == 8 * 1024 * 1024 - 4096
+    token_sets = [b["prompt"] for b in server.bodies[4:36]], [b["prompt"] for b in server.bodies[36:]]
+    assert not set(map(tuple, token_sets[0])) & set(map(tuple, token_sets[1]))  # two request sets

@@ -1,0 +1,58 @@
+"""CPU time of a process tree, read from Linux's /proc: what a local server (Ray, Serve, the
+replicas) spends, counted from the benchmark process that started it.
+
+    tree = tree_cpu_seconds(os.getpid(), include_root=False)   # before
+    ...                                                        # the load
+    cpu_used(tree, tree_cpu_seconds(os.getpid(), include_root=False))
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def tree_cpu_seconds(root: int, *, include_root: bool = True) -> dict[int, float]:
+    """{pid: user + system CPU seconds} of every process descended from `root`, and of `root`
+    itself unless `include_root` is False (a load generator running in it is no server's)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # The command name is in parentheses and may hold spaces or ")": the fields start after
+        # its last ")". fields[1] is the parent's pid, fields[11:13] utime and stime in ticks.
+        fields = stat[stat.rindex(")") + 2:].split()
+        pid = int(entry)
+        parents[pid] = int(fields[1])
+        times[pid] = (int(fields[11]) + int(fields[12])) / tick
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    tree: dict[int, float] = {}
+    stack = [root]
+    while stack:
+        pid = stack.pop()
+        if pid in times and (include_root or pid != root):
+            tree[pid] = times[pid]
+        stack.extend(children.get(pid, ()))
+    return tree
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds the tree spent between two readings, counted per pid.
+
+    A process new since `before` counts from 0 (all its time is in the interval). One gone by
+    `after` is lost: what it spent since `before` is no longer in /proc (it went to its parent's
+    cutime, which only a waiting parent collects), so short-lived processes are undercounted.
+    A pid whose time went down is a reused pid, a new process: it counts from 0 too."""
+    total = 0.0
+    for pid, seconds in after.items():
+        earlier = before.get(pid, 0.0)
+        total += seconds - earlier if seconds >= earlier else seconds
+    return total
