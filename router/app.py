@@ -13,6 +13,7 @@ bundle 0 holds the GroupServer replica (the engine), bundles 1..tp*pp its worker
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from ray.serve import Application
@@ -46,7 +47,10 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # with 0, Serve replaces the whole replica (workers/serving/group_healer.py).
     "max_group_rebuilds": 3,
     "group_rebuild_timeout_s": 120.0,
-    "ingress_num_replicas": 1,
+    # Ingress replicas (each carries its share of the streams, on its own event loop, and
+    # admits its share of the bounds below); None: one per 8 cores of the node that builds
+    # the application, at least 1 and at most 8 (default_ingress_replicas).
+    "ingress_num_replicas": None,
     "ingress_num_cpus": 0,  # tokenizing is light; a laptop's CPUs go to the groups
     # Streams one ingress replica carries at once. The ingress only awaits, so it can carry
     # thousands; Serve's default (5) would hold the rest at the proxy for whole requests.
@@ -60,6 +64,16 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # larger messages through Serve. 0 = every step's tokens as they come (merging only what
     # is already waiting).
     "stream_interval_ms": 0,
+    # Streamed requests' deltas travel over one channel per ingress replica and group, one
+    # message per flush for all of its streams (workers/serving/outbox.py); False: each
+    # request's deltas over its own call, one Ray message per delta.
+    "stream_channels": True,
+    # Messages per second one ingress replica sends its clients, all streams together (with
+    # stream_channels; 0 = no bound): each costs the ingress and Serve's proxy the same
+    # whatever it holds, so past this a stream's tokens gather into fewer, larger messages
+    # (router/group_channels.py). Near what Serve's streaming path carries on a small host;
+    # a stream waits for nothing while fewer than (this x step time) streams run.
+    "ingress_max_chunks_per_s": 2000.0,
     # With a draft model: the application's groups share one draft actor (placed by the
     # first group to start); False: a draft per group.
     "share_draft": True,
@@ -102,6 +116,12 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {serving['routing']!r}")
     served_model_name = serving["served_model_name"] or config.model.model or DEMO_MODEL_NAME
 
+    serving["ingress_num_replicas"] = num_ingress_replicas(serving)
+    if not isinstance(serving["ingress_num_replicas"], int) or serving["ingress_num_replicas"] < 1:
+        raise ValueError(f"ingress_num_replicas: must be an integer >= 1, got {serving['ingress_num_replicas']!r}")
+    chunks = serving["ingress_max_chunks_per_s"]
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, float)) or not 0 <= chunks < math.inf:
+        raise ValueError(f"ingress_max_chunks_per_s: must be a number >= 0 (0: no bound), got {chunks!r}")
     if serving["kv_fetch"] not in FETCH_MODES:
         raise ValueError(f"kv_fetch: must be one of {', '.join(FETCH_MODES)}, got {serving['kv_fetch']!r}")
     group_options = {"kv_allocator": config.cache.enable_prefix_caching,
@@ -121,7 +141,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
                       "max_model_len": config.model.max_model_len, "api_key": serving["api_key"],
                       "limits": {"max_body_bytes": serving["max_request_body_bytes"]},
-                      "admission": admission}
+                      "admission": admission, "stream_channels": serving["stream_channels"],
+                      "max_chunks_per_s": serving["ingress_max_chunks_per_s"]}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
                                     max_ongoing_requests=serving["ingress_max_ongoing_requests"],
                                     ray_actor_options={"num_cpus": serving["ingress_num_cpus"],
@@ -129,12 +150,25 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return ingress.bind(group, ingress_config)
 
 
+def default_ingress_replicas(cores: int) -> int:
+    """Ingress replicas for a node of `cores`: a replica's event loop carries a few thousand
+    stream messages a second (bench/RESULTS.md), so a GPU host's streams want more than one;
+    a small host's cores go to the groups."""
+    return max(1, min(8, cores // 8))
+
+
+def num_ingress_replicas(serving: dict[str, Any]) -> int:
+    """The option, or its default for this node when it is None."""
+    given = serving["ingress_num_replicas"]
+    return default_ingress_replicas(os.cpu_count() or 1) if given is None else given
+
+
 def admission_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any] | None:
     """One ingress replica's AdmissionLimits fields: the application's bounds, split evenly
     among the ingress replicas (each counts only the requests it carries)."""
     if not serving["admission_control"]:
         return None
-    num_ingress = max(1, serving["ingress_num_replicas"])
+    num_ingress = num_ingress_replicas(serving)
     per_group = serving["max_requests_per_group"]
     if per_group is None:
         max_ongoing = serving["max_ongoing_requests"] or 2 * config.scheduler.max_num_seqs
@@ -175,7 +209,8 @@ def _group_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, A
     use_gpu = _use_gpu(config.model.device)
     max_ongoing = serving["max_ongoing_requests"] or 2 * config.scheduler.max_num_seqs
     options: dict[str, Any] = {
-        "max_ongoing_requests": max_ongoing,
+        # Each ingress replica's channel (stream_channels) is one more call a group carries.
+        "max_ongoing_requests": max_ongoing + num_ingress_replicas(serving),
         "max_queued_requests": serving["max_queued_requests"],
         "health_check_period_s": serving["health_check_period_s"],
         "request_router_config": RequestRouterConfig(

@@ -21,18 +21,16 @@ from tandem.router.protocol import (
 )
 from tandem.router.streams import DONE, ChoiceState, Reply, UsageCounter, merge, open_streams, sse
 from tandem.workers.core.request import PositionLogprobs
-from tandem.workers.text.tokenizer import apply_chat_template
 
 
 class ChatServing:
     def __init__(self, client: EngineClient) -> None:
         self.client = client
 
-    def prompt_token_ids(self, req: ChatCompletionRequest) -> list[int]:
+    async def prompt_token_ids(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = apply_chat_template(self.client.tokenizer, messages)
         # The template writes any special tokens itself (as LLM.chat does).
-        return self.client.tokenizer(text, add_special_tokens=False).input_ids
+        return await self.client.text.render_chat(messages, "messages")
 
     def sampling(self, req: ChatCompletionRequest) -> dict:
         if req.top_logprobs is not None and not req.logprobs:
@@ -46,7 +44,7 @@ class ChatServing:
 
     async def create(self, req: ChatCompletionRequest) -> Reply:
         deadline = req.deadline()
-        token_ids = self.prompt_token_ids(req)
+        token_ids = await self.prompt_token_ids(req)
         params = sampling_params(self.sampling(req))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # The prompt is the rendered messages: its errors name them.

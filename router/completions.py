@@ -31,8 +31,8 @@ class CompletionServing:
     def __init__(self, client: EngineClient) -> None:
         self.client = client
 
-    def prompts(self, req: CompletionRequest) -> list[_Prompt]:
-        tok = self.client.tokenizer
+    async def prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        text = self.client.text
         raw = req.prompt
         if isinstance(raw, str):
             raw = [raw]
@@ -40,12 +40,15 @@ class CompletionServing:
             raise ValueError("prompt: must not be empty")
         if all(isinstance(p, int) for p in raw):
             raw = [raw]
+        for p in raw:  # every text's length first: one too long is refused before any is tokenized
+            if isinstance(p, str):
+                text.check_length(len(p), "prompt")
         prompts = []
         for p in raw:
             if isinstance(p, str):
-                prompts.append(_Prompt(tok(p).input_ids, p))
+                prompts.append(_Prompt(await text.tokenize(p, "prompt"), p))
             else:
-                prompts.append(_Prompt(list(p), tok.decode(p) if req.echo else ""))
+                prompts.append(_Prompt(list(p), await text.decode(list(p)) if req.echo else ""))
         return prompts
 
     def sampling(self, req: CompletionRequest) -> dict:
@@ -60,7 +63,7 @@ class CompletionServing:
     async def create(self, req: CompletionRequest) -> Reply:
         """Validate (ValueError), start every prompt's group request, then answer or stream."""
         deadline = req.deadline()
-        prompts = self.prompts(req)
+        prompts = await self.prompts(req)
         params = sampling_params(self.sampling(req))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         # Every prompt is checked before any group request starts.

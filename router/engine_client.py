@@ -20,16 +20,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from tandem.router import tracing
+from tandem.router.group_channels import ChannelLost, ChannelStream, GroupChannels
+from tandem.router.text_work import TextWork
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.core.validation import PromptLimits, validate_prompt
 from tandem.workers.serving import tracer
@@ -40,6 +42,8 @@ logger = logging.getLogger(__name__)
 _HEALTH_TTL_S = 1.0
 _HEALTH_MAX_AGE = 10  # in TTLs: older than this, a request waits for a fresh answer
 _ATTEMPTS = 2  # a request its group failed before answering is sent once more
+_LAST_DELTA_GRACE_S = 10.0
+T = TypeVar("T")
 
 
 class ServiceUnavailable(Exception):
@@ -66,24 +70,47 @@ def sampling_params(options: dict[str, Any]) -> SamplingParams:
         raise ValueError(f"sampling: {exc}") from None
 
 
-async def _next_delta(response: Any, deadline: float | None) -> GroupDelta:
-    """The next delta of a group call, or RequestTimeout once `deadline` (monotonic) passes."""
+async def _before(awaitable: Awaitable[T], deadline: float | None) -> T:
+    """`awaitable`'s result, or RequestTimeout once `deadline` (monotonic) passes."""
     if deadline is None:
-        return await anext(response)
+        return await awaitable
     remaining = deadline - time.monotonic()
     if remaining <= 0:
+        if isinstance(awaitable, Coroutine):
+            awaitable.close()
         raise RequestTimeout("the request's timeout passed before it finished")
     try:
-        return await asyncio.wait_for(anext(response), remaining)
+        return await asyncio.wait_for(awaitable, remaining)
     except TimeoutError:
         raise RequestTimeout("the request's timeout passed before it finished") from None
 
 
+async def _watch(response: Any, stream: ChannelStream, group_id: str) -> None:
+    """A channelled request's call ends when the request does; a failure of it (the group's
+    replica died) ends the request's stream. The call's end and the request's last delta
+    travel apart: a last delta still missing `_LAST_DELTA_GRACE_S` after the call ended was
+    lost with its channel, and the request fails rather than waits for ever."""
+    try:
+        async for _ in response:
+            pass
+    except (RayError, RayServeException) as exc:
+        stream.put(_GroupFailed(type(exc).__name__, group_id))
+        return
+    await asyncio.sleep(_LAST_DELTA_GRACE_S)  # cancelled when the request ends first
+    stream.put(_GroupFailed("its call ended but the request's last delta never came", group_id))
+
+
 class EngineClient:
     def __init__(self, handle, *, tokenizer, model_name: str, max_model_len: int, vocab_size: int,
-                 group_deployment: str = "GroupServer") -> None:
+                 group_deployment: str = "GroupServer", channels: bool = True,
+                 max_chunks_per_s: float = 0.0) -> None:
+        """`channels`: streamed requests' deltas come over one channel per group (group_channels.py),
+        their streams sharing `max_chunks_per_s` (0: no bound); False: each over its own call,
+        one Ray message per delta."""
         self._handle = handle.options(stream=True)
+        self.channels = GroupChannels(self._handle, max_chunks_per_s) if channels else None
         self.tokenizer = tokenizer
+        self.text = TextWork(tokenizer, max_model_len)  # tokenizing off the event loop
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -137,34 +164,78 @@ class EngineClient:
 
     async def _attempt(self, request: GroupRequest, deadline: float | None) -> AsyncIterator[GroupDelta]:
         """One group call; a failed group is `_GroupFailed`, whatever way Ray reports it."""
-        response = self._handle.generate.remote(request)
-        finished = False
+        if self.channels is not None and not request.final_only:
+            deltas = self._over_channel(request, self.channels, deadline)
+        else:
+            deltas = self._over_call(request, deadline)
         num_output_tokens = 0
         try:
-            while True:
-                try:
-                    delta = await _next_delta(response, deadline)
-                except StopAsyncIteration:  # the group's generator ended without a last delta
-                    raise _GroupFailed("its stream ended before the request finished") from None
-                if delta.error:
-                    if delta.error_kind == "invalid_request":
-                        raise ValueError(delta.error)
-                    raise _GroupFailed(delta.error, delta.group_id)
-                finished = delta.finished
-                if request.trace_context is not None:
-                    num_output_tokens += delta.num_output_tokens
-                    if finished:
-                        tracing.note_usage(delta.num_prompt_tokens, num_output_tokens)
-                yield delta
-                if finished:
-                    return
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    if delta.error:
+                        if delta.error_kind == "invalid_request":
+                            raise ValueError(delta.error)
+                        raise _GroupFailed(delta.error, delta.group_id)
+                    if request.trace_context is not None:
+                        num_output_tokens += delta.num_output_tokens
+                        if delta.finished:
+                            tracing.note_usage(delta.num_prompt_tokens, num_output_tokens)
+                    yield delta
+                    if delta.finished:
+                        return
         except (BackPressureError, DeploymentUnavailableError) as exc:
             raise ServiceUnavailable(f"overloaded: {exc}") from None
         except (RayError, RayServeException) as exc:  # the replica or its actor died, or it raised
             raise _GroupFailed(type(exc).__name__) from exc
+        except ChannelLost as exc:
+            raise _GroupFailed(str(exc), exc.group_id) from None
+
+    async def _over_call(self, request: GroupRequest, deadline: float | None) -> AsyncIterator[GroupDelta]:
+        """The deltas as the call's own items; leaving before the last cancels the call."""
+        response = self._handle.generate.remote(request)
+        finished = False
+        try:
+            while not finished:
+                try:
+                    delta = await _before(anext(response), deadline)
+                except StopAsyncIteration:  # the group's generator ended without a last delta
+                    raise _GroupFailed("its stream ended before the request finished") from None
+                finished = delta.finished
+                yield delta
         finally:
             if not finished:
                 response.cancel()  # the group aborts it and frees its blocks
+
+    async def _over_channel(self, request: GroupRequest, channels: GroupChannels,
+                            deadline: float | None) -> AsyncIterator[GroupDelta]:
+        """The call answers `Accepted`; the deltas come over this ingress's channel to that group."""
+        stream = channels.open(request.request_id)
+        response = self._handle.generate.remote(replace(request, channel_id=channels.channel_id))
+        watcher: asyncio.Task | None = None
+        finished = False
+        try:
+            try:
+                accepted = await _before(anext(response), deadline)
+            except StopAsyncIteration:
+                raise _GroupFailed("its call ended before it accepted the request") from None
+            channels.accepted(stream, accepted.group_id)
+            watcher = asyncio.get_running_loop().create_task(_watch(response, stream, accepted.group_id))
+            while not finished:
+                delta = await _before(stream.next(), deadline)
+                finished = delta.finished
+                yield delta
+        finally:
+            channels.close(stream)
+            if watcher is not None:
+                watcher.cancel()
+            if not finished:
+                response.cancel()  # the group aborts it and frees its blocks
+
+    async def close(self) -> None:
+        """The ingress is stopping: its channels close, its text pool stops."""
+        if self.channels is not None:
+            await self.channels.shutdown()
+        self.text.shutdown()
 
     # ---- health --------------------------------------------------------------------------------
     async def groups_up(self) -> int:

@@ -72,7 +72,7 @@ class GrpcMethods:
         try:
             self._authenticate(grpc_context)
             async with admitted(getattr(self, "admission", None)):
-                group_request = self._prepare(request, final_only=True)
+                group_request = await self._prepare(request, final_only=True)
                 deadline = _deadline(request)
                 choices: dict[int, pb.Completion] = {}
                 last: GroupDelta | None = None
@@ -95,7 +95,7 @@ class GrpcMethods:
         try:
             self._authenticate(grpc_context)
             async with admitted(getattr(self, "admission", None)):
-                group_request = self._prepare(request)
+                group_request = await self._prepare(request)
                 request_id, num_top = group_request.request_id, group_request.sampling.logprobs
                 deadline = _deadline(request)
                 num_output_tokens = 0
@@ -119,7 +119,7 @@ class GrpcMethods:
             self._authenticate(grpc_context)
             self._check_model(request.model)
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            token_ids = self.client.tokenizer(request.text, add_special_tokens=add_special).input_ids
+            token_ids = await self.client.text.tokenize(request.text, "text", add_special_tokens=add_special)
         except Exception as exc:
             _set_status(grpc_context, exc)
             return pb.TokenizeResponse()
@@ -169,12 +169,12 @@ class GrpcMethods:
             raise RpcError(grpc.StatusCode.NOT_FOUND,
                            f"model: {model!r} is not served here; this server serves {self.client.model_name!r}")
 
-    def _prepare(self, request: pb.GenerateRequest, final_only: bool = False) -> GroupRequest:
+    async def _prepare(self, request: pb.GenerateRequest, final_only: bool = False) -> GroupRequest:
         """The checked group request; ValueError names the bad field."""
         self._check_model(request.model)
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            token_ids = list(self.client.tokenizer(request.text).input_ids)
+            token_ids = await self.client.text.tokenize(request.text, "prompt")
         elif kind == "token_ids":
             token_ids = list(request.token_ids.ids)
         else:

@@ -28,6 +28,8 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -65,7 +67,19 @@ except ImportError as exc:
 
 GROUP_HEADER = "x-tandem-groups"  # the replica groups serving a response (one per prompt)
 
-app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
+@asynccontextmanager
+async def _lifespan(_: FastAPI) -> AsyncIterator[None]:
+    yield
+    try:
+        server = serve.get_replica_context().servable_object
+    except Exception:  # noqa: BLE001 - no replica (a bare app): nothing of ours to stop
+        return
+    client = getattr(server, "client", None)
+    if client is not None:
+        await client.close()  # its channels' pumps end on this loop, not at its teardown
+
+
+app = FastAPI(title="tandem", docs_url=None, redoc_url=None, lifespan=_lifespan)
 install_error_handlers(app)
 app.openapi = openapi_document  # the routes parse their own bodies: the document states them
 app.add_middleware(TracingMiddleware)  # a span per request when tracing is on (router/tracing.py)
@@ -111,7 +125,8 @@ class OpenAIIngress(GrpcMethods):
         self.client = EngineClient(
             group, tokenizer=load_tokenizer(model_dir), model_name=config["served_model_name"],
             max_model_len=config.get("max_model_len") or hf_config.max_position_embeddings,
-            vocab_size=hf_config.vocab_size)
+            vocab_size=hf_config.vocab_size, channels=config.get("stream_channels", True),
+            max_chunks_per_s=config.get("max_chunks_per_s", 0.0))
         self.api_key = config.get("api_key")
         self.limits = RequestLimits(**config.get("limits", {}))
         admission = config.get("admission")

@@ -4,12 +4,17 @@ hostile-input battery and the fuzzers run thousands of requests in seconds.
 `EchoGroup` stands in for the GroupServer DeploymentHandle: every request gets, per
 choice, `min(max_tokens, 2)` tokens (ids 10 + step), with logprobs and prompt logprobs
 when asked for, and finishes with "length": the `GroupDelta`s a group would send.
+
+A streamed request that names its ingress's channel is answered as a group answers it:
+`Accepted`, then its deltas through the group's real outboxes (workers/serving/outbox.py)
+to the channel the ingress opens (`FakeChannel`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 from unittest import mock
@@ -19,10 +24,16 @@ from fastapi.testclient import TestClient
 from tandem.router import ingress
 from tandem.router.engine_client import EngineClient
 from tandem.workers.core.request import CompletionOutput, Logprob, PositionLogprobs
-from tandem.workers.serving.messages import GroupDelta, GroupRequest
+from tandem.workers.serving.messages import Accepted, ChannelOpen, DeltaBatch, GroupDelta, GroupRequest
+from tandem.workers.serving.outbox import Outboxes
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
+# Event-loop turns a scripted delta is given to cross the channel (outbox, flush, pump, the
+# request's stream) and reach the client before the script goes on: on one loop, with no
+# I/O between, the same count every run, so the client sees each delta as its own chunk
+# and a scripted failure after it, as a real group's slower steps would make it.
+_DELIVERY_TURNS = 200
 
 
 class FakeResponse:
@@ -51,6 +62,58 @@ class FakeResponse:
         self.cancelled = True
 
 
+class ChannelledResponse(FakeResponse):
+    """A group call of a request sent with a channel: `Accepted` (or the script's first item,
+    if that is an error: the call failed before the group took it), then the scripted deltas
+    go to the channel's outbox as the call is read, until the script ends or the call is
+    cancelled; a scripted error fails the call itself."""
+
+    def __init__(self, items: list, outboxes: Outboxes, request: GroupRequest) -> None:
+        super().__init__(items)
+        self.outboxes = outboxes
+        self.request = request
+        self.accepted = False
+
+    async def __anext__(self) -> Accepted:
+        await asyncio.sleep(0)
+        if not self.accepted:
+            if self.items and isinstance(self.items[0], BaseException):
+                raise self.items.pop(0)
+            self.accepted = True
+            return Accepted("g0")
+        while self.items and not self.cancelled:
+            item = self.items.pop(0)
+            if isinstance(item, float):
+                await asyncio.sleep(item)
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                own = dataclasses.replace(item, request_id=self.request.request_id)
+                self.outboxes.put(self.request.channel_id, own)
+                for _ in range(_DELIVERY_TURNS):
+                    await asyncio.sleep(0)
+        raise StopAsyncIteration
+
+
+class FakeChannel:
+    """`GroupServer.channel` of the fake group: the real outboxes' flushes."""
+
+    def __init__(self, outboxes: Outboxes) -> None:
+        self.outboxes = outboxes
+        self.opened: list[ChannelOpen] = []
+
+    def remote(self, opened: ChannelOpen) -> AsyncIterator[DeltaBatch]:
+        self.opened.append(opened)
+        return self.outboxes.flushes(opened.channel_id)
+
+
+def scripted_response(items: list, outboxes: Outboxes, request: GroupRequest) -> FakeResponse:
+    """The call's response as a group gives it: the script itself, or over the channel."""
+    if request.channel_id is None:
+        return FakeResponse(items)
+    return ChannelledResponse(items, outboxes, request)
+
+
 class EchoGroup:
     """A DeploymentHandle whose group answers every request (or raises `fail_with` once)."""
 
@@ -58,6 +121,8 @@ class EchoGroup:
         self.calls: list[GroupRequest] = []
         self.fail_with: BaseException | None = None
         self.generate = self
+        self.outboxes = Outboxes()
+        self.channel = FakeChannel(self.outboxes)
 
     def options(self, **_: Any) -> EchoGroup:
         return self
@@ -66,8 +131,8 @@ class EchoGroup:
         self.calls.append(request)
         if self.fail_with is not None:
             error, self.fail_with = self.fail_with, None
-            return FakeResponse([error])
-        return FakeResponse(answer(request))
+            return scripted_response([error], self.outboxes, request)
+        return scripted_response(answer(request), self.outboxes, request)
 
 
 def _position(token_id: int, num_top: int) -> PositionLogprobs:
@@ -113,7 +178,9 @@ def serving(server: Any, *, raise_server_exceptions: bool = False) -> Iterator[T
             mock.patch("ray.serve.get_replica_context") as context:
         context.return_value.servable_object = server
         context.return_value.app_name = "tandem"
-        yield TestClient(ingress.app, raise_server_exceptions=raise_server_exceptions)
+        # One event loop for every request, as in a replica (the ingress's channels live on it).
+        with TestClient(ingress.app, raise_server_exceptions=raise_server_exceptions) as client:
+            yield client
 
 
 class FakeGrpcContext:

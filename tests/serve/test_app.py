@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from tandem.router.app import SERVING_DEFAULTS, _group_options, build_app, num_cpus_needed
+from tandem.router.app import SERVING_DEFAULTS, _group_options, build_app, default_ingress_replicas, num_cpus_needed
 from tandem.workers.config import EngineConfig
 
 
@@ -16,7 +18,9 @@ def test_single_worker_group_runs_in_its_replica():
     opts = options()
     assert opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0}
     assert "placement_group_bundles" not in opts
-    assert opts["num_replicas"] == 1 and opts["max_ongoing_requests"] == 2 * 128
+    # A call per request it runs, and each ingress replica's channel.
+    channels = default_ingress_replicas(os.cpu_count() or 1)
+    assert opts["num_replicas"] == 1 and opts["max_ongoing_requests"] == 2 * 128 + channels
     assert opts["request_router_config"].request_router_class == "tandem.router.request_router:LoadAwareRouter"
 
 
@@ -76,3 +80,12 @@ def test_env_vars_reach_the_groups_and_the_ingress_and_are_checked():
     assert app._bound_deployment.ray_actor_options["runtime_env"] == {"env_vars": {"OTEL_TRACES_EXPORTER": "console"}}
     with pytest.raises(ValueError, match="^env_vars: must map names to string values"):
         build_app({"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": 100}})
+
+
+def test_ingress_replicas_default_to_one_per_8_cores_and_bad_counts_are_refused():
+    assert [default_ingress_replicas(c) for c in (1, 2, 8, 16, 63, 64, 200)] == [1, 1, 1, 2, 7, 8, 8]
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(ValueError, match="^ingress_num_replicas: must be an integer >= 1"):
+            build_app({"ingress_num_replicas": bad})
+    with pytest.raises(ValueError, match="^ingress_max_chunks_per_s: must be a number >= 0"):
+        build_app({"ingress_max_chunks_per_s": -5})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -228,6 +229,21 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def merge_outputs(first: list[CompletionOutput], then: list[CompletionOutput]) -> list[CompletionOutput]:
+    """The sequences' news of two consecutive deltas as one: text, tokens and logprobs joined
+    per sequence index, the later finish reason."""
+    outputs = {c.index: c for c in first}
+    for c in then:
+        prev = outputs.get(c.index)
+        if prev is None:
+            outputs[c.index] = c
+            continue
+        logprobs = None if prev.logprobs is None and c.logprobs is None else (prev.logprobs or []) + (c.logprobs or [])
+        outputs[c.index] = dataclasses.replace(c, text=prev.text + c.text, token_ids=prev.token_ids + c.token_ids,
+                                               logprobs=logprobs)
+    return [outputs[i] for i in sorted(outputs)]
 
 
 @dataclass

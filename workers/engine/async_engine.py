@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tandem.workers.core.request import RequestOutput, SamplingParams
+from tandem.workers.core.request import RequestOutput, SamplingParams, merge_outputs
 from tandem.workers.device_peaks import DevicePeaks
 from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
 from tandem.workers.engine.kv_transfer import export_prefix, held_prefix, import_prefix
@@ -27,13 +27,21 @@ from tandem.workers.engine.prompts import Prompt
 logger = logging.getLogger(__name__)
 
 
+Deliver = Callable[[RequestOutput | BaseException], None]  # called on the caller's event loop
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    deliver: Deliver
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.deliver, item)
+
+
+def _deliver_all(items: list[tuple[Deliver, RequestOutput]]) -> None:
+    for deliver, item in items:
+        deliver(item)
 
 
 def _checked(item: RequestOutput | BaseException) -> RequestOutput:
@@ -44,16 +52,7 @@ def _checked(item: RequestOutput | BaseException) -> RequestOutput:
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """One delta output that says what two consecutive ones of a request said."""
-    outputs = {c.index: c for c in first.outputs}
-    for c in then.outputs:
-        prev = outputs.get(c.index)
-        if prev is None:
-            outputs[c.index] = c
-            continue
-        logprobs = None if prev.logprobs is None and c.logprobs is None else (prev.logprobs or []) + (c.logprobs or [])
-        outputs[c.index] = replace(c, text=prev.text + c.text, token_ids=prev.token_ids + c.token_ids,
-                                   logprobs=logprobs)
-    return replace(then, outputs=[outputs[i] for i in sorted(outputs)],
+    return replace(then, outputs=merge_outputs(first.outputs, then.outputs),
                    prompt_logprobs=then.prompt_logprobs if then.prompt_logprobs is not None else first.prompt_logprobs)
 
 
@@ -142,20 +141,20 @@ class AsyncEngine:
         """
         params = replace(params, output_kind="final" if final_only else "delta")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        self._post(lambda: self._add(request_id, prompt, params, stream))
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.submit(prompt, params, request_id, outputs.put_nowait)
         finished = False
         last_sent: float | None = None
         try:
             while True:
-                item = _checked(await stream.queue.get())
-                while not item.finished and not stream.queue.empty():
-                    item = merge_deltas(item, _checked(stream.queue.get_nowait()))
+                item = _checked(await outputs.get())
+                while not item.finished and not outputs.empty():
+                    item = merge_deltas(item, _checked(outputs.get_nowait()))
                 if stream_interval_s > 0 and last_sent is not None:
                     deadline = last_sent + stream_interval_s
                     while not item.finished and (remaining := deadline - loop.time()) > 0:
                         try:
-                            more = await asyncio.wait_for(stream.queue.get(), remaining)
+                            more = await asyncio.wait_for(outputs.get(), remaining)
                         except TimeoutError:
                             break
                         item = merge_deltas(item, _checked(more))
@@ -167,6 +166,14 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def submit(self, prompt: Prompt, params: SamplingParams, request_id: str, deliver: Deliver) -> None:
+        """Start a request whose outputs (delta or final, as `params` say) go to `deliver`, on
+        the calling event loop, each step's with one wake-up of the loop for all requests; an
+        error (a refusal, a dead engine) is delivered as the exception. No task per request:
+        for a caller that hands outputs on as they come (a group's outboxes). `abort` ends it."""
+        stream = _Stream(asyncio.get_running_loop(), deliver)
+        self._post(lambda: self._add(request_id, prompt, params, stream))
 
     def add_step_listener(self, listener: Callable[[GroupEngine], None]) -> None:
         """Call `listener(engine)` on the engine thread after every step (keep it quick)."""
@@ -262,12 +269,18 @@ class AsyncEngine:
         self._deliver(self.engine.give_up(error))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one wake-up of each event loop for all of them,
+        so the loop sees the whole step at once (and a group's channel flushes it as one
+        message, workers/serving/outbox.py), at one cross-thread call per step, not per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Deliver, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                by_loop.setdefault(stream.loop, []).append((stream.deliver, out))
                 if out.finished:
                     del self._streams[out.request_id]
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver_all, items)
 
     def _tell_failure(self) -> None:
         """The failure listeners, once per failed engine."""

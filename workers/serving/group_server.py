@@ -16,6 +16,7 @@ thread of its own: serving never waits on the allocator, and carries on if it di
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
@@ -37,6 +38,9 @@ from tandem.workers.serving.group_healer import GroupHealer, HealPolicy
 from tandem.workers.serving.group_metrics import start_group_metrics
 from tandem.workers.serving.kv_fetch import KVFetcher
 from tandem.workers.serving.messages import (
+    Accepted,
+    ChannelOpen,
+    DeltaBatch,
     ErrorKind,
     GroupDelta,
     GroupRequest,
@@ -46,6 +50,7 @@ from tandem.workers.serving.messages import (
     RoutingStats,
     StatsRequest,
 )
+from tandem.workers.serving.outbox import Outboxes
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,7 @@ class GroupServer:
         self.group_id = context.replica_id.unique_id
         self.num_requests = 0
         self.num_aborted = 0  # left before the end (a client that went away)
+        self.outboxes = Outboxes()  # streamed deltas, per ingress channel
         self.allocator: AllocatorClient | None = None
         self.fetcher: KVFetcher | None = None
         self.stream_interval_s = group_options.get("stream_interval_ms", 0) / 1e3
@@ -168,9 +174,65 @@ class GroupServer:
         num, per_rank = await self.engine.export_prefix(request.block_hashes)
         return PrefixExport(num, per_rank)
 
-    async def generate(self, request: GroupRequest) -> AsyncIterator[GroupDelta]:
+    async def generate(self, request: GroupRequest) -> AsyncIterator[GroupDelta | Accepted]:
         """Stream one request's deltas; a cancelled call aborts it and frees its blocks.
-        `final_only`: one delta, when it finishes, with all of it."""
+        `final_only`: one delta, when it finishes, with all of it. With a `channel_id`: one
+        `Accepted`, then the deltas go over that channel (outbox.py) while the call stays
+        open until the request ends."""
+        if request.channel_id is None:
+            async for delta in self._deltas(request):
+                yield delta
+            return
+        yield Accepted(self.group_id)
+        if self.stream_interval_s > 0:  # each delta held for the interval: a task per request
+            async for delta in self._deltas(request):
+                self.outboxes.put(request.channel_id, delta)
+            return
+        await self._to_outbox(request, request.channel_id)
+
+    async def _to_outbox(self, request: GroupRequest, channel_id: str) -> None:
+        """Run a request whose outputs go straight into its channel's outbox as the engine hands
+        them over (no task, no queue per request: a step's outputs are one loop callback);
+        returns when it ends. Cancelled, it aborts the request."""
+        self.num_requests += 1
+        if self.fetcher is not None:
+            await self.fetcher.fetch_for(request.prompt_token_ids)
+        done = asyncio.get_running_loop().create_future()  # cancelled with this call, if it is
+
+        def deliver(item: RequestOutput | BaseException) -> None:
+            if done.done():  # ended (or left) already
+                return
+            if isinstance(item, BaseException):  # refused by add_request, or the engine died
+                kind: ErrorKind = "invalid_request" if isinstance(item, ValueError) else "unavailable"
+                self.outboxes.put(channel_id, self._failure(request, str(item), kind))
+                done.set_result(True)
+                return
+            if item.finished and item.metrics is not None:
+                self._observe(request, item)
+            self.outboxes.put(channel_id, self._delta(item))
+            if item.finished:
+                done.set_result(True)
+
+        self.engine.submit({"prompt_token_ids": request.prompt_token_ids},
+                           replace(request.sampling, output_kind="delta"), request.request_id, deliver)
+        try:
+            await done
+        finally:
+            if done.cancelled() or not done.done():  # the call was cancelled: the client left
+                done.cancel()
+                self.engine.abort(request.request_id)
+                self.num_aborted += 1
+
+    async def channel(self, opened: ChannelOpen) -> AsyncIterator[DeltaBatch]:
+        """An ingress's channel: its streamed requests' deltas, one batch per flush, for as long
+        as the ingress reads. Routed here by mistake (the group is gone): it ends at once, and
+        the ingress fails its requests on that group."""
+        if opened.target_group != self.group_id:
+            return
+        async for batch in self.outboxes.flushes(opened.channel_id):
+            yield batch
+
+    async def _deltas(self, request: GroupRequest) -> AsyncIterator[GroupDelta]:
         self.num_requests += 1
         if self.fetcher is not None:
             await self.fetcher.fetch_for(request.prompt_token_ids)

@@ -2,9 +2,19 @@
 schema of that traffic. Both sides import these classes; Ray pickles them across.
 
     ingress ──GroupRequest──> GroupServer.generate ──GroupDelta, GroupDelta, ...──> ingress
+    ingress ──GroupRequest(channel_id)──> GroupServer.generate ──Accepted──> ingress
+    ingress ──ChannelOpen──> GroupServer.channel ──DeltaBatch, DeltaBatch, ...──> ingress
     group A ──PrefixExportRequest──> GroupServer.export_prefix (of group B) ──PrefixExport──> A
     anyone  ──StatsRequest──> GroupServer.stats ──GroupStats──> (kv_report, bench soak)
     Serve   ──record_routing_stats──> RoutingStats.as_dict() ──> LoadAwareRouter
+
+A streamed request names its ingress's channel (`channel_id`): the group then answers the
+call with one `Accepted` and sends the request's deltas over the channel, a long-lived call
+from that ingress to that group that carries, as one `DeltaBatch` per flush, what all the
+ingress's streams on the group produced (workers/serving/outbox.py, router/group_channels.py).
+The call itself stays open until the request ends: its cancellation is still the abort, and
+its failure still says the group failed. A request answered whole (`final_only`) sends no
+channel: its one delta is the call's answer.
 
 An abort is no message: the ingress cancels the group call (the client left, or its
 `timeout` passed), Serve cancels the group's generator, and that aborts the request and
@@ -17,11 +27,12 @@ sends a retried request elsewhere first.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.workers.core.request import CompletionOutput, PositionLogprobs, SamplingParams
+from tandem.workers.core.request import CompletionOutput, PositionLogprobs, SamplingParams, merge_outputs
 
 # invalid_request: the caller's fault (a 400, gRPC INVALID_ARGUMENT); unavailable: the group
 # failed, and the request may be retried elsewhere if nothing of it was sent yet (a 503).
@@ -40,6 +51,48 @@ class GroupRequest:
     final_only: bool = False
     trace_context: dict[str, str] | None = None  # a W3C carrier: the ingress span, when tracing
     avoid_group: str | None = None  # a retry: the group that failed it goes last
+    channel_id: str | None = None  # deltas go over this ingress's channel, not the call
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A group's only answer on the call of a request sent with a channel: which group took it."""
+
+    group_id: str
+
+
+@dataclass(frozen=True)
+class ChannelOpen:
+    """An ingress's channel to one group: every delta of its streamed requests on that group."""
+
+    target_group: str
+    channel_id: str
+
+
+@dataclass(slots=True)
+class DeltaBatch:
+    """One flush of a channel: the deltas of any of the ingress's requests, each request's in order.
+
+    It crosses Ray as one bytes object pickled by the standard (C) pickler: Ray's cloudpickle
+    calls back into Python for every object it pickles, and a batch holds a few objects per
+    stream per step."""
+
+    deltas: list[GroupDelta]
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        rows = [(d.request_id, d.group_id, [_output_row(o) for o in d.outputs], d.finished, d.num_prompt_tokens,
+                 d.num_cached_tokens, d.prompt_logprobs, d.error, d.error_kind) for d in self.deltas]
+        return _unpack_batch, (pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL),)
+
+
+def _output_row(o: CompletionOutput) -> tuple:
+    return o.index, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason, o.cumulative_logprob
+
+
+def _unpack_batch(data: bytes) -> DeltaBatch:
+    # Rows of plain values: the C unpickler builds them without a Python call per object.
+    return DeltaBatch([GroupDelta(rid, gid, [CompletionOutput(*o) for o in outputs], *rest)
+                       for rid, gid, outputs, *rest in pickle.loads(data)])
 
 
 @dataclass(slots=True)
@@ -69,6 +122,13 @@ class GroupDelta:
     @staticmethod
     def failure(request_id: str, group_id: str, message: str, kind: ErrorKind) -> GroupDelta:
         return GroupDelta(request_id, group_id, [], True, error=message, error_kind=kind)
+
+    def then(self, later: GroupDelta) -> GroupDelta:
+        """One delta that says what this one and the `later` one of the same request say."""
+        return dataclasses.replace(
+            later, outputs=merge_outputs(self.outputs, later.outputs),
+            num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
+            prompt_logprobs=later.prompt_logprobs if later.prompt_logprobs is not None else self.prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ def test_every_message_survives_pickling_whole() -> None:
         m.GroupDelta("cmpl-1-0", "g0", [CompletionOutput(0, "hi", [7], [{7: Logprob(-0.5, 1, "hi")}], "stop", 7)],
                    True, num_prompt_tokens=3, num_cached_tokens=2, prompt_logprobs=[None, {2: Logprob(-1.0, 2, "b")}]),
         m.GroupDelta.failure("cmpl-2-0", "g0", "prompt: must not be empty", "invalid_request"),
+        m.Accepted("g0"), m.ChannelOpen("g0", "ingress-1"),
+        m.DeltaBatch([m.GroupDelta("cmpl-1-0", "g0", [CompletionOutput(0, "a", [5], None)], False)]),
         m.PrefixExportRequest("g2", [11, 12]), m.PrefixExport(2, ["ref-a", "ref-b"]), m.StatsRequest("g0"),
         m.GroupStats("g0", m.RoutingStats(num_running=1, kv_usage=0.5), kv_blocks_total=8, kv_blocks_free=3,
                    worker_pids=(41, 42)),
@@ -44,3 +46,25 @@ def test_routing_stats_come_back_from_serves_dict_as_they_went() -> None:
     assert m.RoutingStats.from_dict(stats.as_dict()) == stats
     assert m.RoutingStats.from_dict(None) == m.RoutingStats.from_dict({}) == m.RoutingStats()  # not polled yet
     assert m.RoutingStats.from_dict({"num_running": 2, "from_a_newer_group": 1}) == m.RoutingStats(num_running=2)
+
+
+def test_a_delta_then_a_later_one_say_both() -> None:
+    lp = {5: Logprob(-0.5, 1, "a")}
+    first = m.GroupDelta("r", "g0", [CompletionOutput(0, "a", [5], [lp]), CompletionOutput(1, "x", [9], [lp])],
+                         False, num_prompt_tokens=3, prompt_logprobs=[None, lp])
+    later = m.GroupDelta("r", "g0", [CompletionOutput(0, "b", [6], [lp], "stop", "b")], True, num_prompt_tokens=3,
+                         num_cached_tokens=2)
+    both = first.then(later)
+    assert both.outputs == [CompletionOutput(0, "ab", [5, 6], [lp, lp], "stop", "b"),
+                            CompletionOutput(1, "x", [9], [lp])]
+    assert (both.finished, both.num_prompt_tokens, both.num_cached_tokens, both.prompt_logprobs) == (
+        True, 3, 2, [None, lp])
+
+
+def test_a_delta_batch_crosses_as_rows_and_comes_back_whole() -> None:
+    lp = {5: Logprob(-0.5, 1, "a")}
+    every_field = m.GroupDelta("r", "g1", [CompletionOutput(1, "x", [5], [lp], "stop", "x", -0.5)], True,
+                               num_prompt_tokens=3, num_cached_tokens=2, prompt_logprobs=[None, lp],
+                               error="worker died", error_kind="unavailable")
+    batch = m.DeltaBatch([every_field, m.GroupDelta("s", "g1", [], False)])
+    assert pickle.loads(cloudpickle.dumps(batch)) == batch

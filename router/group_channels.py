@@ -1,0 +1,151 @@
+"""GroupChannels: one ingress's channels to the replica groups, and the streams they feed.
+
+A streamed request registers here before it is sent (`open`), so no delta can arrive
+before there is a place for it. When its group accepts it, the ingress makes sure it has
+a channel to that group (one long-lived `GroupServer.channel` call, routed by
+`target_group`) and reads the request's deltas from its `ChannelStream`. A channel's pump
+hands each `DeltaBatch` out by request id; a delta of a request that is gone (the client
+left) is dropped. A channel that ends or fails ends every stream it feeds with
+`ChannelLost`: the group is gone or unreachable, and the request may be retried elsewhere
+if nothing of it was sent yet. The next request that group accepts opens a new channel.
+
+Each message a stream sends costs the ingress, Serve's proxy and Ray the same whatever it
+holds, so the streams share a budget of messages per second (`max_chunks_per_s`): with
+few streams nothing waits (a token goes out when its step ends); with many, each stream's
+tokens gather between its messages (see `GroupChannels.min_interval_s`).
+
+Everything here runs on the ingress's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from tandem.workers.serving.messages import ChannelOpen, DeltaBatch, GroupDelta
+
+logger = logging.getLogger(__name__)
+
+
+class ChannelLost(Exception):
+    """The channel to a request's group ended or failed before the request did."""
+
+    def __init__(self, message: str, group_id: str) -> None:
+        super().__init__(message)
+        self.group_id = group_id
+
+
+class ChannelStream:
+    """One request's deltas as its channel delivers them (each delta in order)."""
+
+    def __init__(self, request_id: str, min_interval_s: Callable[[], float] = lambda: 0.0) -> None:
+        self.request_id = request_id
+        self.group_id: str | None = None
+        self._queue: asyncio.Queue[GroupDelta | BaseException] = asyncio.Queue()
+        self._min_interval_s = min_interval_s
+        self._last_sent: float | None = None
+
+    def put(self, item: GroupDelta | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def next(self) -> GroupDelta:
+        """The next delta, joined with every later one waiting: one message for the client
+        however many flushes arrived while it was busy (a finish or an error stays the last
+        thing it says). After the first, a delta is held until `min_interval_s()` has passed
+        since the one before, and gathers what arrives meanwhile."""
+        delta = self._checked(await self._queue.get())
+        loop = asyncio.get_running_loop()
+        if not delta.finished and self._last_sent is not None:
+            wait = self._last_sent + self._min_interval_s() - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+        while not delta.finished and not self._queue.empty():
+            delta = delta.then(self._checked(self._queue.get_nowait()))
+        self._last_sent = loop.time()
+        return delta
+
+    @staticmethod
+    def _checked(item: GroupDelta | BaseException) -> GroupDelta:
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class GroupChannels:
+    def __init__(self, handle: Any, max_chunks_per_s: float = 0.0) -> None:
+        """`handle`: the groups' deployment handle, streaming. `max_chunks_per_s` (0: no bound):
+        what the ingress sends on, all streams together; see `min_interval_s`."""
+        self._handle = handle
+        self.max_chunks_per_s = max_chunks_per_s
+        self.channel_id = f"ingress-{uuid.uuid4().hex}"  # this ingress process, to every group
+        self._streams: dict[str, ChannelStream] = {}
+        self._pumps: dict[str, asyncio.Task] = {}  # group id -> its channel's pump
+        self.num_batches = 0
+        self.num_deltas = 0
+
+    def open(self, request_id: str) -> ChannelStream:
+        """A stream for a request about to be sent; ValueError if that id is already in flight."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        stream = self._streams[request_id] = ChannelStream(request_id, self.min_interval_s)
+        return stream
+
+    def min_interval_s(self) -> float:
+        """The least time between two of a stream's messages after its first: the ingress's
+        streams share `max_chunks_per_s`. Every message costs the ingress and Serve's proxy the
+        same whatever it holds, so under load a stream's tokens gather into fewer, larger
+        ones, and the path's cost stops growing with streams x steps. One stream (or a
+        few) waits for nothing: its interval is shorter than a step."""
+        if not self.max_chunks_per_s:
+            return 0.0
+        return len(self._streams) / self.max_chunks_per_s
+
+    def accepted(self, stream: ChannelStream, group_id: str) -> None:
+        """Its group took the request: read that group's channel (opened now if it is not open)."""
+        stream.group_id = group_id
+        pump = self._pumps.get(group_id)
+        loop = asyncio.get_running_loop()
+        if pump is None or pump.done() or pump.get_loop() is not loop:
+            self._pumps[group_id] = loop.create_task(self._pump(group_id))
+
+    def close(self, stream: ChannelStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+    async def _pump(self, group_id: str) -> None:
+        me = asyncio.current_task()
+        reason = "its channel ended"
+        try:
+            async for batch in self._handle.channel.remote(ChannelOpen(group_id, self.channel_id)):
+                self._hand_out(batch)
+        except asyncio.CancelledError:
+            reason = "the ingress is stopping"
+            raise
+        except Exception as exc:  # noqa: BLE001 - the group is gone: its streams are told
+            reason = f"its channel failed: {type(exc).__name__}"
+        finally:
+            if self._pumps.get(group_id) is me:
+                del self._pumps[group_id]
+            lost = [s for s in self._streams.values() if s.group_id == group_id]
+            if lost:
+                logger.warning("replica group %s: %s; ending its %d streams", group_id, reason, len(lost))
+            for stream in lost:
+                stream.put(ChannelLost(reason, group_id))
+
+    def _hand_out(self, batch: DeltaBatch) -> None:
+        self.num_batches += 1
+        self.num_deltas += len(batch.deltas)
+        for delta in batch.deltas:
+            stream = self._streams.get(delta.request_id)
+            # group_id None: the delta came before the request's acceptance did (another call).
+            if stream is not None and stream.group_id in (None, delta.group_id):
+                stream.put(delta)
+
+    async def shutdown(self) -> None:
+        tasks = list(self._pumps.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

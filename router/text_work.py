@@ -1,0 +1,64 @@
+"""TextWork: the ingress's tokenizing, chat templates and decoding, kept off its event loop.
+
+One ingress event loop carries every stream of its replica, so nothing slow may run on it:
+a long prompt's tokenizing (seconds for megabytes; the tokenizer releases the GIL while it
+works) runs on a small thread pool, and a text too long to fit the context is refused
+before any of it is tokenized. No token covers more characters than the vocabulary's
+longest entry, so a text needs at least len(text) / that many tokens: past
+`max_model_len` of them it cannot fit, whatever it says. Short texts are tokenized on the
+loop, where a thread hop would cost more than the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+INLINE_CHARS = 2048  # shorter texts: tokenized on the loop (tens of microseconds)
+_WORKERS = 2
+
+
+class TextWork:
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_chars = max(1, longest) * max_model_len  # a longer text has more tokens than fit
+        self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="tandem-text")
+
+    def check_length(self, num_chars: int, field: str) -> None:
+        """ValueError naming `field` when a text of `num_chars` cannot fit the context."""
+        if num_chars > self.max_chars:
+            raise ValueError(f"{field}: this model's maximum context length is {self.max_model_len} tokens, but "
+                             f"the text has {num_chars} characters, more than that many tokens can hold")
+
+    async def tokenize(self, text: str, field: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.check_length(len(text), field)
+        return await self._run(len(text), lambda: list(self.tokenizer(
+            text, add_special_tokens=add_special_tokens).input_ids))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._run(len(token_ids) * 4, lambda: self.tokenizer.decode(token_ids))
+
+    async def render_chat(self, messages: list[dict[str, Any]], field: str) -> list[int]:
+        """The chat template's text, tokenized (the template writes any special tokens itself)."""
+        from tandem.workers.text.tokenizer import apply_chat_template
+
+        chars = sum(len(str(m.get("content") or "")) for m in messages)
+        self.check_length(chars, field)
+
+        def render() -> list[int]:
+            text = apply_chat_template(self.tokenizer, messages)
+            self.check_length(len(text), field)
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+        return await self._run(chars, render)
+
+    async def _run(self, size: int, work: Any) -> Any:
+        if size <= INLINE_CHARS:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

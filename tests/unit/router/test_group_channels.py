@@ -1,0 +1,153 @@
+"""An ingress's channels: one channel per group carries many streams, each stream gets its own
+deltas in order (joined when several wait), and a channel that ends or fails ends exactly
+the streams of its group."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.router.group_channels import ChannelLost, GroupChannels
+from tandem.workers.core.request import CompletionOutput, Logprob
+from tandem.workers.serving.messages import ChannelOpen, DeltaBatch, GroupDelta
+
+
+def delta(request_id: str, token: int, *, group: str = "g0", index: int = 0, finish: str | None = None,
+          logprobs: bool = False) -> GroupDelta:
+    lp = [{token: Logprob(-0.25, 1, f"t{token}")}] if logprobs else None
+    return GroupDelta(request_id, group, [CompletionOutput(index, f"t{token}", [token], lp, finish)],
+                      finish is not None)
+
+
+class FakeHandle:
+    """The groups' streaming handle: `channel.remote` gives a channel this test feeds."""
+
+    def __init__(self) -> None:
+        self.channel = self
+        self.opened: list[ChannelOpen] = []
+        self.feeds: dict[str, asyncio.Queue] = {}
+
+    def remote(self, opened: ChannelOpen):
+        self.opened.append(opened)
+        feed = self.feeds.setdefault(opened.target_group, asyncio.Queue())
+
+        async def batches():
+            while True:
+                item = await feed.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        return batches()
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_one_channel_per_group_carries_every_stream_and_hands_each_its_own() -> None:
+    async def run() -> list:
+        handle = FakeHandle()
+        channels = GroupChannels(handle)
+        streams = [channels.open(f"r{i}") for i in range(3)]
+        for s in streams:
+            channels.accepted(s, "g0")
+        await settle()
+        handle.feeds["g0"].put_nowait(DeltaBatch([delta("r0", 1), delta("r2", 5), delta("gone", 9), delta("r1", 3)]))
+        await settle()
+        firsts = [(await s.next()).outputs[0].token_ids for s in streams]
+        return [len(handle.opened), handle.opened[0].channel_id == channels.channel_id, firsts,
+                channels.num_batches, channels.num_deltas]
+
+    assert asyncio.run(run()) == [1, True, [[1], [3], [5]], 1, 4]
+
+
+def test_deltas_waiting_for_a_stream_come_joined_and_the_finish_stays_last() -> None:
+    async def run() -> list:
+        handle = FakeHandle()
+        channels = GroupChannels(handle)
+        stream = channels.open("r")
+        channels.accepted(stream, "g0")
+        await settle()
+        handle.feeds["g0"].put_nowait(DeltaBatch([delta("r", 1, logprobs=True), delta("r", 2, index=1)]))
+        handle.feeds["g0"].put_nowait(DeltaBatch([delta("r", 3, logprobs=True), delta("r", 4, finish="length")]))
+        handle.feeds["g0"].put_nowait(DeltaBatch([delta("r", 9)]))  # after the finish: never joined to it
+        await settle()
+        joined = await stream.next()
+        return [[(o.index, o.text, o.token_ids, o.finish_reason, o.logprobs is not None) for o in joined.outputs],
+                joined.finished]
+
+    assert asyncio.run(run()) == [[(0, "t1t3t4", [1, 3, 4], "length", True), (1, "t2", [2], None, False)], True]
+
+
+def test_a_lost_channel_ends_the_streams_of_its_group_only() -> None:
+    async def run() -> list:
+        handle = FakeHandle()
+        channels = GroupChannels(handle)
+        a, b, c = channels.open("a"), channels.open("b"), channels.open("c")
+        channels.accepted(a, "g0")
+        channels.accepted(b, "g0")
+        channels.accepted(c, "g1")
+        await settle()
+        handle.feeds["g0"].put_nowait(RuntimeError("the replica died"))
+        handle.feeds["g1"].put_nowait(DeltaBatch([delta("c", 7, group="g1")]))
+        await settle()
+        lost = []
+        for s in (a, b):
+            with pytest.raises(ChannelLost) as info:
+                await s.next()
+            lost.append((info.value.group_id, str(info.value)))
+        got = (await c.next()).outputs[0].token_ids
+        # The next request g0 takes opens a new channel.
+        d = channels.open("d")
+        channels.accepted(d, "g0")
+        await settle()
+        return [lost, got, [o.target_group for o in handle.opened]]
+
+    assert asyncio.run(run()) == [[("g0", "its channel failed: RuntimeError")] * 2, [7], ["g0", "g1", "g0"]]
+
+
+def test_a_channel_that_ends_ends_its_streams() -> None:
+    async def run() -> str:
+        handle = FakeHandle()
+        channels = GroupChannels(handle)
+        stream = channels.open("a")
+        channels.accepted(stream, "g0")
+        await settle()
+        handle.feeds["g0"].put_nowait(None)  # routed to a group that is gone: it ends at once
+        await settle()
+        with pytest.raises(ChannelLost) as info:
+            await stream.next()
+        return str(info.value)
+
+    assert asyncio.run(run()) == "its channel ended"
+
+
+def test_a_request_id_in_flight_is_refused_and_free_again_once_closed() -> None:
+    async def run() -> None:
+        channels = GroupChannels(FakeHandle())
+        stream = channels.open("r")
+        with pytest.raises(ValueError, match="^request_id: 'r' is already in flight$"):
+            channels.open("r")
+        channels.close(stream)
+        channels.open("r")
+
+    asyncio.run(run())
+
+
+def test_a_delta_of_another_group_does_not_reach_a_retried_request() -> None:
+    async def run() -> list:
+        handle = FakeHandle()
+        channels = GroupChannels(handle)
+        stream = channels.open("r")
+        channels.accepted(stream, "g1")  # the retry's group; g0 failed it
+        await settle()
+        handle.feeds["g1"].put_nowait(DeltaBatch([delta("r", 1, group="g0"), delta("r", 2, group="g1")]))
+        await settle()
+        return (await stream.next()).outputs[0].token_ids
+
+    assert asyncio.run(run()) == [2]
