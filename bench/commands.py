@@ -132,6 +132,8 @@ def bench_serve(hooks: RouterHooks, args: argparse.Namespace) -> int:
 
 def _serve_bench_serving(args: argparse.Namespace) -> dict[str, Any]:
     serving: dict[str, Any] = {"stream_channels": args.stream_channels}
+    if args.ingress_max_chunks_per_s is not None:
+        serving["ingress_max_chunks_per_s"] = args.ingress_max_chunks_per_s
     if args.ingress_replicas is not None:
         serving["ingress_num_replicas"] = args.ingress_replicas
     return serving

@@ -56,3 +56,35 @@ def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
         earlier = before.get(pid, 0.0)
         total += seconds - earlier if seconds >= earlier else seconds
     return total
+
+
+def process_role(pid: int) -> str:
+    """What a process is, by its command line: Ray names its workers after what they run
+    ("ray::ServeReplica:app:GroupServer" gives "GroupServer", "ray::ProxyActor"), other
+    processes by their program ("raylet", "gcs_server"); "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return ""
+    first = argv[0].decode(errors="replace") if argv else ""
+    if first.startswith("ray::"):
+        return first[len("ray::"):].split(":")[-1].split(".")[0] or first
+    program = os.path.basename(first.split()[0]) if first.strip() else ""
+    args = [a.decode(errors="replace") for a in argv[1:] if a]
+    if program.startswith("python") and args:  # a Python program: its script or module
+        if args[0] == "-m" and len(args) > 1:
+            return args[1]
+        return program if args[0].startswith("-") else os.path.basename(args[0])
+    return program
+
+
+def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """`cpu_used` split by `process_role`, most first."""
+    by_role: dict[str, float] = {}
+    for pid, seconds in after.items():
+        earlier = before.get(pid, 0.0)
+        used = seconds - earlier if seconds >= earlier else seconds
+        role = process_role(pid) or "other"
+        by_role[role] = by_role.get(role, 0.0) + used
+    return dict(sorted(by_role.items(), key=lambda kv: -kv[1]))

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from tandem.bench.load_generator import LoadLevel, RequestRecord, base_url, httpx, run_level, summarize
-from tandem.bench.process_cpu import cpu_used, tree_cpu_seconds
+from tandem.bench.process_cpu import cpu_by_role, cpu_used, tree_cpu_seconds
 from tandem.bench.workload import BenchRequest
 
 SINGLE_STREAM_REQUESTS = 4
@@ -60,8 +61,12 @@ def server_cpu_figures(before: dict[int, float], after: dict[int, float], record
     successful requests (processes that ended during it are lost: see `cpu_used`)."""
     cpu_s = cpu_used(before, after)
     num_tokens = sum(r.num_output_tokens for r in records if r.ok)
+    per_token = 1e6 / num_tokens if num_tokens else math.nan
     return {"server_cpu_s": cpu_s, "server_cpu_cores": cpu_s / duration_s, "server_num_processes": len(after),
-            "server_cpu_us_per_token": cpu_s * 1e6 / num_tokens if num_tokens else math.nan}
+            "server_cpu_us_per_token": cpu_s * per_token,
+            # Where it goes: the groups, the ingress, Serve's proxy, Ray's daemons (flat keys).
+            **{f"server_cpu_us_per_token_{re.sub(r'[^A-Za-z0-9]+', '_', role)}": s * per_token
+               for role, s in cpu_by_role(before, after).items()}}
 
 
 # ---- ratios (pure) ---------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tandem.bench.process_cpu import cpu_used, tree_cpu_seconds
+from tandem.bench.process_cpu import cpu_used, process_role, tree_cpu_seconds
 
 SPIN = "import time\nend = time.process_time() + {burn}\nwhile time.process_time() < end: pass\ntime.sleep(60)"
 # A child that starts a grandchild, says its pid, and both burn a little CPU before sleeping.
@@ -58,3 +58,13 @@ def test_cpu_used_counts_per_pid() -> None:
     assert cpu_used({1: 2.0, 2: 5.0}, {1: 2.5, 3: 0.25}) == 0.75
     # pid 4's time went down: a reused pid, a new process, counted from 0.
     assert cpu_used({4: 9.0}, {4: 1.5}) == 1.5
+
+
+def test_a_process_role_is_what_ray_or_the_program_names_it() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert process_role(child.pid) == os.path.basename(sys.executable)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_role(child.pid) == ""

@@ -56,10 +56,12 @@ def test_stall_body_fills_exactly_the_size_with_plain_words() -> None:
 def test_server_cpu_per_token_counts_the_successful_streams_tokens() -> None:
     records = [RequestRecord(ok=True, num_output_tokens=300), RequestRecord(ok=True, num_output_tokens=100),
                RequestRecord(ok=False, num_output_tokens=50)]
-    # pid 10: +1.5 s; 11: new, 0.5 s; 12 gone: 2 s over 400 tokens in 4 s.
-    figures = sf.server_cpu_figures({10: 1.0, 12: 3.0}, {10: 2.5, 11: 0.5}, records, duration_s=4.0)
+    # pid a: +1.5 s; b: new, 0.5 s; c gone: 2 s over 400 tokens in 4 s. No such pids exist (above
+    # Linux's largest pid), so their CPU goes to the role "other".
+    a, b, c = 10**8, 10**8 + 1, 10**8 + 2
+    figures = sf.server_cpu_figures({a: 1.0, c: 3.0}, {a: 2.5, b: 0.5}, records, duration_s=4.0)
     assert figures == {"server_cpu_s": 2.0, "server_cpu_cores": 0.5, "server_num_processes": 2,
-                       "server_cpu_us_per_token": 5000.0}
+                       "server_cpu_us_per_token": 5000.0, "server_cpu_us_per_token_other": 5000.0}
 
 
 def test_stall_check_against_the_fake_server(fake_server) -> None:
