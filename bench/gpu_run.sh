@@ -138,8 +138,23 @@ part_decode_tiles() {
   keep decode_tiles_d128
 }
 
+# The served path on the GPU (issue 42): Ray + Serve from the bundle (../shared/gpu/ray_bundle.sh,
+# built here into .gpu/ray-bundle/ before the call; 20 s to install), then llama-1b served and
+# streamed at 128 and 256 in flight against LLM.generate on the same requests at 128
+# (server_vs_offline_throughput; target >= 0.9), with the server's CPU per token by process.
+part_serve() {
+  if ! python3 -c "import ray.serve" 2> /dev/null; then
+    [ -d .gpu/ray-bundle ] || { log "serve: no .gpu/ray-bundle (run ../shared/gpu/ray_bundle.sh here first)"; return; }
+    run 60 "ray bundle" bash .gpu/ray_bundle.sh install
+    export PYTHONPATH=/tmp/ray-site:$PYTHONPATH
+  fi
+  on llama-1b serve_1b 240 serve --concurrency 128,256 --compare-concurrency 128 --num-requests 512 \
+    --output-len 256 --no-stall-check
+}
+
 # Multi-step 8 last: the H100's full-shape sweep found it no faster than one pass a step.
-DEFAULT_PARTS="tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
+# The served path first: it is the one figure never measured on a GPU.
+DEFAULT_PARTS="serve tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
 PARTS="$DEFAULT_PARTS breakdown"
 parts=("$@")
 # shellcheck disable=SC2206

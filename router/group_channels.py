@@ -54,18 +54,23 @@ class ChannelStream:
     async def next(self) -> GroupDelta:
         """The next delta, joined with every later one waiting: one message for the client
         however many flushes arrived while it was busy (a finish or an error stays the last
-        thing it says). After the first, a delta is held until `min_interval_s()` has passed
-        since the one before, and gathers what arrives meanwhile."""
+        thing it says). The first goes alone, at once (time to first token); after it, a
+        delta is held until `min_interval_s()` has passed since the one before, and gathers
+        what arrives meanwhile."""
         delta = self._checked(await self._queue.get())
         loop = asyncio.get_running_loop()
-        if not delta.finished and self._last_sent is not None:
+        if self._last_sent is None:  # the first token goes alone, however many came with it
+            self._last_sent = loop.time()
+            return delta
+        if not delta.finished:
             wait = self._last_sent + self._min_interval_s() - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
-        while not delta.finished and not self._queue.empty():
-            delta = delta.then(self._checked(self._queue.get_nowait()))
+        waiting = [delta]
+        while not waiting[-1].finished and not self._queue.empty():
+            waiting.append(self._checked(self._queue.get_nowait()))
         self._last_sent = loop.time()
-        return delta
+        return GroupDelta.join(waiting)
 
     @staticmethod
     def _checked(item: GroupDelta | BaseException) -> GroupDelta:
@@ -119,8 +124,10 @@ class GroupChannels:
         me = asyncio.current_task()
         reason = "its channel ended"
         try:
-            async for batch in self._handle.channel.remote(ChannelOpen(group_id, self.channel_id)):
-                self._hand_out(batch)
+            while await self._read_channel(group_id):
+                # Closed for being idle: open again at once if a request came meanwhile.
+                if not any(s.group_id == group_id for s in self._streams.values()):
+                    return
         except asyncio.CancelledError:
             reason = "the ingress is stopping"
             raise
@@ -134,6 +141,15 @@ class GroupChannels:
                 logger.warning("replica group %s: %s; ending its %d streams", group_id, reason, len(lost))
             for stream in lost:
                 stream.put(ChannelLost(reason, group_id))
+
+    async def _read_channel(self, group_id: str) -> bool:
+        """One call of the channel, read to its end; True when the group closed it for being idle
+        (False: it ended without saying so, routed to a group that is gone)."""
+        async for batch in self._handle.channel.remote(ChannelOpen(group_id, self.channel_id)):
+            self._hand_out(batch)
+            if batch.closing:
+                return True
+        return False
 
     def _hand_out(self, batch: DeltaBatch) -> None:
         self.num_batches += 1

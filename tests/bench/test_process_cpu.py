@@ -61,8 +61,10 @@ def test_cpu_used_counts_per_pid() -> None:
 
 
 def test_a_process_role_is_what_ray_or_the_program_names_it() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE)
     try:
+        assert child.stdout.readline() == b"up\n"  # it runs Python now: its command line is set
         assert process_role(child.pid) == os.path.basename(sys.executable)
     finally:
         child.kill()

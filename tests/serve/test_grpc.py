@@ -23,6 +23,7 @@ from tandem.router import tandem_pb2_grpc as pb_grpc
 from tandem.router.admission import NoGroupUp
 from tandem.router.engine_client import ServiceUnavailable
 from tandem.router.grpc_service import GrpcMethods
+from tandem.router.text_work import TextWork
 from tandem.workers.core.request import CompletionOutput, Logprob, SamplingParams
 from tandem.workers.core.validation import PromptLimits, validate_prompt
 from tandem.workers.serving.messages import GroupDelta, GroupRequest
@@ -65,6 +66,9 @@ class FakeTokenizer:
     def __len__(self) -> int:
         return 300
 
+    def get_vocab(self) -> dict[str, int]:  # one character a token
+        return {chr(i): i for i in range(300)}
+
 
 class FakeEngineClient:
     """Completion i's token at step s is 100 * i + 10 + s, its text "<i.s>".
@@ -79,6 +83,7 @@ class FakeEngineClient:
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
+        self.text = TextWork(self.tokenizer, self.max_model_len)
         self.healthy = True
         self.num_endless = 0  # ENDLESS streams running now
 

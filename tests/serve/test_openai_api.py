@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -151,6 +152,46 @@ def test_tokens_stream_as_they_are_produced(server):
     first, last = arrivals[0] - start, arrivals[-1] - start
     assert len(arrivals) > 50
     assert first < 0.5 * last, (first, last)
+
+
+def test_concurrent_streams_share_the_channel_and_each_gets_exactly_its_answer(server):
+    """16 streams at once over the ingress's one channel to the group: each joined stream equals
+    the same request answered whole: text per choice (n = 2, seeded), a stop string that may
+    fall across chunks, logprobs in order; and the group's flushes carried several deltas each."""
+
+    def body(i: int, stream: bool) -> dict:
+        b = {"model": MODEL, "prompt": f"Stream number {i} says", "max_tokens": 12 + i % 5, "temperature": 1.0,
+             "seed": i, "n": 2, "logprobs": 2, "ignore_eos": True, "stream": stream}
+        if i % 3 == 0:
+            b["stop"] = [" the", "e"]
+        return b
+
+    def whole(i: int) -> dict:
+        r = requests.post(f"{server}/v1/completions", json=body(i, False), headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return {c["index"]: (c["text"], c["logprobs"]["tokens"], c["finish_reason"]) for c in r.json()["choices"]}
+
+    def streamed(i: int) -> dict:
+        got: dict[int, tuple[str, list, str | None]] = {0: ("", [], None), 1: ("", [], None)}
+        with requests.post(f"{server}/v1/completions", json=body(i, True), headers=AUTH, stream=True,
+                           timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith(b"data: {"):
+                    continue
+                [c] = json.loads(line[6:])["choices"]
+                text, tokens, _ = got[c["index"]]
+                got[c["index"]] = (text + c["text"], tokens + (c["logprobs"] or {}).get("tokens", []),
+                                   c["finish_reason"])
+        return got
+
+    expected = [whole(i) for i in range(16)]
+    before = group_stats()
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(streamed, range(16)))
+    after = group_stats()
+    assert answers == expected
+    flushes, deltas = after.channel_flushes - before.channel_flushes, after.channel_deltas - before.channel_deltas
+    assert 0 < flushes < deltas, (flushes, deltas)
 
 
 def test_n_choices(client):

@@ -59,7 +59,7 @@ def test_engine_flags_come_from_one_table():
         "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
         "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "cpu_packed_weights",
         "enforce_eager", "mixed_step_graphs", "max_mixed_graph_tokens", "max_seq_len_to_capture",
-        "attention_backend", "num_scheduler_steps",
+        "attention_backend", "num_scheduler_steps", "simulated_step_ms",
         "tensor_parallel_size", "pipeline_parallel_size", "speculative_model",
         "num_speculative_tokens", "speculative_draft_dtype", "speculative_draft_tensor_parallel_size",
         "park_workers_after_s", "address", "seed"]
@@ -74,6 +74,8 @@ def test_engine_flags_come_from_one_table():
         "dtype": "auto", "max_mixed_graph_tokens": 2048}
     assert engine_options(build_parser().parse_args(["generate", "--park-workers-after-s", "0.5"])) == {
         "dtype": "auto", "park_workers_after_s": 0.5}
+    assert engine_options(build_parser().parse_args(["serve", "--simulated-step-ms", "5.9,0.01"])) == {
+        "dtype": "auto", "simulated_step_ms": "5.9,0.01"}
 
 
 def test_a_local_tp1_group_leaves_one_core_to_serve(monkeypatch):

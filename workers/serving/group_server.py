@@ -1,7 +1,9 @@
 """GroupServer: the Serve deployment whose one replica is one replica group.
 
 A thin shim over `AsyncEngine`: a `GroupRequest` in, `GroupDelta`s out (messages.py;
-tensors never leave the group). With tensor or pipeline parallelism the replica runs in
+tensors never leave the group). A streamed request's deltas go into its ingress's outbox
+(outbox.py) and leave on that ingress's channel, one batch per flush for all its streams;
+a request answered whole gets its one delta as the call's answer. With tensor or pipeline parallelism the replica runs in
 bundle 0 of its own placement group (set through the deployment's placement-group
 options in router/app.py) and the engine starts its workers in the rest.
 
@@ -185,8 +187,12 @@ class GroupServer:
             return
         yield Accepted(self.group_id)
         if self.stream_interval_s > 0:  # each delta held for the interval: a task per request
-            async for delta in self._deltas(request):
-                self.outboxes.put(request.channel_id, delta)
+            self.outboxes.begin(request.channel_id)
+            try:
+                async for delta in self._deltas(request):
+                    self.outboxes.put(request.channel_id, delta)
+            finally:
+                self.outboxes.end(request.channel_id)
             return
         await self._to_outbox(request, request.channel_id)
 
@@ -195,6 +201,13 @@ class GroupServer:
         them over (no task, no queue per request: a step's outputs are one loop callback);
         returns when it ends. Cancelled, it aborts the request."""
         self.num_requests += 1
+        self.outboxes.begin(channel_id)
+        try:
+            await self._run_to_outbox(request, channel_id)
+        finally:
+            self.outboxes.end(channel_id)
+
+    async def _run_to_outbox(self, request: GroupRequest, channel_id: str) -> None:
         if self.fetcher is not None:
             await self.fetcher.fetch_for(request.prompt_token_ids)
         done = asyncio.get_running_loop().create_future()  # cancelled with this call, if it is
@@ -293,7 +306,8 @@ class GroupServer:
             rebuilding=healer.healing if healer is not None else False,
             kv_fetches=fetcher.num_fetches if fetcher is not None else 0,
             kv_blocks_fetched=fetcher.num_blocks_fetched if fetcher is not None else 0,
-            kv_fetches_failed=fetcher.num_failed if fetcher is not None else 0)
+            kv_fetches_failed=fetcher.num_failed if fetcher is not None else 0,
+            channel_flushes=self.outboxes.num_flushes, channel_deltas=self.outboxes.num_deltas)
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: a failed group that is not being

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.workers.core.request import CompletionOutput, PositionLogprobs, SamplingParams, merge_outputs
+from tandem.workers.core.request import CompletionOutput, PositionLogprobs, SamplingParams
 
 # invalid_request: the caller's fault (a 400, gRPC INVALID_ARGUMENT); unavailable: the group
 # failed, and the request may be retried elsewhere if nothing of it was sent yet (a 503).
@@ -78,21 +78,24 @@ class DeltaBatch:
     stream per step."""
 
     deltas: list[GroupDelta]
+    # The channel's last batch: it closes because it carried no request for a while (the
+    # group is alive; the ingress opens it again when it needs it).
+    closing: bool = False
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+    def __reduce__(self) -> tuple[Any, tuple[bytes, bool]]:
         rows = [(d.request_id, d.group_id, [_output_row(o) for o in d.outputs], d.finished, d.num_prompt_tokens,
                  d.num_cached_tokens, d.prompt_logprobs, d.error, d.error_kind) for d in self.deltas]
-        return _unpack_batch, (pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL),)
+        return _unpack_batch, (pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL), self.closing)
 
 
 def _output_row(o: CompletionOutput) -> tuple:
     return o.index, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason, o.cumulative_logprob
 
 
-def _unpack_batch(data: bytes) -> DeltaBatch:
+def _unpack_batch(data: bytes, closing: bool = False) -> DeltaBatch:
     # Rows of plain values: the C unpickler builds them without a Python call per object.
     return DeltaBatch([GroupDelta(rid, gid, [CompletionOutput(*o) for o in outputs], *rest)
-                       for rid, gid, outputs, *rest in pickle.loads(data)])
+                       for rid, gid, outputs, *rest in pickle.loads(data)], closing)
 
 
 @dataclass(slots=True)
@@ -125,10 +128,38 @@ class GroupDelta:
 
     def then(self, later: GroupDelta) -> GroupDelta:
         """One delta that says what this one and the `later` one of the same request say."""
-        return dataclasses.replace(
-            later, outputs=merge_outputs(self.outputs, later.outputs),
-            num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
-            prompt_logprobs=later.prompt_logprobs if later.prompt_logprobs is not None else self.prompt_logprobs)
+        return GroupDelta.join([self, later])
+
+    @staticmethod
+    def join(deltas: list[GroupDelta]) -> GroupDelta:
+        """One delta that says what consecutive deltas of one request say, in one pass: per
+        sequence its texts, token ids and logprobs joined, and the last one's finish and
+        figures (a stream's waiting deltas, joined once per message to its client)."""
+        last = deltas[-1]
+        if len(deltas) == 1:
+            return last
+        parts: dict[int, tuple[list[str], list[int], list[PositionLogprobs] | None, CompletionOutput]] = {}
+        for delta in deltas:
+            for o in delta.outputs:
+                part = parts.get(o.index)
+                if part is None:
+                    parts[o.index] = ([o.text], list(o.token_ids), None if o.logprobs is None else list(o.logprobs), o)
+                    continue
+                texts, token_ids, logprobs, _ = part
+                texts.append(o.text)
+                token_ids.extend(o.token_ids)
+                if o.logprobs is not None:
+                    if logprobs is None:
+                        logprobs = list(o.logprobs)
+                    else:
+                        logprobs.extend(o.logprobs)
+                parts[o.index] = (texts, token_ids, logprobs, o)
+        outputs = [dataclasses.replace(o, text="".join(texts), token_ids=token_ids, logprobs=logprobs)
+                   for texts, token_ids, logprobs, o in (parts[i] for i in sorted(parts))]
+        prompt_logprobs = next((d.prompt_logprobs for d in reversed(deltas) if d.prompt_logprobs is not None), None)
+        num_prompt_tokens = next((d.num_prompt_tokens for d in reversed(deltas) if d.num_prompt_tokens), 0)
+        return dataclasses.replace(last, outputs=outputs, num_prompt_tokens=num_prompt_tokens,
+                                   prompt_logprobs=prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -191,3 +222,5 @@ class GroupStats:
     kv_fetches: int = 0
     kv_blocks_fetched: int = 0
     kv_fetches_failed: int = 0
+    channel_flushes: int = 0  # cumulative: DeltaBatches sent on the ingresses' channels
+    channel_deltas: int = 0  # cumulative: the deltas they carried

@@ -11,6 +11,10 @@ per step and channel, not per token and stream.
 An outbox exists from the first delta or the channel's opening, whichever comes first (a
 request's first token can be ready before its ingress has opened the channel), until the
 channel closes.
+
+A channel carrying no request for `idle_s` closes itself with a last, empty `closing`
+batch: a call that never ends would hold the replica's graceful shutdown (Serve waits for
+every call) for its whole timeout. The ingress opens it again with its next request there.
 """
 
 from __future__ import annotations
@@ -31,10 +35,23 @@ class _Outbox:
 class Outboxes:
     """The outboxes of one group, by channel id (touched on the group's event loop only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_s: float = 1.0) -> None:
         self._boxes: dict[str, _Outbox] = {}
+        self._running: dict[str, int] = {}  # requests in flight per channel
+        self.idle_s = idle_s
         self.num_flushes = 0
         self.num_deltas = 0
+
+    def begin(self, channel_id: str) -> None:
+        """A request whose deltas go to `channel_id` started: the channel stays open until it ends."""
+        self._running[channel_id] = self._running.get(channel_id, 0) + 1
+
+    def end(self, channel_id: str) -> None:
+        left = self._running.get(channel_id, 0) - 1
+        if left > 0:
+            self._running[channel_id] = left
+        else:
+            self._running.pop(channel_id, None)
 
     def put(self, channel_id: str, delta: GroupDelta) -> None:
         box = self._boxes.get(channel_id)
@@ -59,7 +76,15 @@ class Outboxes:
         self._boxes[channel_id] = box
         try:
             while True:
-                await box.ready.wait()
+                try:
+                    await asyncio.wait_for(box.ready.wait(), self.idle_s)
+                except TimeoutError:
+                    if not box.deltas and channel_id not in self._running:
+                        # Unlisted first: a delta put while the last batch goes out starts a new box.
+                        del self._boxes[channel_id]
+                        yield DeltaBatch([], closing=True)
+                        return
+                    continue
                 if box.closed:
                     return
                 box.ready.clear()

@@ -77,11 +77,13 @@ def test_deltas_waiting_for_a_stream_come_joined_and_the_finish_stays_last() -> 
         handle.feeds["g0"].put_nowait(DeltaBatch([delta("r", 3, logprobs=True), delta("r", 4, finish="length")]))
         handle.feeds["g0"].put_nowait(DeltaBatch([delta("r", 9)]))  # after the finish: never joined to it
         await settle()
+        first = await stream.next()  # alone, however many came with it (time to first token)
         joined = await stream.next()
-        return [[(o.index, o.text, o.token_ids, o.finish_reason, o.logprobs is not None) for o in joined.outputs],
+        return [first.outputs[0].token_ids,
+                [(o.index, o.text, o.token_ids, o.finish_reason, o.logprobs is not None) for o in joined.outputs],
                 joined.finished]
 
-    assert asyncio.run(run()) == [[(0, "t1t3t4", [1, 3, 4], "length", True), (1, "t2", [2], None, False)], True]
+    assert asyncio.run(run()) == [[1], [(0, "t3t4", [3, 4], "length", True), (1, "t2", [2], None, False)], True]
 
 
 def test_a_lost_channel_ends_the_streams_of_its_group_only() -> None:
@@ -151,3 +153,24 @@ def test_a_delta_of_another_group_does_not_reach_a_retried_request() -> None:
         return (await stream.next()).outputs[0].token_ids
 
     assert asyncio.run(run()) == [2]
+
+
+def test_a_channel_closed_for_being_idle_reopens_while_a_stream_needs_it() -> None:
+    async def run() -> list:
+        handle = FakeHandle()
+        channels = GroupChannels(handle)
+        stream = channels.open("r")
+        channels.accepted(stream, "g0")
+        await settle()
+        # The group closed it idle just as it took this request: the ingress opens it again.
+        handle.feeds["g0"].put_nowait(DeltaBatch([], closing=True))
+        await settle()
+        handle.feeds["g0"].put_nowait(DeltaBatch([delta("r", 4, finish="length")]))
+        await settle()
+        got = (await stream.next()).outputs[0].token_ids
+        channels.close(stream)
+        handle.feeds["g0"].put_nowait(DeltaBatch([], closing=True))  # idle, nobody waits: it stays closed
+        await settle()
+        return [got, len(handle.opened), channels._pumps]
+
+    assert asyncio.run(run()) == [[4], 2, {}]

@@ -68,3 +68,16 @@ def test_a_delta_batch_crosses_as_rows_and_comes_back_whole() -> None:
                                error="worker died", error_kind="unavailable")
     batch = m.DeltaBatch([every_field, m.GroupDelta("s", "g1", [], False)])
     assert pickle.loads(cloudpickle.dumps(batch)) == batch
+
+
+def test_joining_many_deltas_keeps_every_sequences_order_and_the_last_finish() -> None:
+    lp = {5: Logprob(-0.5, 1, "a")}
+    deltas = [m.GroupDelta("r", "g0", [CompletionOutput(0, "a", [1], None)], False, num_prompt_tokens=3),
+              m.GroupDelta("r", "g0", [CompletionOutput(1, "x", [7], [lp]), CompletionOutput(0, "b", [2], [lp])],
+                           False),
+              m.GroupDelta("r", "g0", [CompletionOutput(0, "c", [3], None, "length")], True, num_cached_tokens=16)]
+    joined = m.GroupDelta.join(deltas)
+    assert joined.outputs == [CompletionOutput(0, "abc", [1, 2, 3], [lp], "length"),
+                              CompletionOutput(1, "x", [7], [lp])]
+    assert (joined.finished, joined.num_prompt_tokens, joined.num_cached_tokens) == (True, 3, 16)
+    assert deltas[0].outputs[0].token_ids == [1]  # the parts are not changed

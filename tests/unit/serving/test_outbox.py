@@ -82,3 +82,25 @@ def test_a_reopened_channel_takes_over_and_the_old_call_ends() -> None:
         return [got, old_ended, len(boxes)]
 
     assert asyncio.run(run()) == [[("a", 1)], True, 0]
+
+
+def test_a_channel_with_no_request_closes_itself_after_idle_s() -> None:
+    async def run() -> list:
+        boxes = Outboxes(idle_s=0.01)
+        boxes.begin("c1")
+        flushes = boxes.flushes("c1")
+        boxes.put("c1", delta("a", 1))
+        first = await anext(flushes)
+        waiting = asyncio.ensure_future(anext(flushes))
+        await asyncio.sleep(0.05)  # idle, but a request is running: the channel stays
+        still_open = not waiting.done()
+        boxes.end("c1")
+        last = await waiting
+        try:
+            await anext(flushes)
+            ended = False
+        except StopAsyncIteration:
+            ended = True
+        return [ids(first), still_open, last.deltas, last.closing, ended, len(boxes)]
+
+    assert asyncio.run(run()) == [[("a", 1)], True, [], True, True, 0]
