@@ -3,9 +3,11 @@
 A thin shim over `AsyncEngine`: a `GroupRequest` in, `GroupDelta`s out (messages.py;
 tensors never leave the group). A streamed request's deltas go into its ingress's outbox
 (outbox.py) and leave on that ingress's channel, one batch per flush for all its streams;
-a request answered whole gets its one delta as the call's answer. With tensor or pipeline parallelism the replica runs in
-bundle 0 of its own placement group (set through the deployment's placement-group
-options in router/app.py) and the engine starts its workers in the rest.
+a request answered whole gets its one delta as the call's answer.
+
+With tensor or pipeline parallelism the replica runs in bundle 0 of its own placement
+group (set through the deployment's placement-group options in router/app.py) and the
+engine starts its workers in the rest.
 
 When a worker of a TP or PP group dies, the group starts new workers in its placement
 group and serves again without Serve replacing the replica (workers/serving/group_healer.py).
