@@ -56,6 +56,20 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+class InProcess:
+    """What an executor whose model (or simulated device) runs in the engine's own process says
+    of its processes: there are none but this one, and a watchdog never finds it dead."""
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+    def dead_ranks(self) -> list[str]:
+        return []
+
+    def fail(self, reason: str) -> None:
+        """Nothing to stop: a failure here is the engine's own."""
+
+
 def pick_device(option: str) -> torch.device:
     if option == "cuda" or (option == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():

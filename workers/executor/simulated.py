@@ -30,6 +30,7 @@ from tandem.cluster.placement import DevicePin
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import Logprob, PositionLogprobs, SamplingParams
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
+from tandem.workers.executor.abstract import InProcess
 from tandem.workers.model.cost import ModelCost
 from tandem.workers.model.hf_config import HFModelConfig
 
@@ -66,7 +67,7 @@ class _SimRequest:
     num_tokens: int  # prompt and output tokens sent so far (placeholders of a step ahead included)
 
 
-class SimulatedExecutor:
+class SimulatedExecutor(InProcess):
     """One simulated device in this process: steps wait, tokens are computed (see the module)."""
 
     device_type = "sim"  # neither "cuda" nor "cpu": config.ASYNC_DEVICE_TYPES treats it as a GPU
@@ -211,15 +212,6 @@ class SimulatedExecutor:
     # ---- the group's processes: there are none but this one ---------------------------------------
     def device_pins(self) -> list[DevicePin]:
         return []
-
-    def worker_pids(self) -> list[int]:
-        return []
-
-    def dead_ranks(self) -> list[str]:
-        return []
-
-    def fail(self, reason: str) -> None:
-        """Nothing to stop: the device is simulated in this process."""
 
     def shutdown(self) -> None:
         self.requests.clear()

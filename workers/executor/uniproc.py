@@ -8,12 +8,12 @@ from tandem.cluster.placement import DevicePin
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
 from tandem.workers.distributed.parallel import ParallelContext
-from tandem.workers.executor.abstract import pick_device
+from tandem.workers.executor.abstract import InProcess, pick_device
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.runner.model_runner import ModelRunner
 
 
-class UniProcExecutor:
+class UniProcExecutor(InProcess):
     """The whole model in this process (TP = PP = 1)."""
 
     def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str,
@@ -57,15 +57,6 @@ class UniProcExecutor:
         if not gpus and self.runner.device.type == "cuda":  # a driver: it sees every GPU
             gpus = [self.runner.device.index or 0]
         return [DevicePin(ray.get_runtime_context().get_node_id(), tuple(gpus))]
-
-    def worker_pids(self) -> list[int]:
-        return []
-
-    def dead_ranks(self) -> list[str]:
-        return []
-
-    def fail(self, reason: str) -> None:
-        """Nothing to stop: the model runs in this process, which a watchdog never finds dead."""
 
     def shutdown(self) -> None:
         if self.runner is not None:

@@ -49,14 +49,20 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def accepted(*request_ids: str, group: str = "g0") -> tuple[FakeHandle, GroupChannels, list]:
+    """Streams for `request_ids` that `group` accepted, its channel opened and waiting."""
+    handle = FakeHandle()
+    channels = GroupChannels(handle)
+    streams = [channels.open(r) for r in request_ids]
+    for s in streams:
+        channels.accepted(s, group)
+    await settle()
+    return handle, channels, streams
+
+
 def test_one_channel_per_group_carries_every_stream_and_hands_each_its_own() -> None:
     async def run() -> list:
-        handle = FakeHandle()
-        channels = GroupChannels(handle)
-        streams = [channels.open(f"r{i}") for i in range(3)]
-        for s in streams:
-            channels.accepted(s, "g0")
-        await settle()
+        handle, channels, streams = await accepted("r0", "r1", "r2")
         handle.feeds["g0"].put_nowait(DeltaBatch([delta("r0", 1), delta("r2", 5), delta("gone", 9), delta("r1", 3)]))
         await settle()
         firsts = [(await s.next()).outputs[0].token_ids for s in streams]
@@ -68,11 +74,7 @@ def test_one_channel_per_group_carries_every_stream_and_hands_each_its_own() -> 
 
 def test_deltas_waiting_for_a_stream_come_joined_and_the_finish_stays_last() -> None:
     async def run() -> list:
-        handle = FakeHandle()
-        channels = GroupChannels(handle)
-        stream = channels.open("r")
-        channels.accepted(stream, "g0")
-        await settle()
+        handle, channels, [stream] = await accepted("r")
         handle.feeds["g0"].put_nowait(DeltaBatch([delta("r", 1, logprobs=True), delta("r", 2, index=1)]))
         handle.feeds["g0"].put_nowait(DeltaBatch([delta("r", 3, logprobs=True), delta("r", 4, finish="length")]))
         handle.feeds["g0"].put_nowait(DeltaBatch([delta("r", 9)]))  # after the finish: never joined to it
@@ -115,11 +117,7 @@ def test_a_lost_channel_ends_the_streams_of_its_group_only() -> None:
 
 def test_a_channel_that_ends_ends_its_streams() -> None:
     async def run() -> str:
-        handle = FakeHandle()
-        channels = GroupChannels(handle)
-        stream = channels.open("a")
-        channels.accepted(stream, "g0")
-        await settle()
+        handle, channels, [stream] = await accepted("a")
         handle.feeds["g0"].put_nowait(None)  # routed to a group that is gone: it ends at once
         await settle()
         with pytest.raises(ChannelLost) as info:
@@ -143,11 +141,7 @@ def test_a_request_id_in_flight_is_refused_and_free_again_once_closed() -> None:
 
 def test_a_delta_of_another_group_does_not_reach_a_retried_request() -> None:
     async def run() -> list:
-        handle = FakeHandle()
-        channels = GroupChannels(handle)
-        stream = channels.open("r")
-        channels.accepted(stream, "g1")  # the retry's group; g0 failed it
-        await settle()
+        handle, channels, [stream] = await accepted("r", group="g1")  # the retry's group; g0 failed it
         handle.feeds["g1"].put_nowait(DeltaBatch([delta("r", 1, group="g0"), delta("r", 2, group="g1")]))
         await settle()
         return (await stream.next()).outputs[0].token_ids
@@ -157,11 +151,7 @@ def test_a_delta_of_another_group_does_not_reach_a_retried_request() -> None:
 
 def test_a_channel_closed_for_being_idle_reopens_while_a_stream_needs_it() -> None:
     async def run() -> list:
-        handle = FakeHandle()
-        channels = GroupChannels(handle)
-        stream = channels.open("r")
-        channels.accepted(stream, "g0")
-        await settle()
+        handle, channels, [stream] = await accepted("r")
         # The group closed it idle just as it took this request: the ingress opens it again.
         handle.feeds["g0"].put_nowait(DeltaBatch([], closing=True))
         await settle()
