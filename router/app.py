@@ -206,7 +206,8 @@ def num_cpus_needed(args: dict[str, Any]) -> int:
 
 def _group_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any]:
     par = config.parallel
-    use_gpu = _use_gpu(config.model.device)
+    # A simulated device (simulated_step_ms) stands for a GPU but uses none.
+    use_gpu = config.model.simulated_step_ms is None and _use_gpu(config.model.device)
     max_ongoing = serving["max_ongoing_requests"] or 2 * config.scheduler.max_num_seqs
     options: dict[str, Any] = {
         # Each ingress replica's channel (stream_channels) is one more call a group carries.

@@ -89,3 +89,9 @@ def test_ingress_replicas_default_to_one_per_8_cores_and_bad_counts_are_refused(
             build_app({"ingress_num_replicas": bad})
     with pytest.raises(ValueError, match="^ingress_max_chunks_per_s: must be a number >= 0"):
         build_app({"ingress_max_chunks_per_s": -5})
+
+
+def test_a_simulated_device_asks_for_no_gpu_even_where_the_device_is_cuda():
+    config = EngineConfig.from_options(device="cuda", simulated_step_ms="5.9,0.01")
+    opts = _group_options(config, dict(SERVING_DEFAULTS))
+    assert opts["ray_actor_options"]["num_gpus"] == 0
