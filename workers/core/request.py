@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -231,19 +232,27 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-def merge_outputs(first: list[CompletionOutput], then: list[CompletionOutput]) -> list[CompletionOutput]:
-    """The sequences' news of two consecutive deltas as one: text, tokens and logprobs joined
-    per sequence index, the later finish reason."""
-    outputs = {c.index: c for c in first}
-    for c in then:
-        prev = outputs.get(c.index)
-        if prev is None:
-            outputs[c.index] = c
-            continue
-        logprobs = None if prev.logprobs is None and c.logprobs is None else (prev.logprobs or []) + (c.logprobs or [])
-        outputs[c.index] = dataclasses.replace(c, text=prev.text + c.text, token_ids=prev.token_ids + c.token_ids,
-                                               logprobs=logprobs)
-    return [outputs[i] for i in sorted(outputs)]
+def join_outputs(parts: Iterable[list[CompletionOutput]]) -> list[CompletionOutput]:
+    """The sequences' news of consecutive deltas as one, in one pass: per sequence index its
+    texts, token ids and logprobs joined in order, and the latest finish reason."""
+    joined: dict[int, tuple[list[str], list[int], list[PositionLogprobs] | None, CompletionOutput]] = {}
+    for outputs in parts:
+        for o in outputs:
+            part = joined.get(o.index)
+            if part is None:
+                joined[o.index] = ([o.text], list(o.token_ids), None if o.logprobs is None else list(o.logprobs), o)
+                continue
+            texts, token_ids, logprobs, _ = part
+            texts.append(o.text)
+            token_ids.extend(o.token_ids)
+            if o.logprobs is not None:
+                if logprobs is None:
+                    logprobs = list(o.logprobs)
+                else:
+                    logprobs.extend(o.logprobs)
+            joined[o.index] = (texts, token_ids, logprobs, o)
+    return [dataclasses.replace(o, text="".join(texts), token_ids=token_ids, logprobs=logprobs)
+            for texts, token_ids, logprobs, o in (joined[i] for i in sorted(joined))]
 
 
 @dataclass

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tandem.workers.core.request import RequestOutput, SamplingParams, merge_outputs
+from tandem.workers.core.request import RequestOutput, SamplingParams, join_outputs
 from tandem.workers.device_peaks import DevicePeaks
 from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
 from tandem.workers.engine.kv_transfer import export_prefix, held_prefix, import_prefix
@@ -52,7 +52,7 @@ def _checked(item: RequestOutput | BaseException) -> RequestOutput:
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """One delta output that says what two consecutive ones of a request said."""
-    return replace(then, outputs=merge_outputs(first.outputs, then.outputs),
+    return replace(then, outputs=join_outputs((first.outputs, then.outputs)),
                    prompt_logprobs=then.prompt_logprobs if then.prompt_logprobs is not None else first.prompt_logprobs)
 
 

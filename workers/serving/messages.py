@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.workers.core.request import CompletionOutput, PositionLogprobs, SamplingParams
+from tandem.workers.core.request import CompletionOutput, PositionLogprobs, SamplingParams, join_outputs
 
 # invalid_request: the caller's fault (a 400, gRPC INVALID_ARGUMENT); unavailable: the group
 # failed, and the request may be retried elsewhere if nothing of it was sent yet (a 503).
@@ -126,40 +126,18 @@ class GroupDelta:
     def failure(request_id: str, group_id: str, message: str, kind: ErrorKind) -> GroupDelta:
         return GroupDelta(request_id, group_id, [], True, error=message, error_kind=kind)
 
-    def then(self, later: GroupDelta) -> GroupDelta:
-        """One delta that says what this one and the `later` one of the same request say."""
-        return GroupDelta.join([self, later])
-
     @staticmethod
     def join(deltas: list[GroupDelta]) -> GroupDelta:
-        """One delta that says what consecutive deltas of one request say, in one pass: per
-        sequence its texts, token ids and logprobs joined, and the last one's finish and
+        """One delta that says what consecutive deltas of one request say: per sequence its
+        texts, token ids and logprobs joined (`join_outputs`), and the last one's finish and
         figures (a stream's waiting deltas, joined once per message to its client)."""
         last = deltas[-1]
         if len(deltas) == 1:
             return last
-        parts: dict[int, tuple[list[str], list[int], list[PositionLogprobs] | None, CompletionOutput]] = {}
-        for delta in deltas:
-            for o in delta.outputs:
-                part = parts.get(o.index)
-                if part is None:
-                    parts[o.index] = ([o.text], list(o.token_ids), None if o.logprobs is None else list(o.logprobs), o)
-                    continue
-                texts, token_ids, logprobs, _ = part
-                texts.append(o.text)
-                token_ids.extend(o.token_ids)
-                if o.logprobs is not None:
-                    if logprobs is None:
-                        logprobs = list(o.logprobs)
-                    else:
-                        logprobs.extend(o.logprobs)
-                parts[o.index] = (texts, token_ids, logprobs, o)
-        outputs = [dataclasses.replace(o, text="".join(texts), token_ids=token_ids, logprobs=logprobs)
-                   for texts, token_ids, logprobs, o in (parts[i] for i in sorted(parts))]
         prompt_logprobs = next((d.prompt_logprobs for d in reversed(deltas) if d.prompt_logprobs is not None), None)
         num_prompt_tokens = next((d.num_prompt_tokens for d in reversed(deltas) if d.num_prompt_tokens), 0)
-        return dataclasses.replace(last, outputs=outputs, num_prompt_tokens=num_prompt_tokens,
-                                   prompt_logprobs=prompt_logprobs)
+        return dataclasses.replace(last, outputs=join_outputs(d.outputs for d in deltas),
+                                   num_prompt_tokens=num_prompt_tokens, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,13 @@ def test_routing_stats_come_back_from_serves_dict_as_they_went() -> None:
     assert m.RoutingStats.from_dict({"num_running": 2, "from_a_newer_group": 1}) == m.RoutingStats(num_running=2)
 
 
-def test_a_delta_then_a_later_one_say_both() -> None:
+def test_a_delta_joined_with_a_later_one_says_both() -> None:
     lp = {5: Logprob(-0.5, 1, "a")}
     first = m.GroupDelta("r", "g0", [CompletionOutput(0, "a", [5], [lp]), CompletionOutput(1, "x", [9], [lp])],
                          False, num_prompt_tokens=3, prompt_logprobs=[None, lp])
     later = m.GroupDelta("r", "g0", [CompletionOutput(0, "b", [6], [lp], "stop", "b")], True, num_prompt_tokens=3,
                          num_cached_tokens=2)
-    both = first.then(later)
+    both = m.GroupDelta.join([first, later])
     assert both.outputs == [CompletionOutput(0, "ab", [5, 6], [lp, lp], "stop", "b"),
                             CompletionOutput(1, "x", [9], [lp])]
     assert (both.finished, both.num_prompt_tokens, both.num_cached_tokens, both.prompt_logprobs) == (
