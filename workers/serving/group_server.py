@@ -188,28 +188,21 @@ class GroupServer:
                 yield delta
             return
         yield Accepted(self.group_id)
-        if self.stream_interval_s > 0:  # each delta held for the interval: a task per request
-            self.outboxes.begin(request.channel_id)
-            try:
+        self.outboxes.begin(request.channel_id)  # the channel stays open until this request ends
+        try:
+            if self.stream_interval_s > 0:  # each delta held for the interval: a task per request
                 async for delta in self._deltas(request):
                     self.outboxes.put(request.channel_id, delta)
-            finally:
-                self.outboxes.end(request.channel_id)
-            return
-        await self._to_outbox(request, request.channel_id)
+            else:
+                await self._to_outbox(request, request.channel_id)
+        finally:
+            self.outboxes.end(request.channel_id)
 
     async def _to_outbox(self, request: GroupRequest, channel_id: str) -> None:
         """Run a request whose outputs go straight into its channel's outbox as the engine hands
         them over (no task, no queue per request: a step's outputs are one loop callback);
         returns when it ends. Cancelled, it aborts the request."""
         self.num_requests += 1
-        self.outboxes.begin(channel_id)
-        try:
-            await self._run_to_outbox(request, channel_id)
-        finally:
-            self.outboxes.end(channel_id)
-
-    async def _run_to_outbox(self, request: GroupRequest, channel_id: str) -> None:
         if self.fetcher is not None:
             await self.fetcher.fetch_for(request.prompt_token_ids)
         done = asyncio.get_running_loop().create_future()  # cancelled with this call, if it is
@@ -233,8 +226,7 @@ class GroupServer:
         try:
             await done
         finally:
-            if done.cancelled() or not done.done():  # the call was cancelled: the client left
-                done.cancel()
+            if done.cancelled():  # the call was cancelled (awaiting it cancels it): the client left
                 self.engine.abort(request.request_id)
                 self.num_aborted += 1
 
