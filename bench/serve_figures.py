@@ -33,6 +33,7 @@ import numpy as np
 from tandem.bench.load_generator import LoadLevel, RequestRecord, base_url, httpx, run_level, summarize
 from tandem.bench.process_cpu import cpu_by_role, cpu_used, tree_cpu_seconds
 from tandem.bench.workload import BenchRequest
+from tandem.workers.config import parse_step_ms
 
 SINGLE_STREAM_REQUESTS = 4
 STALL_STREAMS = 32
@@ -73,10 +74,7 @@ def server_cpu_figures(before: dict[int, float], after: dict[int, float], record
 def simulated_step(engine_options: dict[str, Any]) -> tuple[float, float] | None:
     """(BASE, PER_SEQ) ms of the engine option `simulated_step_ms` (a pair, or "BASE,PER_SEQ"), or None."""
     value = engine_options.get("simulated_step_ms")
-    if value is None:
-        return None
-    base, per_seq = (float(v) for v in (value.split(",") if isinstance(value, str) else value))
-    return base, per_seq
+    return None if value is None else parse_step_ms(value)
 
 
 def itl_percentile_ms(itl_s: list[float], p: float) -> float:

@@ -76,7 +76,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.simulated_step_ms is not None:
-            object.__setattr__(self, "simulated_step_ms", _step_ms(self.simulated_step_ms))
+            object.__setattr__(self, "simulated_step_ms", parse_step_ms(self.simulated_step_ms))
         require_field(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         require_field(self.max_seq_len_to_capture >= 1, "max_seq_len_to_capture",
                       f"must be >= 1, got {self.max_seq_len_to_capture}")
@@ -90,7 +90,7 @@ class ModelConfig:
             require_field(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
 
 
-def _step_ms(value: Any) -> tuple[float, float]:
+def parse_step_ms(value: Any) -> tuple[float, float]:
     """simulated_step_ms from "BASE,PER_SEQ", a list or a tuple: two finite floats >= 0."""
     parts = value.split(",") if isinstance(value, str) else value
     try:
