@@ -45,17 +45,22 @@ def tree_cpu_seconds(root: int, *, include_root: bool = True) -> dict[int, float
 
 
 def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
-    """CPU seconds the tree spent between two readings, counted per pid.
+    """CPU seconds the tree spent between two readings, counted per pid (`cpu_used_by_pid`)."""
+    return sum(cpu_used_by_pid(before, after).values())
+
+
+def cpu_used_by_pid(before: dict[int, float], after: dict[int, float]) -> dict[int, float]:
+    """{pid: CPU seconds it spent between two readings}.
 
     A process new since `before` counts from 0 (all its time is in the interval). One gone by
     `after` is lost: what it spent since `before` is no longer in /proc (it went to its parent's
     cutime, which only a waiting parent collects), so short-lived processes are undercounted.
     A pid whose time went down is a reused pid, a new process: it counts from 0 too."""
-    total = 0.0
+    used = {}
     for pid, seconds in after.items():
         earlier = before.get(pid, 0.0)
-        total += seconds - earlier if seconds >= earlier else seconds
-    return total
+        used[pid] = seconds - earlier if seconds >= earlier else seconds
+    return used
 
 
 def process_role(pid: int) -> str:
@@ -82,9 +87,7 @@ def process_role(pid: int) -> str:
 def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
     """`cpu_used` split by `process_role`, most first."""
     by_role: dict[str, float] = {}
-    for pid, seconds in after.items():
-        earlier = before.get(pid, 0.0)
-        used = seconds - earlier if seconds >= earlier else seconds
+    for pid, used in cpu_used_by_pid(before, after).items():
         role = process_role(pid) or "other"
         by_role[role] = by_role.get(role, 0.0) + used
     return dict(sorted(by_role.items(), key=lambda kv: -kv[1]))
