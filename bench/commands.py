@@ -123,7 +123,8 @@ def bench_serve(hooks: RouterHooks, args: argparse.Namespace) -> int:
         request_rates=[float(r) for r in args.request_rates.split(",")] if args.request_rates else None,
         concurrencies=[int(c) for c in args.concurrency.split(",")] if args.concurrency else None,
         compare_concurrency=args.compare_concurrency, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-        api_key=args.api_key, vocab_size=args.vocab_size, stream=not args.no_stream, stall_check=args.stall_check))
+        api_key=args.api_key, vocab_size=args.vocab_size, stream=not args.no_stream, stall_check=args.stall_check,
+        proxy=args.proxy))
     if args.url is None:
         figures.update({f"serving_{k}": v for k, v in _serve_bench_serving(args).items()})
     print_serve_table(figures)

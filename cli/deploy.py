@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from tandem.cluster.direct_ingress import NODE_ENV
+
 DEFAULT_CONFIG = "deploy/serve_config.yaml"
 DEFAULT_IMAGE = "registry.example.com/tandem:0.1.0"  # built from deploy/Dockerfile
 SERVE_PORT, GRPC_PORT = 8000, 9000
@@ -99,6 +101,9 @@ def serve_config(base: dict[str, Any], layout: Layout) -> dict[str, Any]:
 def _container(name: str, image: str, resources: dict[str, Any], ports: list[tuple[str, int]]) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": name, "image": image, "imagePullPolicy": "IfNotPresent",
+        # HAProxy in front of the ingress (cluster/direct_ingress.py): Ray reads it when its
+        # processes start, so it belongs to the pod (the image has it too; another image may not).
+        "env": [{"name": k, "value": v} for k, v in NODE_ENV.items()],
         "resources": {"limits": dict(resources), "requests": dict(resources)},
         # NCCL moves tensors through /dev/shm; a container's default is 64 MiB.
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],

@@ -18,10 +18,15 @@ from unittest import mock
 import pytest
 import torch
 
+from tandem.cluster.direct_ingress import HAPROXY, use_proxy
+
 # Built-in models made by tests go to a throwaway cache, never the user's.
 os.environ.setdefault("TANDEM_CACHE_DIR", tempfile.mkdtemp(prefix="tandem-test-cache-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every Ray the tests start (the shared one, Clusters, `ray start`, `tandem serve` in a
+# subprocess) puts HAProxy in front of the ingress, as `tandem serve` does by default.
+use_proxy(HAPROXY)
 # Without a GPU, the Triton kernels run through Triton's interpreter. It must be on before any
 # kernel is defined (at import), so it is set here, before any test module is collected.
 if not torch.cuda.is_available():

@@ -368,3 +368,23 @@ def test_the_port_checks_catch_a_clash_and_a_misspelt_flag() -> None:
 
 def test_try_multi_node_script_parses() -> None:
     subprocess.run(["bash", "-n", str(DEPLOY / "try_multi_node.sh")], check=True)
+
+
+def test_every_node_starts_with_haproxy_in_front_of_the_ingress() -> None:
+    """Ray reads the proxy choice when a node starts: the image, the launcher's `ray start`
+    commands, the KubeRay pods and the README's commands all set cluster/direct_ingress.py's."""
+    from tandem.cluster.direct_ingress import NODE_ENV
+
+    pairs = [f"{name}={value}" for name, value in NODE_ENV.items()]
+    [env_line] = [line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("ENV ")]
+    assert env_line.split()[1:] == pairs
+    launcher = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        [start] = [command for command in launcher[key] if "ray start" in command]
+        assert f"export {' '.join(pairs)};" in start, key
+    readme = (DEPLOY / "README.md").read_text()
+    assert f"export {' '.join(pairs)}\n" in readme
+    for name in MANIFESTS:
+        for _, group in _kuberay_groups(load(f"kuberay/{name}")):
+            [container] = group["template"]["spec"]["containers"]
+            assert {e["name"]: e["value"] for e in container["env"]} == NODE_ENV, name

@@ -107,6 +107,15 @@ def test_bad_option_fails_before_anything_starts(capsys):
     assert "block_size" in capsys.readouterr().err
 
 
+def test_proxy_is_chosen_for_an_embedded_ray_only(capsys):
+    from tandem.cli.main import build_parser, main
+
+    assert build_parser().parse_args(["serve"]).proxy is None  # HAProxy, for a Ray tandem starts
+    assert build_parser().parse_args(["serve", "--proxy", "serve"]).proxy == "serve"
+    with pytest.raises(SystemExit, match="--proxy is not for a cluster joined with --address"):
+        main(["serve", "--address", "auto", "--proxy", "haproxy"])
+
+
 @pytest.mark.slow
 def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
     port, grpc_port = free_port(), free_port()

