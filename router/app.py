@@ -86,6 +86,12 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "max_requests": None,
     "retry_after_s": 1,
     "max_request_body_bytes": 8 * 1024 * 1024,  # larger bodies: 413
+    # The work one request may ask for, HTTP and gRPC alike (router/limits.py; beyond: 400 /
+    # INVALID_ARGUMENT naming the field): samples per prompt, alternatives per position, and
+    # prompts x n, the sequences admission charges.
+    "max_n": 128,
+    "max_logprobs": 20,
+    "max_sequences_per_request": 256,
     # Metrics (workers/serving/group_metrics.py): how often a group hands its figures to Ray's pipeline (which
     # exports every metrics_report_interval_ms, 10 s by default), and whether it probes its
     # device's peaks at start-up for the live MBU / MFU gauges.
@@ -136,11 +142,14 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     admission = admission_options(config, serving)
     if admission is not None:
         AdmissionLimits.from_dict(admission)  # bad bounds fail here, not in every ingress replica
-    RequestLimits(max_body_bytes=serving["max_request_body_bytes"])
+    limits = {"max_body_bytes": serving["max_request_body_bytes"], "max_n": serving["max_n"],
+              "max_logprobs": serving["max_logprobs"],
+              "max_sequences_per_request": serving["max_sequences_per_request"]}
+    RequestLimits(**limits)  # bad bounds fail here
     group = GroupServer.options(**_group_options(config, serving)).bind(config, group_options)
     ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
                       "max_model_len": config.model.max_model_len, "api_key": serving["api_key"],
-                      "limits": {"max_body_bytes": serving["max_request_body_bytes"]},
+                      "limits": limits,
                       "admission": admission, "stream_channels": serving["stream_channels"],
                       "max_chunks_per_s": serving["ingress_max_chunks_per_s"]}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],

@@ -32,7 +32,7 @@ import grpc
 from tandem.router import tandem_pb2 as pb
 from tandem.router.admission import Overloaded, admitted
 from tandem.router.engine_client import RequestTimeout, ServiceUnavailable, sampling_params
-from tandem.router.limits import check_stop_counts
+from tandem.router.limits import RequestLimits, check_stop_counts
 from tandem.router.tracing import traced_rpc
 from tandem.workers.core.request import CompletionOutput, Logprob, PositionLogprobs, SamplingParams
 from tandem.workers.serving.messages import GroupDelta, GroupRequest
@@ -65,13 +65,14 @@ class GrpcMethods:
 
     client: Any  # tandem.router.engine_client.EngineClient
     api_key: str | None
+    limits: RequestLimits
 
     @traced_rpc("Generate")
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
                        ) -> pb.GenerateResponse:
         try:
             self._authenticate(grpc_context)
-            async with admitted(getattr(self, "admission", None)):
+            async with admitted(getattr(self, "admission", None), self._grpc_sequences(request)):
                 group_request = await self._prepare(request, final_only=True)
                 deadline = _deadline(request)
                 choices: dict[int, pb.Completion] = {}
@@ -86,17 +87,18 @@ class GrpcMethods:
             _set_status(grpc_context, exc)
             return pb.GenerateResponse()
         usage = _usage(last, sum(len(c.token_ids) for c in choices.values()))
-        return pb.GenerateResponse(request_id=group_request.request_id, model=self.client.model_name,
-                                   choices=[choices[i] for i in sorted(choices)], usage=usage)
+        return pb.GenerateResponse(request_id=request.request_id or group_request.request_id,
+                                   model=self.client.model_name, choices=[choices[i] for i in sorted(choices)],
+                                   usage=usage)
 
     @traced_rpc("GenerateStream")
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             self._authenticate(grpc_context)
-            async with admitted(getattr(self, "admission", None)):
+            async with admitted(getattr(self, "admission", None), self._grpc_sequences(request)):
                 group_request = await self._prepare(request)
-                request_id, num_top = group_request.request_id, group_request.sampling.logprobs
+                request_id, num_top = request.request_id or group_request.request_id, group_request.sampling.logprobs
                 deadline = _deadline(request)
                 num_output_tokens = 0
                 async with aclosing(self.client.stream(group_request, deadline)) as deltas:
@@ -164,6 +166,13 @@ class GrpcMethods:
         if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise RpcError(grpc.StatusCode.UNAUTHENTICATED, "authorization: invalid API key")
 
+    def _grpc_sequences(self, request: pb.GenerateRequest) -> int:
+        """What admission charges the request (its sequences); ValueError past this server's
+        bounds, before any ticket or tokenizing (the proto's n is a uint32)."""
+        sampling = request.sampling
+        n = sampling.n if sampling.HasField("n") else 1
+        return self.limits.sequences(n, 1, sampling.logprobs if sampling.HasField("logprobs") else None)
+
     def _check_model(self, model: str) -> None:
         if model and model != self.client.model_name:
             raise RpcError(grpc.StatusCode.NOT_FOUND,
@@ -179,7 +188,10 @@ class GrpcMethods:
             token_ids = list(request.token_ids.ids)
         else:
             raise ValueError("prompt: set either text or token_ids")
-        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        # The id the engine knows is always the server's: a client's id is a label, echoed in
+        # the responses, so two requests with the same one (or one like another's sample id,
+        # "x#1") never touch each other.
+        request_id = f"grpc-{uuid.uuid4().hex}"
         return self.client.request(request_id, token_ids, sampling_from_proto(request.sampling), final_only=final_only)
 
 

@@ -162,12 +162,13 @@ class OpenAIIngress(GrpcMethods):
     @app.post("/v1/completions")
     async def create_completion(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
-        return await self._respond(self.completions.create, req, req.num_prompts)
+        return await self._respond(self.completions.create, req,
+                                   self._sequences(req.n, req.num_prompts, req.logprobs, "logprobs"))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
-        return await self._respond(self.chat.create, req, 1)
+        return await self._respond(self.chat.create, req, self._sequences(req.n, 1, req.top_logprobs, "top_logprobs"))
 
     # ---- helpers -------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -189,6 +190,13 @@ class OpenAIIngress(GrpcMethods):
             raise OpenAIError(404, f"the model '{req.model}' does not exist (this server has "
                               f"'{self.client.model_name}')", param="model", code="model_not_found")
         return req
+
+    def _sequences(self, n: int, num_prompts: int, logprobs: int | None, logprobs_field: str) -> int:
+        """What admission charges the request (its sequences), or 400 past this server's bounds."""
+        try:
+            return self.limits.sequences(n, num_prompts, logprobs, logprobs_field)
+        except ValueError as exc:
+            raise OpenAIError.bad_request(exc) from None
 
     async def _admit(self, cost: int) -> Ticket | None:
         """Admission before any tokenizing: 429 / 503 at once when the groups cannot take it."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from tandem.router.protocol import MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, OpenAIError
+from tandem.router.protocol import MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, OpenAIError
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
@@ -30,12 +30,41 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 class RequestLimits:
     max_body_bytes: int = 8 * 1024 * 1024
     max_json_depth: int = 32  # the deepest legitimate body (chat content parts) is 4
+    # The work one request may ask for, the same over HTTP and gRPC (the HTTP schema's own
+    # bounds, MAX_N and MAX_LOGPROBS, are the most a server may allow): samples per prompt,
+    # alternatives per position (output and prompt logprobs), and sequences in all (prompts x
+    # n), which is what the engine runs and what admission charges.
+    max_n: int = MAX_N
+    max_logprobs: int = MAX_LOGPROBS
+    max_sequences_per_request: int = 256
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes: must be >= 1024, got {self.max_body_bytes}")
         if self.max_json_depth < 4:
             raise ValueError(f"max_json_depth: must be >= 4, got {self.max_json_depth}")
+        if not 1 <= self.max_n <= MAX_N:
+            raise ValueError(f"max_n: must be in [1, {MAX_N}], got {self.max_n}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs: must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request: must be >= 1, got {self.max_sequences_per_request}")
+
+    def sequences(self, n: int, num_prompts: int, logprobs: int | None = None,
+                  logprobs_field: str = "logprobs") -> int:
+        """The sequences a request of `num_prompts` prompts x `n` samples runs (admission's
+        cost), once its counts are within this server's bounds; ValueError names the field."""
+        if n < 1:
+            raise ValueError(f"n: must be >= 1, got {n}")
+        if n > self.max_n:
+            raise ValueError(f"n: at most {self.max_n} samples per prompt on this server, got {n}")
+        if n * num_prompts > self.max_sequences_per_request:
+            raise ValueError(f"n: prompts x n may be at most {self.max_sequences_per_request} sequences per "
+                             f"request on this server, got {num_prompts} x {n}")
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise ValueError(f"{logprobs_field}: at most {self.max_logprobs} alternatives per position on this "
+                             f"server, got {logprobs}")
+        return n * num_prompts
 
 
 async def read_json_object(request: Request, limits: RequestLimits) -> dict[str, Any]:

@@ -98,6 +98,11 @@ HTTP_CASES: list[HttpCase] = [
     completion("repetition_penalty zero", 400, "repetition_penalty", "invalid_value", repetition_penalty=0),
     completion("n zero", 400, "n", "invalid_value", n=0),
     completion("n above 128", 400, "n", "invalid_value", n=129),
+    # 128 prompts x n = 128 would be 16,384 sequences for one request: over the 256 allowed.
+    completion("prompts x n over the sequences per request", 400, "n", "invalid_value", n=128,
+               prompt=[[5, 6]] * 128, message_has="at most 256 sequences per request on this server, got 128 x 128"),
+    completion("prompts x n one over the sequences per request", 400, "n", "invalid_value", n=3,
+               prompt=[[5, 6]] * 86, message_has="got 86 x 3"),
     completion("n a bool", 400, "n", "invalid_type", n=True),
     completion("best_of other than n", 400, "best_of", "invalid_value", best_of=2),
     completion("best_of zero", 400, "best_of", "invalid_value", best_of=0),
@@ -234,9 +239,16 @@ GRPC_CASES: list[GrpcCase] = [
     _generate("top_k below -1", BAD, "top_k", top_k=-5),
     _generate("min_p above 1", BAD, "min_p", min_p=1.5),
     _generate("n zero", BAD, "n", n=0),
+    # uint32: each sample is a sequence, built before any step; one such request used to take
+    # its group's memory and GIL, then (nothing yielded) be retried on another group.
+    _generate("n at uint32 max", BAD, "n: at most 128 samples per prompt on this server, got 4294967295",
+              n=2**32 - 1),
+    _generate("n above 128", BAD, "n: at most 128", n=129),
+    _generate("n 128 is fine but 257 is not", BAD, "n: at most 128", n=257),
     _generate("presence_penalty above 2", BAD, "presence_penalty", presence_penalty=5.0),
     _generate("repetition_penalty zero", BAD, "repetition_penalty", repetition_penalty=0.0),
     _generate("logprobs above 20", BAD, "logprobs", logprobs=21),
+    _generate("logprobs at uint32 max", BAD, "logprobs: at most 20 alternatives", logprobs=2**32 - 1),
     _generate("17 stop strings", BAD, "stop", stop=[str(i) for i in range(17)]),
     _generate("stop string of 2000 characters", BAD, "stop", stop=["x" * 2000]),
     _generate("300 stop_token_ids", BAD, "stop_token_ids", stop_token_ids=list(range(300))),

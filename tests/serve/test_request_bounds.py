@@ -1,0 +1,110 @@
+"""The work one request may ask for (router/limits.py), the same over HTTP and gRPC, what
+admission charges for it (its sequences), and request ids that belong to the server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tandem.router import tandem_pb2 as pb
+from tandem.router.limits import RequestLimits
+from tests.serve.fake_group import EchoGroup, FakeGrpcContext, ingress_server, serving
+
+
+@pytest.fixture
+def group() -> EchoGroup:
+    return EchoGroup()
+
+
+def _completion(n: int, prompts: int, **fields) -> dict:
+    return {"model": "tiny", "prompt": [[5, 6]] * prompts, "max_tokens": 2, "n": n, **fields}
+
+
+def _generate(server, request: pb.GenerateRequest) -> tuple[FakeGrpcContext, pb.GenerateResponse]:
+    context = FakeGrpcContext()
+    reply = asyncio.run(server.Generate(request, context))
+    return context, reply
+
+
+def test_admission_charges_each_sequence_not_each_request(tiny_llama, group):
+    server = ingress_server(tiny_llama, group, admission={"max_requests_per_group": 8})
+    with serving(server) as client:
+        with client.stream("POST", "/v1/completions", json=_completion(3, 2, stream=True)) as response:
+            assert response.status_code == 200
+            assert server.admission.in_flight == 6  # 2 prompts x n = 3
+            body = response.read().decode()
+        assert body.count('"text":"t10"') == 6 and server.admission.in_flight == 0
+        over = client.post("/v1/completions", json=_completion(5, 2))  # 10 sequences, 8 allowed
+        assert over.status_code == 429 and over.json()["error"]["code"] == "overloaded"
+        assert client.post("/v1/completions", json=_completion(4, 2)).status_code == 200
+    context, _ = _generate(server, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]),
+                                                      sampling=pb.SamplingParams(n=9, max_tokens=2)))
+    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    context, reply = _generate(server, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]),
+                                                          sampling=pb.SamplingParams(n=8, max_tokens=2)))
+    assert context.code is None and [c.text for c in reply.choices] == ["t10t11"] * 8
+    assert server.admission.in_flight == 0
+
+
+def test_serving_options_lower_the_bounds_on_both_apis(tiny_llama, group):
+    server = ingress_server(tiny_llama, group,
+                            limits={"max_n": 4, "max_logprobs": 5, "max_sequences_per_request": 6})
+    with serving(server) as client:
+        cases = [
+            ("/v1/completions", _completion(5, 1), "n", "n: at most 4 samples per prompt on this server, got 5"),
+            ("/v1/completions", _completion(4, 2), "n",
+             "n: prompts x n may be at most 6 sequences per request on this server, got 2 x 4"),
+            ("/v1/completions", _completion(1, 1, logprobs=6), "logprobs",
+             "logprobs: at most 5 alternatives per position on this server, got 6"),
+            ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                      "logprobs": True, "top_logprobs": 6}, "top_logprobs",
+             "top_logprobs: at most 5 alternatives per position on this server, got 6"),
+        ]
+        for path, body, param, message in cases:
+            response = client.post(path, json=body)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"] | {"type": None} == {
+                "message": message, "param": param, "code": "invalid_value", "type": None}
+        assert client.post("/v1/completions", json=_completion(3, 2, logprobs=5)).status_code == 200
+    for sampling, details in [(pb.SamplingParams(n=5), "n: at most 4 samples per prompt on this server, got 5"),
+                              (pb.SamplingParams(logprobs=6),
+                               "logprobs: at most 5 alternatives per position on this server, got 6")]:
+        context, _ = _generate(server, pb.GenerateRequest(text="hi", sampling=sampling))
+        assert (context.code, context.details) == (grpc.StatusCode.INVALID_ARGUMENT, details)
+    assert len(group.calls) == 2  # only the request within the bounds reached the group (2 prompts)
+
+
+def test_bounds_beyond_what_the_api_allows_are_refused():
+    for field, value, message in [("max_n", 0, r"max_n: must be in \[1, 128\], got 0"),
+                                  ("max_n", 129, r"max_n: must be in \[1, 128\], got 129"),
+                                  ("max_logprobs", 21, r"max_logprobs: must be in \[0, 20\], got 21"),
+                                  ("max_sequences_per_request", 0, "max_sequences_per_request: must be >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            RequestLimits(**{field: value})
+    assert RequestLimits().sequences(128, 2) == 256
+
+
+def test_a_clients_grpc_request_id_is_a_label_the_engine_never_sees(tiny_llama, group):
+    server = ingress_server(tiny_llama, group)
+
+    async def both() -> list:
+        async def one(label: str) -> list[pb.GenerateStreamResponse]:
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]), request_id=label,
+                                         sampling=pb.SamplingParams(max_tokens=2))
+            return [message async for message in server.GenerateStream(request, FakeGrpcContext())]
+
+        return await asyncio.gather(one("same"), one("same"), one("x#1"), one(""))
+
+    with serving(server):
+        streams = asyncio.run(both())
+    for label, messages in zip(["same", "same", "x#1"], streams):
+        assert [m.request_id for m in messages] == [label, label]
+        assert "".join(c.text for m in messages for c in m.choices) == "t10t11"
+    engine_ids = [call.request_id for call in group.calls]
+    assert len(set(engine_ids)) == 4 and all(i.startswith("grpc-") and "#" not in i for i in engine_ids)
+    assert [m.request_id for m in streams[3]] == [engine_ids[3]] * 2  # no label: the server's id
+    context, reply = _generate(server, pb.GenerateRequest(text="hi", request_id="mine",
+                                                          sampling=pb.SamplingParams(max_tokens=2)))
+    assert context.code is None and reply.request_id == "mine" and group.calls[-1].request_id != "mine"
