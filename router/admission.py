@@ -7,7 +7,8 @@ router has placed it). A new request is admitted only while
     in_flight + cost <= max_requests_per_group * groups_up      (a bounded queue per group)
     in_flight + cost <= max_requests                            (a bounded queue per application)
 
-where `cost` is the number of group requests it becomes (the prompts of a completion).
+where `cost` is the number of sequences it becomes (prompts x n: each sample is a sequence
+in the engine, which bounds sequences, not requests).
 Beyond either bound it is refused at once with `Overloaded` (HTTP 429 / gRPC
 RESOURCE_EXHAUSTED); with no group up, `NoGroupUp` (503 / UNAVAILABLE). Both carry a
 Retry-After. The check runs before the prompt is tokenized, so an overloaded server
@@ -102,10 +103,18 @@ class Admission:
         self.num_admitted = 0
         self.num_shed = 0
 
-    async def admit(self, cost: int = 1) -> Ticket:
-        """A ticket for `cost` group requests, or Overloaded / NoGroupUp at once."""
-        groups_up = await self._groups_up()
+    async def admit(self, cost: int = 1, one_group: int = 1) -> Ticket:
+        """A ticket for `cost` sequences, of which `one_group` (a prompt's n samples) must run
+        on one group; Overloaded / NoGroupUp at once, or ValueError (naming n) for a request
+        no state of the service could ever admit, rather than a 429 it would retry forever."""
         limits = self.limits
+        if one_group > limits.max_requests_per_group:
+            raise ValueError(f"n: {one_group} samples of one prompt are more than one replica group admits "
+                             f"({limits.max_requests_per_group} sequences)")
+        if limits.max_requests is not None and cost > limits.max_requests:
+            raise ValueError(f"n: the request's {cost} sequences are more than this server admits at once "
+                             f"({limits.max_requests})")
+        groups_up = await self._groups_up()
         if groups_up <= 0:
             self.num_shed += 1
             raise NoGroupUp("no replica group is running", limits.retry_after_s)
@@ -127,12 +136,12 @@ class Admission:
 
 
 @asynccontextmanager
-async def admitted(admission: Admission | None, cost: int = 1) -> AsyncIterator[Ticket | None]:
+async def admitted(admission: Admission | None, cost: int = 1, one_group: int = 1) -> AsyncIterator[Ticket | None]:
     """Hold a ticket for the block's duration (no admission control: None)."""
     if admission is None:
         yield None
         return
-    ticket = await admission.admit(cost)
+    ticket = await admission.admit(cost, one_group)
     try:
         yield ticket
     finally:

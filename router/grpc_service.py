@@ -72,7 +72,7 @@ class GrpcMethods:
                        ) -> pb.GenerateResponse:
         try:
             self._authenticate(grpc_context)
-            async with admitted(getattr(self, "admission", None), self._grpc_sequences(request)):
+            async with admitted(getattr(self, "admission", None), *self._grpc_sequences(request)):
                 group_request = await self._prepare(request, final_only=True)
                 deadline = _deadline(request)
                 choices: dict[int, pb.Completion] = {}
@@ -96,7 +96,7 @@ class GrpcMethods:
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             self._authenticate(grpc_context)
-            async with admitted(getattr(self, "admission", None), self._grpc_sequences(request)):
+            async with admitted(getattr(self, "admission", None), *self._grpc_sequences(request)):
                 group_request = await self._prepare(request)
                 request_id, num_top = request.request_id or group_request.request_id, group_request.sampling.logprobs
                 deadline = _deadline(request)
@@ -166,12 +166,12 @@ class GrpcMethods:
         if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise RpcError(grpc.StatusCode.UNAUTHENTICATED, "authorization: invalid API key")
 
-    def _grpc_sequences(self, request: pb.GenerateRequest) -> int:
-        """What admission charges the request (its sequences); ValueError past this server's
-        bounds, before any ticket or tokenizing (the proto's n is a uint32)."""
+    def _grpc_sequences(self, request: pb.GenerateRequest) -> tuple[int, int]:
+        """What admission charges the request (its sequences, all on one group); ValueError
+        past this server's bounds, before any ticket or tokenizing (the proto's n is a uint32)."""
         sampling = request.sampling
         n = sampling.n if sampling.HasField("n") else 1
-        return self.limits.sequences(n, 1, sampling.logprobs if sampling.HasField("logprobs") else None)
+        return self.limits.sequences(n, 1, sampling.logprobs if sampling.HasField("logprobs") else None), n
 
     def _check_model(self, model: str) -> None:
         if model and model != self.client.model_name:

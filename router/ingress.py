@@ -163,12 +163,13 @@ class OpenAIIngress(GrpcMethods):
     async def create_completion(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
         return await self._respond(self.completions.create, req,
-                                   self._sequences(req.n, req.num_prompts, req.logprobs, "logprobs"))
+                                   self._sequences(req.n, req.num_prompts, req.logprobs, "logprobs"), req.n)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
-        return await self._respond(self.chat.create, req, self._sequences(req.n, 1, req.top_logprobs, "top_logprobs"))
+        return await self._respond(self.chat.create, req, self._sequences(req.n, 1, req.top_logprobs, "top_logprobs"),
+                                   req.n)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -198,19 +199,21 @@ class OpenAIIngress(GrpcMethods):
         except ValueError as exc:
             raise OpenAIError.bad_request(exc) from None
 
-    async def _admit(self, cost: int) -> Ticket | None:
+    async def _admit(self, cost: int, one_group: int) -> Ticket | None:
         """Admission before any tokenizing: 429 / 503 at once when the groups cannot take it."""
         if self.admission is None:
             return None
         try:
-            return await self.admission.admit(cost)
+            return await self.admission.admit(cost, one_group)
+        except ValueError as exc:  # more than could ever be admitted
+            raise OpenAIError.bad_request(exc) from None
         except Overloaded as exc:
             raise overloaded(exc.message, exc.retry_after_s) from None
         except NoGroupUp as exc:
             raise _unavailable(exc) from None
 
-    async def _respond(self, create, req, cost: int) -> Response:
-        ticket = await self._admit(cost)
+    async def _respond(self, create, req, cost: int, one_group: int) -> Response:
+        ticket = await self._admit(cost, one_group)
         streaming = False
         try:
             reply = await create(req)

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tandem.workers.core.request import REPETITION_PENALTY_RANGE
+
 MAX_N = 128
 MAX_LOGPROBS = 20
 # Counts and sizes beyond which a request is refused outright: each bounds the work or
@@ -57,7 +59,7 @@ class _SamplingRequest(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     seed: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)

@@ -96,6 +96,9 @@ HTTP_CASES: list[HttpCase] = [
     completion("presence_penalty above 2", 400, "presence_penalty", "invalid_value", presence_penalty=3),
     completion("frequency_penalty below -2", 400, "frequency_penalty", "invalid_value", frequency_penalty=-3),
     completion("repetition_penalty zero", 400, "repetition_penalty", "invalid_value", repetition_penalty=0),
+    # Dividing logits by 1e-30 overflows float32 (NaN probabilities: a failed group step).
+    completion("repetition_penalty tiny", 400, "repetition_penalty", "invalid_value", repetition_penalty=1e-30),
+    completion("repetition_penalty huge", 400, "repetition_penalty", "invalid_value", repetition_penalty=1e30),
     completion("n zero", 400, "n", "invalid_value", n=0),
     completion("n above 128", 400, "n", "invalid_value", n=129),
     # 128 prompts x n = 128 would be 16,384 sequences for one request: over the 256 allowed.
@@ -195,6 +198,8 @@ HTTP_CASES: list[HttpCase] = [
 # Accepted on purpose: odd but valid (extra fields are ignored, as vLLM does).
 ACCEPTED_CASES: list[HttpCase] = [
     completion("unknown extra field", 200, None, frobnicate={"a": [1, 2]}),
+    # Scaling logits by 1/1e-40 overflows float32: below 1e-5 a temperature means greedy.
+    completion("temperature 1e-40", 200, None, temperature=1e-40),
     completion("emoji, RTL, combining marks and NUL", 200, None, prompt="🙂 שלום e\u0301 \u0000 \u200f"),
     completion("a paired surrogate escape", 200, None, prompt="\ud83d\ude00"),
     chat("content parts", 200, None, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]),
@@ -247,6 +252,7 @@ GRPC_CASES: list[GrpcCase] = [
     _generate("n 128 is fine but 257 is not", BAD, "n: at most 128", n=257),
     _generate("presence_penalty above 2", BAD, "presence_penalty", presence_penalty=5.0),
     _generate("repetition_penalty zero", BAD, "repetition_penalty", repetition_penalty=0.0),
+    _generate("repetition_penalty tiny", BAD, "repetition_penalty: must be in [0.01, 100]", repetition_penalty=1e-30),
     _generate("logprobs above 20", BAD, "logprobs", logprobs=21),
     _generate("logprobs at uint32 max", BAD, "logprobs: at most 20 alternatives", logprobs=2**32 - 1),
     _generate("17 stop strings", BAD, "stop", stop=[str(i) for i in range(17)]),

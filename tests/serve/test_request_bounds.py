@@ -34,14 +34,23 @@ def test_admission_charges_each_sequence_not_each_request(tiny_llama, group):
         with client.stream("POST", "/v1/completions", json=_completion(3, 2, stream=True)) as response:
             assert response.status_code == 200
             assert server.admission.in_flight == 6  # 2 prompts x n = 3
+            context, _ = _generate(server, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]),
+                                                              sampling=pb.SamplingParams(n=3, max_tokens=2)))
+            assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # 6 + 3 > 8: come back later
             body = response.read().decode()
         assert body.count('"text":"t10"') == 6 and server.admission.in_flight == 0
         over = client.post("/v1/completions", json=_completion(5, 2))  # 10 sequences, 8 allowed
         assert over.status_code == 429 and over.json()["error"]["code"] == "overloaded"
         assert client.post("/v1/completions", json=_completion(4, 2)).status_code == 200
+        # One prompt's samples run on one group: more than a group admits is never admitted,
+        # so it is a 400 (not a 429 that a client would retry for ever).
+        never = client.post("/v1/completions", json=_completion(9, 1))
+        assert never.status_code == 400 and never.json()["error"]["message"] == (
+            "n: 9 samples of one prompt are more than one replica group admits (8 sequences)")
     context, _ = _generate(server, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]),
                                                       sampling=pb.SamplingParams(n=9, max_tokens=2)))
-    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (context.code, context.details) == (grpc.StatusCode.INVALID_ARGUMENT, "n: 9 samples of one prompt are "
+                                               "more than one replica group admits (8 sequences)")
     context, reply = _generate(server, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]),
                                                           sampling=pb.SamplingParams(n=8, max_tokens=2)))
     assert context.code is None and [c.text for c in reply.choices] == ["t10t11"] * 8

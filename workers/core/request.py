@@ -17,6 +17,13 @@ if TYPE_CHECKING:
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# A temperature this small scales float32 logits past their range (1e-40 makes them inf and
+# the softmax NaN): below it a request is greedy, which is what such a temperature means (vLLM's
+# threshold too).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# Repetition penalties divide or multiply seen tokens' logits: beyond these, they overflow
+# float32 just as a tiny temperature does (and no one means a 1e30-fold penalty).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -67,8 +74,11 @@ class SamplingParams:
                  f"must be in [-2, 2], got {self.presence_penalty}")
         require_field(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                  f"must be in [-2, 2], got {self.frequency_penalty}")
-        require_field(self.repetition_penalty > 0.0, "repetition_penalty",
-                 f"must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        require_field(low <= self.repetition_penalty <= high, "repetition_penalty",
+                      f"must be in [{low}, {high:g}], got {self.repetition_penalty}")
+        if 0.0 < self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
         if self.max_tokens is not None:
             require_field(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
                      f"must be an integer >= 1, got {self.max_tokens!r}")

@@ -282,9 +282,10 @@ def _filter(x: torch.Tensor, top_k: list[int] | torch.Tensor, top_p: list[float]
     probs = torch.softmax(sorted_x, dim=-1)
     p = torch.as_tensor(top_p, dtype=torch.float32, device=device)[:, None]
     # Keep a token while the mass strictly before it is still short of top_p: the smallest
-    # prefix reaching top_p. The first token's prefix mass is exactly 0, so it is always kept.
+    # prefix reaching top_p. The first token is always kept: its prefix mass is 0, and a top_p
+    # below float32's range (1e-300) is 0 too.
     before = probs.cumsum(-1) - probs
-    drop = (before >= p) & (p < 1.0)  # top_p == 1 must keep everything despite rounding
+    drop = (before >= p) & (p < 1.0) & (pos > 0)  # top_p == 1 must keep everything despite rounding
 
     # min-p compares against the max prob; that ratio is unchanged by renormalising after
     # top-p (the max token is never dropped), so the same probs serve both.
