@@ -41,8 +41,11 @@ def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
     p.add_argument("--metrics-export-port", type=int, default=None,
                    help="port of the local Ray node's Prometheus endpoint (default: Ray's choice; not with --address)")
-    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, else none)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="require 'Authorization: Bearer KEY', the key being this file's first line")
+    p.add_argument("--api-key", default=None,
+                   help="the same with the key on the command line, where `ps` and Ray's job table show it: "
+                   "prefer --api-key-file or $TANDEM_API_KEY (the default: $TANDEM_API_KEY, else no key)")
     p.add_argument("--max-requests-per-group", type=int, default=None,
                    help="admission: requests in flight per replica group beyond which new ones get 429 "
                    "(default: max_ongoing_requests + max_num_seqs)")
@@ -50,6 +53,9 @@ def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser
                    help="admission: requests in flight for the whole application (default: no cap beyond the groups')")
     p.add_argument("--no-admission-control", dest="admission_control", action="store_false",
                    help="no 429s at the ingress: requests queue in Serve (503 when that queue is full)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="seconds a request without its own `timeout` may take before it gets 408 and its KV is "
+                   "freed (default 3600)")
     p.add_argument("--max-request-body-bytes", type=int, default=SERVING_BODY_BYTES,
                    help="larger request bodies get 413")
     # An embedded Ray (no --address) listens on loopback only: its GCS, raylets and dashboard
@@ -72,10 +78,13 @@ def app_args(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[s
     if options.get("model"):
         options["model"] = os.path.abspath(options["model"])  # replicas do not share our cwd
     options.update(served_model_name=args.served_model_name or args.model, num_replicas=args.num_replicas,
-                   api_key=args.api_key, routing=args.routing, kv_fetch=args.kv_fetch,
+                   api_key=args.api_key or (None if args.api_key_file else os.environ.get("TANDEM_API_KEY")),
+                   api_key_file=args.api_key_file, routing=args.routing, kv_fetch=args.kv_fetch,
                    host_kv_memory_per_node=args.host_kv_memory_per_node,
                    admission_control=args.admission_control, max_requests_per_group=args.max_requests_per_group,
                    max_requests=args.max_requests, max_request_body_bytes=args.max_request_body_bytes)
+    if args.request_timeout is not None:
+        options["request_timeout_s"] = args.request_timeout
     return options if args.address else local_group_options(options)
 
 
@@ -134,6 +143,13 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     from tandem.cluster.kv_allocator import kill_allocator
     from tandem.router.app import build_app, num_cpus_needed
 
+    if args.api_key:
+        print("tandem: warning: --api-key puts the key on the command line, where `ps` and Ray's job table "
+              "(`ray list jobs`, the dashboard) show it; use --api-key-file or TANDEM_API_KEY", file=sys.stderr,
+              flush=True)
+    if not (args.api_key or args.api_key_file or os.environ.get("TANDEM_API_KEY")) and args.host not in LOOPBACK:
+        print(f"tandem: warning: no API key, and HTTP and gRPC listen on {args.host}: anyone who reaches these "
+              "ports may use the server (set TANDEM_API_KEY or --api-key-file)", file=sys.stderr, flush=True)
     if args.address and args.proxy:
         raise SystemExit("tandem serve: --proxy is not for a cluster joined with --address: its nodes' "
                          "environment chose its proxy when they started (deploy/README.md)")

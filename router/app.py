@@ -20,6 +20,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from tandem.router.admission import AdmissionLimits
+from tandem.router.api_key import check_digest, key_digest, read_key_file
 from tandem.router.ingress import OpenAIIngress
 from tandem.router.limits import RequestLimits
 from tandem.workers.config import EngineConfig
@@ -34,7 +35,12 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "served_model_name": None,  # default: the model path, or "tandem-demo"
     "num_replicas": 1,  # replica groups (ignored when autoscaling_config is set)
     "autoscaling_config": None,  # Serve autoscaling for the groups (min_replicas, max_replicas, ...)
+    # The API key clients must send (Authorization: Bearer KEY): `api_key` (turned into its
+    # digest here, before anything is deployed), `api_key_file` (a file holding it, read
+    # here), or `api_key_sha256` (the digest alone, for a config file; router/api_key.py).
     "api_key": None,
+    "api_key_file": None,
+    "api_key_sha256": None,
     "group_num_cpus": 1,  # CPUs of a GroupServer replica (the engine; the model too when tp*pp == 1)
     "max_ongoing_requests": None,  # per group; default 2 * max_num_seqs (the engine queues the rest)
     "max_queued_requests": 1024,  # waiting for a group (per ingress replica); beyond: 503; -1 = no limit
@@ -47,6 +53,9 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # with 0, Serve replaces the whole replica (workers/serving/group_healer.py).
     "max_group_rebuilds": 3,
     "group_rebuild_timeout_s": 120.0,
+    # A group whose step has run this long is stalled (a hung device, a SIGSTOPped worker):
+    # its health check fails and Serve replaces it (workers/serving/group_server.py).
+    "step_timeout_s": 30.0,
     # Ingress replicas (each carries its share of the streams, on its own event loop, and
     # admits its share of the bounds below); None: one per 8 cores of the node that builds
     # the application, at least 1 and at most 8 (default_ingress_replicas).
@@ -86,6 +95,9 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "max_requests": None,
     "retry_after_s": 1,
     "max_request_body_bytes": 8 * 1024 * 1024,  # larger bodies: 413
+    # The deadline of a request that sets no `timeout` of its own (seconds; past it, 408 and
+    # its KV freed): no request, however its client behaves, holds a group for ever. None: none.
+    "request_timeout_s": 3600.0,
     # The work one request may ask for, HTTP and gRPC alike (router/limits.py; beyond: 400 /
     # INVALID_ARGUMENT naming the field): samples per prompt, alternatives per position, and
     # prompts x n, the sequences admission charges.
@@ -121,6 +133,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if serving["routing"] not in ROUTING_POLICIES:
         raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {serving['routing']!r}")
     served_model_name = serving["served_model_name"] or config.model.model or DEMO_MODEL_NAME
+    api_key_sha256 = api_key_digest(serving)
 
     serving["ingress_num_replicas"] = num_ingress_replicas(serving)
     if not isinstance(serving["ingress_num_replicas"], int) or serving["ingress_num_replicas"] < 1:
@@ -137,7 +150,14 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                      "metrics_interval_s": serving["metrics_interval_s"],
                      "probe_device_peaks": serving["probe_device_peaks"],
                      "max_group_rebuilds": serving["max_group_rebuilds"],
-                     "group_rebuild_timeout_s": serving["group_rebuild_timeout_s"]}
+                     "group_rebuild_timeout_s": serving["group_rebuild_timeout_s"],
+                     "step_timeout_s": serving["step_timeout_s"]}
+    for name in ("step_timeout_s", "request_timeout_s"):
+        timeout = serving[name]
+        if name == "request_timeout_s" and timeout is None:
+            continue
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"{name}: must be a number of seconds > 0, got {timeout!r}")
     HealPolicy(max_rebuilds=serving["max_group_rebuilds"], timeout_s=serving["group_rebuild_timeout_s"])  # fails here
     admission = admission_options(config, serving)
     if admission is not None:
@@ -148,15 +168,28 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     RequestLimits(**limits)  # bad bounds fail here
     group = GroupServer.options(**_group_options(config, serving)).bind(config, group_options)
     ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
-                      "max_model_len": config.model.max_model_len, "api_key": serving["api_key"],
+                      "max_model_len": config.model.max_model_len, "api_key_sha256": api_key_sha256,
                       "limits": limits,
                       "admission": admission, "stream_channels": serving["stream_channels"],
-                      "max_chunks_per_s": serving["ingress_max_chunks_per_s"]}
+                      "max_chunks_per_s": serving["ingress_max_chunks_per_s"],
+                      "request_timeout_s": serving["request_timeout_s"]}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
                                     max_ongoing_requests=serving["ingress_max_ongoing_requests"],
                                     ray_actor_options={"num_cpus": serving["ingress_num_cpus"],
                                                        **_runtime_env(serving)})
     return ingress.bind(group, ingress_config)
+
+
+def api_key_digest(serving: dict[str, Any]) -> str | None:
+    """The digest of the one API key the options give (None: no key); ValueError for two."""
+    given = [name for name in ("api_key", "api_key_file", "api_key_sha256") if serving[name]]
+    if len(given) > 1:
+        raise ValueError(f"{given[1]}: give one of api_key, api_key_file and api_key_sha256, not {' and '.join(given)}")
+    if serving["api_key_sha256"]:
+        return check_digest(serving["api_key_sha256"])
+    if serving["api_key_file"]:
+        return key_digest(read_key_file(serving["api_key_file"]))
+    return key_digest(serving["api_key"]) if serving["api_key"] else None
 
 
 def default_ingress_replicas(cores: int) -> int:

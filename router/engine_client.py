@@ -103,10 +103,12 @@ async def _watch(response: Any, stream: ChannelStream, group_id: str) -> None:
 class EngineClient:
     def __init__(self, handle, *, tokenizer, model_name: str, max_model_len: int, vocab_size: int,
                  group_deployment: str = "GroupServer", channels: bool = True,
-                 max_chunks_per_s: float = 0.0) -> None:
+                 max_chunks_per_s: float = 0.0, request_timeout_s: float | None = None) -> None:
         """`channels`: streamed requests' deltas come over one channel per group (group_channels.py),
         their streams sharing `max_chunks_per_s` (0: no bound); False: each over its own call,
-        one Ray message per delta."""
+        one Ray message per delta. `request_timeout_s`: the deadline of a request that sets
+        none of its own (None: none)."""
+        self.request_timeout_s = request_timeout_s
         self._handle = handle.options(stream=True)
         self.channels = GroupChannels(self._handle, max_chunks_per_s) if channels else None
         self.tokenizer = tokenizer
@@ -121,6 +123,7 @@ class EngineClient:
         self._status_lock: asyncio.Lock | None = None
         self._refresh: asyncio.Task | None = None
         self.num_running_groups = 1  # as last read from Serve (admission sizes its bound by it)
+        self.group_states: dict[str, int] = {}  # the groups' count by Serve state, as last read
 
     # ---- requests ------------------------------------------------------------------------------
     def request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -142,6 +145,8 @@ class EngineClient:
         more, elsewhere, if its group fails under it."""
         if not await self._can_serve_now():
             raise ServiceUnavailable("no replica group is running")
+        if deadline is None and self.request_timeout_s is not None:  # no request lives for ever
+            deadline = time.monotonic() + self.request_timeout_s
         carrier = tracer.inject()  # None when tracing is off
         if carrier is not None:
             request = replace(request, trace_context=carrier)
@@ -212,6 +217,7 @@ class EngineClient:
         stream = channels.open(request.request_id)
         response = self._handle.generate.remote(replace(request, channel_id=channels.channel_id))
         watcher: asyncio.Task | None = None
+        timer: asyncio.TimerHandle | None = None
         finished = False
         try:
             try:
@@ -219,13 +225,21 @@ class EngineClient:
             except StopAsyncIteration:
                 raise _GroupFailed("its call ended before it accepted the request") from None
             channels.accepted(stream, accepted.group_id)
-            watcher = asyncio.get_running_loop().create_task(_watch(response, stream, accepted.group_id))
+            loop = asyncio.get_running_loop()
+            watcher = loop.create_task(_watch(response, stream, accepted.group_id))
+            # One timer for the request's deadline, not a timeout around every delta's await:
+            # that cost a task per token on the streamed path.
+            if deadline is not None:
+                timer = loop.call_later(max(0.0, deadline - time.monotonic()), stream.put,
+                                        RequestTimeout("the request's timeout passed before it finished"))
             while not finished:
-                delta = await _before(stream.next(), deadline)
+                delta = await stream.next()
                 finished = delta.finished
                 yield delta
         finally:
             channels.close(stream)
+            if timer is not None:
+                timer.cancel()
             if watcher is not None:
                 watcher.cancel()
             if not finished:
@@ -242,10 +256,12 @@ class EngineClient:
         """Replica groups that can take requests now, as last known (0: none; see _can_serve_now)."""
         return max(1, self.num_running_groups) if await self._can_serve_now() else 0
 
-    async def health(self) -> bool:
-        """True when every replica group is running and passes its health check."""
-        all_healthy, _ = await self._group_status()
-        return all_healthy
+    async def health(self) -> dict[str, Any]:
+        """What a load balancer needs: `ready` while at least one replica group can take
+        requests (the service serves), `all_healthy` when every group runs and passes its
+        check, and the groups' count by Serve state (RUNNING, RECOVERING, STARTING, ...)."""
+        all_healthy, can_serve = await self._group_status()
+        return {"ready": can_serve, "all_healthy": all_healthy, "groups": dict(self.group_states)}
 
     async def _can_serve_now(self) -> bool:
         """The last known answer: a stale "yes" is refreshed in the background; a stale "no",
@@ -282,10 +298,12 @@ class EngineClient:
             deployment = serve.status().applications[app].deployments[self._group_deployment]
         except Exception:  # noqa: BLE001 - no controller or no app: report, and keep trying
             logger.exception("cannot read the replica groups' status")
+            self.group_states = {}
             return False, True
         states = {str(getattr(k, "value", k)): n for k, n in deployment.replica_states.items()}
         num_running = states.get("RUNNING", 0)
         self.num_running_groups = num_running
+        self.group_states = {state: n for state, n in states.items() if n}
         status = str(getattr(deployment.status, "value", deployment.status))
         # Serve marks a group UNHEALTHY when its check_health raises (a dead engine) and
         # replaces it; a RECOVERING one is being restarted.

@@ -18,7 +18,6 @@ unexpected error is INTERNAL with an id; its traceback goes to the log only.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import time
@@ -31,6 +30,7 @@ import grpc
 
 from tandem.router import tandem_pb2 as pb
 from tandem.router.admission import Overloaded, admitted
+from tandem.router.api_key import key_matches
 from tandem.router.engine_client import RequestTimeout, ServiceUnavailable, sampling_params
 from tandem.router.limits import RequestLimits, check_stop_counts
 from tandem.router.tracing import traced_rpc
@@ -142,11 +142,11 @@ class GrpcMethods:
     async def Health(self, request: pb.HealthRequest, grpc_context: RayServegRPCContext) -> pb.HealthResponse:
         """No API key needed: load balancers probe this."""
         try:
-            healthy = await self.client.health()
+            healthy = (await self.client.health())["ready"]  # serving while a group serves
         except Exception as exc:  # a probe answers, it does not fail
             healthy, reason = False, f"{type(exc).__name__}: {exc}"
         else:
-            reason = "no replica group is healthy"
+            reason = "no replica group can serve"
         if not healthy:
             grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
             grpc_context.set_details(reason)
@@ -163,7 +163,7 @@ class GrpcMethods:
             raise RpcError(grpc.StatusCode.UNAUTHENTICATED,
                            "authorization: missing; send metadata 'authorization: Bearer <API key>'")
         key = value[len("bearer "):] if value[:len("bearer ")].lower() == "bearer " else value
-        if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+        if not key_matches(key, self.api_key):
             raise RpcError(grpc.StatusCode.UNAUTHENTICATED, "authorization: invalid API key")
 
     def _grpc_sequences(self, request: pb.GenerateRequest) -> tuple[int, int]:

@@ -3,7 +3,8 @@
     GET  /v1/models             the served model
     POST /v1/completions        prompts (strings, token ids, lists of either)
     POST /v1/chat/completions   messages through the model's chat template
-    GET  /health                200 only when every replica group can serve
+    GET  /health                readiness: 200 while a replica group serves, 503 when none can
+    GET  /live                  liveness: 200 while this ingress replica answers
     GET  /admin/kv              KV blocks held now, per group and in the allocator (kv_report.py)
 
 Every error has OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
@@ -25,7 +26,6 @@ whose group fails mid-way ends with a 503 (an SSE error event once streaming beg
 # against those globals and would ask for a `request` query parameter (422).
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -38,6 +38,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 
 from tandem.router.admission import Admission, AdmissionLimits, NoGroupUp, Overloaded, ReleasingStream, Ticket
+from tandem.router.api_key import key_matches
 from tandem.router.chat import ChatServing
 from tandem.router.completions import CompletionServing
 from tandem.router.engine_client import EngineClient, RequestTimeout, ServiceUnavailable
@@ -48,6 +49,7 @@ from tandem.router.openapi import openapi_document
 from tandem.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    Health,
     ModelCard,
     ModelList,
     OpenAIError,
@@ -126,8 +128,10 @@ class OpenAIIngress(GrpcMethods):
             group, tokenizer=load_tokenizer(model_dir), model_name=config["served_model_name"],
             max_model_len=config.get("max_model_len") or hf_config.max_position_embeddings,
             vocab_size=hf_config.vocab_size, channels=config.get("stream_channels", True),
-            max_chunks_per_s=config.get("max_chunks_per_s", 0.0))
-        self.api_key = config.get("api_key")
+            max_chunks_per_s=config.get("max_chunks_per_s", 0.0), request_timeout_s=config.get("request_timeout_s"))
+        self.api_key = config.get("api_key_sha256")  # the key's digest (router/api_key.py)
+        if self.api_key is None:
+            logger.warning("tandem: no API key: whoever reaches this server's HTTP and gRPC ports may use it")
         self.limits = RequestLimits(**config.get("limits", {}))
         admission = config.get("admission")
         self.admission = (Admission(AdmissionLimits.from_dict(admission), self.client.groups_up)
@@ -142,8 +146,17 @@ class OpenAIIngress(GrpcMethods):
     # ---- routes --------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> Response:
-        healthy = await self.client.health()
-        return Response(status_code=200 if healthy else 503)
+        """Readiness, for a load balancer: 200 while at least one replica group serves
+        ("ok", or "degraded" while another is down or restarting), 503 when none can."""
+        report = await self.client.health()
+        status = "ok" if report["all_healthy"] else "degraded" if report["ready"] else "unavailable"
+        return JSONResponse(Health(status=status, groups=report["groups"]).model_dump(),
+                            status_code=200 if report["ready"] else 503)
+
+    @app.get("/live")
+    async def live(self) -> Response:
+        """Liveness: this ingress replica's event loop answers (whatever the groups do)."""
+        return JSONResponse({"status": "alive"})
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -153,6 +166,11 @@ class OpenAIIngress(GrpcMethods):
 
     @app.get("/admin/kv")
     async def admin_kv(self, request: Request) -> JSONResponse:
+        # What every group holds, and their processes' ids: for operators only, so never
+        # without a key (a server without one has no operators to tell apart).
+        if self.api_key is None:
+            raise OpenAIError(404, "GET /admin/kv is off on a server without an API key (set TANDEM_API_KEY or "
+                              "--api-key-file)", code="not_found")
         self._authorize(request)
         app_name = serve.get_replica_context().app_name
         # Blocking Ray calls, so on a thread; through the ingress's own handle, whose router
@@ -176,7 +194,7 @@ class OpenAIIngress(GrpcMethods):
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        if scheme.lower() != "bearer" or not key_matches(token, self.api_key):
             raise OpenAIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                               code="invalid_api_key")
 

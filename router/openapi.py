@@ -22,6 +22,7 @@ from tandem.router.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    Health,
     ModelList,
 )
 
@@ -45,7 +46,8 @@ def openapi_document(title: str = "tandem", version: str = "0.1.0") -> dict[str,
     models: list[tuple[type[BaseModel], str]] = [
         (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
         (CompletionResponse, "serialization"), (ChatCompletionResponse, "serialization"),
-        (ChatCompletionChunk, "serialization"), (ModelList, "serialization"), (ErrorResponse, "serialization")]
+        (ChatCompletionChunk, "serialization"), (ModelList, "serialization"), (ErrorResponse, "serialization"),
+        (Health, "serialization")]
     _, top = models_json_schema(models, ref_template=_REF)
     paths = {
         "/v1/completions": {"post": _generation("Create a completion", "CompletionRequest", "CompletionResponse",
@@ -55,9 +57,15 @@ def openapi_document(title: str = "tandem", version: str = "0.1.0") -> dict[str,
         "/v1/models": {"get": {"summary": "The served model", "operationId": "listModels",
                                "responses": {"200": _json("the served model", "ModelList"),
                                              "401": _json(_ERRORS["401"], "ErrorResponse")}}},
-        "/health": {"get": {"summary": "200 when every replica group can serve", "operationId": "health",
-                            "responses": {"200": {"description": "every replica group can serve"},
-                                          "503": {"description": "some replica group cannot serve"}}}},
+        "/health": {"get": {"summary": "Readiness: 200 while a replica group serves", "operationId": "health",
+                            "responses": {"200": _json("a replica group serves (status ok, or degraded while "
+                                                       "another is down)", "Health"),
+                                          "503": _json("no replica group can serve", "Health")}}},
+        "/live": {"get": {"summary": "Liveness: 200 while this ingress replica answers", "operationId": "live",
+                          "responses": {"200": {"description": "alive",
+                                                "content": {"application/json": {"schema": {
+                                                    "type": "object", "required": ["status"],
+                                                    "properties": {"status": {"const": "alive"}}}}}}}}},
     }
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
             "components": {"schemas": top["$defs"],

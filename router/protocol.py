@@ -246,6 +246,13 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class Health(BaseModel):
+    """GET /health: whether the service serves, and its replica groups by Serve state."""
+
+    status: Literal["ok", "degraded", "unavailable"]
+    groups: dict[str, int]  # RUNNING, RECOVERING, STARTING, ... -> how many groups
+
+
 # ---- errors --------------------------------------------------------------------------------------
 class ErrorInfo(BaseModel):
     message: str

@@ -162,3 +162,37 @@ def test_multi_step_streams_concurrent_requests_to_their_greedy_tokens(llama_dir
         engine.engine.pool.check_all_free()
     finally:
         engine.shutdown()
+
+
+def test_a_step_that_hangs_shows_as_the_time_it_has_run(engine):
+    """What the stall watchdog reads (GroupServer.check_health): nothing fails while a device
+    hangs or a worker is stopped, but the running step's age grows."""
+    from unittest import mock
+
+    entered, release = threading.Event(), threading.Event()
+    real_step = engine.engine.step
+
+    def hanging_step():
+        entered.set()
+        release.wait(60)
+        return real_step()
+
+    async def run() -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        task = asyncio.create_task(_drain(engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "hung")))
+        assert await asyncio.to_thread(entered.wait, 60)
+        await asyncio.sleep(0.05)
+        running = engine.step_running_for()
+        release.set()
+        await task
+        return running
+
+    assert engine.step_running_for() == 0.0
+    with mock.patch.object(engine.engine, "step", hanging_step):
+        running = asyncio.run(run())
+    assert running >= 0.05 and engine.step_running_for() == 0.0
+
+
+async def _drain(outputs) -> None:
+    async for _ in outputs:
+        pass

@@ -22,6 +22,7 @@ from unittest import mock
 from fastapi.testclient import TestClient
 
 from tandem.router import ingress
+from tandem.router.api_key import key_digest
 from tandem.router.engine_client import EngineClient
 from tandem.workers.core.request import CompletionOutput, Logprob, PositionLogprobs
 from tandem.workers.serving.messages import Accepted, ChannelOpen, DeltaBatch, GroupDelta, GroupRequest
@@ -168,6 +169,8 @@ def ingress_server(model_dir: str, group: Any, **config: Any) -> Any:
     """The ingress class as written (Serve's wrapper subclasses it), built over `group`."""
     wrapper = ingress.OpenAIIngress.func_or_class
     cls = next(c for c in wrapper.__mro__[1:] if c.__name__ == "OpenAIIngress")
+    if config.get("api_key"):  # as build_app hands it on: its digest only
+        config["api_key_sha256"] = key_digest(config.pop("api_key"))
     return cls(group, {"model": model_dir, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN, **config})
 
 

@@ -95,3 +95,28 @@ def test_a_simulated_device_asks_for_no_gpu_even_where_the_device_is_cuda():
     config = EngineConfig.from_options(device="cuda", simulated_step_ms="5.9,0.01")
     opts = _group_options(config, dict(SERVING_DEFAULTS))
     assert opts["ray_actor_options"]["num_gpus"] == 0
+
+
+def test_only_the_keys_digest_is_deployed_whichever_way_the_key_is_given(tmp_path):
+    import hashlib
+
+    digest = hashlib.sha256(b"s3cret-key").hexdigest()
+    (tmp_path / "key").write_text("s3cret-key\n")
+    for args in ({"api_key": "s3cret-key"}, {"api_key_file": str(tmp_path / "key")},
+                 {"api_key_sha256": digest.upper()}):
+        ingress = build_app(args)._bound_deployment
+        assert ingress.init_args[1]["api_key_sha256"] == digest, args
+        # Nothing Serve stores or shows of the application holds the key itself.
+        group = ingress.init_args[0]._bound_deployment
+        shown = repr((ingress.init_args[1], ingress.init_kwargs, ingress.ray_actor_options, group.init_args,
+                      group.init_kwargs, group.ray_actor_options))
+        assert "s3cret-key" not in shown, args
+    assert build_app({})._bound_deployment.init_args[1]["api_key_sha256"] is None
+    with pytest.raises(ValueError, match="^api_key_file: give one of api_key, api_key_file and api_key_sha256"):
+        build_app({"api_key": "a", "api_key_file": str(tmp_path / "key")})
+    with pytest.raises(ValueError, match="^api_key_file: .* holds no key"):
+        build_app({"api_key_file": str(tmp_path / "empty")}) if (tmp_path / "empty").write_text("\n") else None
+    with pytest.raises(ValueError, match="^api_key_file: cannot read"):
+        build_app({"api_key_file": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match="^api_key_sha256: must be 64 hex digits"):
+        build_app({"api_key_sha256": "abc"})

@@ -21,8 +21,10 @@ from ray.serve.config import gRPCOptions
 from tandem.router import tandem_pb2 as pb
 from tandem.router import tandem_pb2_grpc as pb_grpc
 from tandem.router.admission import NoGroupUp
+from tandem.router.api_key import key_digest
 from tandem.router.engine_client import ServiceUnavailable
 from tandem.router.grpc_service import GrpcMethods
+from tandem.router.limits import RequestLimits
 from tandem.router.text_work import TextWork
 from tandem.workers.core.request import CompletionOutput, Logprob, SamplingParams
 from tandem.workers.core.validation import PromptLimits, validate_prompt
@@ -87,8 +89,8 @@ class FakeEngineClient:
         self.healthy = True
         self.num_endless = 0  # ENDLESS streams running now
 
-    async def health(self) -> bool:
-        return self.healthy
+    async def health(self) -> dict:
+        return {"ready": self.healthy, "all_healthy": self.healthy, "groups": {}}
 
     def request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                 final_only: bool = False, field: str = "prompt") -> GroupRequest:
@@ -168,7 +170,8 @@ def _delta(request_id: str, outputs: list[CompletionOutput], finished: bool, num
 class FakeIngress(GrpcMethods):
     def __init__(self, api_key: str | None) -> None:
         self.client = FakeEngineClient()
-        self.api_key = api_key
+        self.api_key = key_digest(api_key) if api_key else None  # as build_app hands it on
+        self.limits = RequestLimits()
 
     def set_healthy(self, healthy: bool) -> None:
         self.client.healthy = healthy
@@ -273,7 +276,8 @@ def test_text_prompt_is_tokenized_and_sampling_fields_reach_the_client(stub) -> 
     out = _generate(stub, pb.GenerateRequest(text="hi", model="fake-model", request_id="echo", sampling=sampling))
     echo = json.loads(out.choices[0].text)
     assert echo["prompt_token_ids"] == [BOS, ord("h"), ord("i")]
-    assert echo["request_id"] == "echo"
+    # The client's id is a label (echoed in the response); the engine's is the server's own.
+    assert echo["request_id"].startswith("grpc-") and out.request_id == "echo"
     assert echo["final_only"] is True  # Generate answers once: its group sends one delta, at the end
     assert echo["sampling"] == dataclasses.asdict(SamplingParams(
         max_tokens=5, temperature=0.5, top_p=0.9, top_k=0, min_p=0.1, n=1, stop=["x", "yz"],
@@ -452,7 +456,7 @@ def test_real_app_greedy_generate_matches_offline(grpc_address: str, stub) -> No
                                             metadata=_md(auth=None, app="tandem"), timeout=60))
         # The hostile-input battery's gRPC cases that hold whatever the context and key.
         hostile = [c for c in GRPC_CASES if not any(w in c.name for w in ("context", "too long", "key"))]
-        assert len(hostile) == 21
+        assert len(hostile) == 26
         for case in hostile:
             error = _error(lambda case=case: stub.Generate(case.request, metadata=_md(auth=None, app="tandem"),
                                                            timeout=60))

@@ -147,18 +147,22 @@ def test_overload_is_503(http, group):
     assert r.json()["error"]["code"] == "service_unavailable"
 
 
-def test_no_running_group_is_503_and_unhealthy(http, group, status):
+def test_health_is_ready_while_a_group_serves_and_live_while_the_ingress_answers(http, group, status):
     status.return_value = (False, False)
     with mock.patch("tandem.router.engine_client._HEALTH_TTL_S", 0.0):
         assert post(http, {"prompt": "hi"}).status_code == 503
-        assert http.get("/health").status_code == 503
+        health = http.get("/health")
+        assert (health.status_code, health.json()) == (503, {"status": "unavailable", "groups": {}})
         assert group.calls == []  # never sent
-        status.return_value = (False, True)  # one of two groups down: still serves, but not healthy
+        assert (http.get("/live").status_code, http.get("/live").json()) == (200, {"status": "alive"})
+        # One of two groups down: the service still serves, so a load balancer keeps it in.
+        status.return_value = (False, True)
         group.script = [delta("x", 10, "length")]
         assert post(http, {"prompt": "hi", "max_tokens": 1}).status_code == 200
-        assert http.get("/health").status_code == 503
+        health = http.get("/health")
+        assert (health.status_code, health.json()["status"]) == (200, "degraded")
         status.return_value = (True, True)
-        assert http.get("/health").status_code == 200
+        assert http.get("/health").json()["status"] == "ok"
 
 
 def test_context_length_is_checked_at_the_ingress(http, group):
@@ -253,6 +257,21 @@ def test_timeout_aborts_the_request_with_408(http, group):
     for bad in (0, -1, "5"):
         r = post(http, {"prompt": "hi", "timeout": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
+
+
+def test_a_request_without_a_timeout_gets_the_servers(tiny_llama, group):
+    from tests.serve.fake_group import ingress_server, serving
+
+    with serving(ingress_server(tiny_llama, group, request_timeout_s=0.2)) as client:
+        group.scripts = [[delta("a", 10), 5.0, delta("b", 11, "stop")]] * 2
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert (r.status_code, r.json()["error"]["code"]) == (408, "request_timeout")
+        assert group.responses[-1].cancelled
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True})
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert [json.loads(events[0])["choices"][0]["text"], json.loads(events[1])["error"]["code"], events[2]] == [
+            "a", "request_timeout", "[DONE]"]
+        assert group.responses[-1].cancelled  # the group aborts it and frees its KV
 
 
 def test_grpc_timeout_is_deadline_exceeded() -> None:

@@ -4,6 +4,7 @@ and an embedded Ray that listens on loopback with token authentication on."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import os
@@ -31,15 +32,18 @@ def served(tiny_llama):
 
 def test_the_api_key_is_compared_in_constant_time_on_http_and_grpc(served):
     server, client, _ = served
+    # The ingress holds the key's digest only, and compares the presented key's with it.
+    assert server.api_key == hashlib.sha256(KEY.encode()).hexdigest() and KEY not in repr(vars(server))
+    nope, key = (hashlib.sha256(k.encode()).hexdigest().encode() for k in ("nope", KEY))
     with mock.patch.object(hmac, "compare_digest", wraps=hmac.compare_digest) as compare:
         assert client.post("/v1/completions", json=PROMPT, headers={"authorization": "Bearer nope"}).status_code == 401
-        assert compare.call_args.args == (b"nope", KEY.encode())
+        assert compare.call_args.args == (nope, key)
         assert client.get("/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
-        assert compare.call_args.args == (KEY.encode(), KEY.encode())
+        assert compare.call_args.args == (key, key)
         context = FakeGrpcContext([("authorization", "Bearer nope")])
         asyncio.run(server.ModelInfo(pb.ModelInfoRequest(), context))
         assert context.code == grpc.StatusCode.UNAUTHENTICATED
-        assert compare.call_args.args == (b"nope", KEY.encode())
+        assert compare.call_args.args == (nope, key)
         assert compare.call_count == 3
 
 
@@ -75,6 +79,18 @@ def test_unknown_paths_and_methods_answer_in_openai_shape(served):
     response = client.get("/v1/completions")
     assert response.status_code == 405 and response.headers["allow"] == "POST"
     assert response.json()["error"]["message"] == "method not allowed on this endpoint"
+
+
+def test_admin_kv_needs_a_key_and_is_off_without_one(served, tiny_llama):
+    _, client, _ = served
+    with mock.patch("tandem.router.ingress.kv_holdings", return_value={"groups": {}}):
+        assert client.get("/admin/kv").status_code == 401
+        assert client.get("/admin/kv", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get("/admin/kv", headers={"Authorization": f"Bearer {KEY}"}).json() == {"groups": {}}
+    with serving(ingress_server(tiny_llama, EchoGroup())) as keyless:
+        response = keyless.get("/admin/kv")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    assert "without an API key" in response.json()["error"]["message"]
 
 
 def test_embedded_ray_listens_on_loopback_with_token_auth(monkeypatch):

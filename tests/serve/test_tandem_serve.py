@@ -35,7 +35,8 @@ def test_serve_flags_become_build_app_args():
         "model": os.path.abspath("some/model"), "served_model_name": "m", "tensor_parallel_size": 2,
         "pipeline_parallel_size": 1, "num_replicas": 3, "max_model_len": 512, "max_num_seqs": 8,
         "max_num_batched_tokens": 1024, "block_size": 32, "kv_cache_memory": 1000000, "dtype": "float32",
-        "api_key": "k", "routing": "load", "host_kv_cache_memory": 4096, "host_kv_memory_per_node": 8192,
+        "api_key": "k", "api_key_file": None, "routing": "load", "host_kv_cache_memory": 4096,
+        "host_kv_memory_per_node": 8192,
         "kv_fetch": "never", "cpu_packed_weights": False, "admission_control": True, "max_requests_per_group": None,
         "max_requests": None, "max_request_body_bytes": 8 * 1024 * 1024}
     assert (args.host, args.port, args.grpc_port, args.address) == ("127.0.0.1", 8001, 9001, "ray://x:10001")
@@ -107,6 +108,37 @@ def test_bad_option_fails_before_anything_starts(capsys):
     assert "block_size" in capsys.readouterr().err
 
 
+def test_the_key_comes_from_a_file_or_the_environment_and_on_the_command_line_is_warned_of(monkeypatch, tmp_path):
+    from tandem.cli.main import build_parser, engine_options
+    from tandem.cli.serve import app_args
+
+    def key_options(argv: list[str]) -> tuple:
+        args = build_parser().parse_args(["serve", *argv])
+        options = app_args(args, engine_options(args))
+        return options["api_key"], options["api_key_file"]
+
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    assert key_options([]) == ("from-env", None)
+    assert key_options(["--api-key-file", str(tmp_path / "key")]) == (None, str(tmp_path / "key"))
+    assert key_options(["--api-key", "k"]) == ("k", None)
+    monkeypatch.delenv("TANDEM_API_KEY")
+    assert key_options([]) == (None, None)
+
+
+def test_a_key_on_the_command_line_or_no_key_beyond_loopback_is_said_at_start(monkeypatch, capsys):
+    from tandem.cli.main import main
+
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    for argv, warning in [(["--api-key", "k"], "--api-key puts the key on the command line"),
+                          (["--host", "0.0.0.0"], "no API key, and HTTP and gRPC listen on 0.0.0.0")]:
+        with pytest.raises(SystemExit):  # stopped before Ray starts: --proxy with --address
+            main(["serve", *argv, "--address", "auto", "--proxy", "serve"])
+        assert warning in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--host", "127.0.0.1", "--address", "auto", "--proxy", "serve"])
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_proxy_is_chosen_for_an_embedded_ray_only(capsys):
     from tandem.cli.main import build_parser, main
 
@@ -121,7 +153,8 @@ def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
     port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--model", tiny_llama, "--served-model-name", "tiny",
            "--max-model-len", "256", "--kv-cache-memory", str(4 << 20), "--host", "127.0.0.1",
-           "--port", str(port), "--grpc-port", str(grpc_port), "--api-key", "secret"]
+           "--port", str(port), "--grpc-port", str(grpc_port), "--api-key-file", str(tmp_path / "key")]
+    (tmp_path / "key").write_text("secret\n")
     # A home without ~/.ray/auth_token, as on a fresh machine: the embedded Ray must make its token.
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
     env["HOME"] = str(tmp_path)
@@ -138,6 +171,10 @@ def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
             time.sleep(0.5)
         assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines)
         assert any("gRPC" in line for line in lines)
+        # The driver's command line is what Ray's job table shows as its entrypoint: no key in it.
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as cmdline:
+            assert b"secret" not in cmdline.read()
+        assert not any("warning" in line for line in lines)
         r = requests.post(f"http://127.0.0.1:{port}/v1/completions", headers={"Authorization": "Bearer secret"},
                           json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text

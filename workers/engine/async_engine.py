@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -76,6 +77,7 @@ class AsyncEngine:
         self._step_listeners: list[Callable[[GroupEngine], None]] = []
         self._failure_listeners: list[Callable[[GroupEngine], None]] = []
         self._failure_told = False  # the listeners heard of this engine's failure
+        self._step_started: float | None = None  # monotonic, while a step runs (the stall watchdog's)
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -90,6 +92,12 @@ class AsyncEngine:
     @property
     def dead_error(self) -> str | None:
         return self.engine.dead_error
+
+    def step_running_for(self) -> float:
+        """Seconds the step running now has taken (0 between steps): a hung device or a
+        stopped worker shows here, where nothing fails."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     # The engine's figures below never change after start, or are single reads that are
     # safe off the engine thread.
@@ -326,11 +334,14 @@ class AsyncEngine:
                 self._wake.wait()
                 self._wake.clear()
                 continue
+            self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # the step loop never swallows: fail every stream loudly
                 logger.exception("engine step failed")
                 outputs = self.engine.fail(f"{type(exc).__name__}: {exc}")
+            finally:
+                self._step_started = None
             self._deliver(outputs)
             self._after_step()
             self._tell_failure()

@@ -57,6 +57,10 @@ from tandem.workers.serving.messages import (
 from tandem.workers.serving.outbox import Outboxes
 
 logger = logging.getLogger(__name__)
+# A step running this long has hung (a stalled device, a stopped worker: nothing fails, so
+# nothing else would notice): the health check fails and Serve replaces the group. Far beyond
+# any step's time (the slowest, prefill chunks on a CPU, take seconds).
+DEFAULT_STEP_TIMEOUT_S = 30.0
 
 
 @serve.deployment(name="GroupServer")
@@ -91,6 +95,7 @@ class GroupServer:
         self.allocator: AllocatorClient | None = None
         self.fetcher: KVFetcher | None = None
         self.stream_interval_s = group_options.get("stream_interval_ms", 0) / 1e3
+        self.step_timeout_s = group_options.get("step_timeout_s", DEFAULT_STEP_TIMEOUT_S)
         host_bytes = config.cache.host_kv_cache_memory
         if group_options.get("kv_allocator", True) and config.cache.enable_prefix_caching:
             self.allocator, host_bytes = self._link_allocator(engine, context.app_name, group_options, host_bytes)
@@ -313,6 +318,10 @@ class GroupServer:
                 raise RuntimeError(f"replica group {self.group_id} has failed: {exc}") from None
             if self.healer.healing:
                 return
+        stalled = self.engine.step_running_for()
+        if stalled > self.step_timeout_s:  # nothing failed, nothing moves: a hung device, a stopped worker
+            raise RuntimeError(f"replica group {self.group_id} has stalled: one step has run for {stalled:.0f} s "
+                               f"(step_timeout_s {self.step_timeout_s:g})")
         if not self.engine.is_healthy:
             raise RuntimeError(f"replica group {self.group_id} has failed: {self.engine.dead_error}")
 
