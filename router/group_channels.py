@@ -38,17 +38,44 @@ class ChannelLost(Exception):
         self.group_id = group_id
 
 
+# Deltas a stream may hold unread (one a step: tens of seconds of a GPU's steps). A client that
+# reads slower than its tokens come would grow them without bound; past this its request ends.
+MAX_UNREAD_DELTAS = 4096
+
+
+class SlowReader(Exception):
+    """The client read too slowly: its request was ended, its KV freed."""
+
+
 class ChannelStream:
     """One request's deltas as its channel delivers them (each delta in order)."""
 
-    def __init__(self, request_id: str, min_interval_s: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, request_id: str, min_interval_s: Callable[[], float] = lambda: 0.0,
+                 max_unread: int = MAX_UNREAD_DELTAS) -> None:
         self.request_id = request_id
         self.group_id: str | None = None
         self._queue: asyncio.Queue[GroupDelta | BaseException] = asyncio.Queue()
         self._min_interval_s = min_interval_s
         self._last_sent: float | None = None
+        self._max_unread = max_unread
+        self._reader: asyncio.Task | None = None  # the task that reads this stream (the response's)
+        self.overflowed = False
 
     def put(self, item: GroupDelta | BaseException) -> None:
+        if self.overflowed:
+            return
+        if self._queue.qsize() >= self._max_unread:
+            # The reader is stuck writing to a client that does not read (it never comes back
+            # for these): drop them, and cancel it, which ends the request (its group call is
+            # cancelled: the group aborts it and frees its KV) and the client's connection.
+            self.overflowed = True
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            self._queue.put_nowait(SlowReader(f"request {self.request_id}: the client left more than "
+                                              f"{self._max_unread} deltas unread"))
+            if self._reader is not None and not self._reader.done():
+                self._reader.cancel()
+            return
         self._queue.put_nowait(item)
 
     async def next(self) -> GroupDelta:
@@ -57,6 +84,7 @@ class ChannelStream:
         thing it says). The first goes alone, at once (time to first token); after it, a
         delta is held until `min_interval_s()` has passed since the one before, and gathers
         what arrives meanwhile."""
+        self._reader = asyncio.current_task()
         delta = self._checked(await self._queue.get())
         loop = asyncio.get_running_loop()
         if self._last_sent is None:  # the first token goes alone, however many came with it

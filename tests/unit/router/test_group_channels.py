@@ -164,3 +164,44 @@ def test_a_channel_closed_for_being_idle_reopens_while_a_stream_needs_it() -> No
         return [got, len(handle.opened), channels._pumps]
 
     assert asyncio.run(run()) == [[4], 2, {}]
+
+
+def test_a_client_that_does_not_read_ends_its_request_and_frees_what_it_held() -> None:
+    """Its reader is stuck writing to the client: past MAX_UNREAD deltas the stream drops them
+    and cancels the reader, whose clean-up cancels the group call (the group frees the KV)."""
+    from tandem.router.group_channels import ChannelStream, SlowReader
+
+    async def run() -> tuple:
+        stream = ChannelStream("r1", max_unread=3)
+        stuck = asyncio.Event()
+
+        async def reader() -> None:  # one delta, then a client write that never returns
+            await stream.next()
+            await stuck.wait()
+
+        task = asyncio.get_running_loop().create_task(reader())
+        stream.put(delta("r1", 1))
+        await settle()
+        for token in range(2, 6):  # 3 unread fit; the 4th is one too many
+            stream.put(delta("r1", token))
+        await settle()
+        stream.put(delta("r1", 9))  # after the end: dropped
+        with pytest.raises(SlowReader, match="the client left more than 3 deltas unread"):
+            await stream.next()
+        return task.cancelled(), stream.overflowed, stream._queue.qsize()
+
+    assert asyncio.run(run()) == (True, True, 0)
+
+
+def test_a_reader_that_keeps_up_is_never_ended() -> None:
+    from tandem.router.group_channels import ChannelStream
+
+    async def run() -> list[int]:
+        stream = ChannelStream("r1", max_unread=3)
+        tokens = []
+        for token in range(20):
+            stream.put(delta("r1", token, finish="length" if token == 19 else None))
+            tokens += (await stream.next()).outputs[0].token_ids
+        return tokens
+
+    assert asyncio.run(run()) == list(range(20))
