@@ -259,6 +259,7 @@ class Soak:
             "sent": len(outs), **{kind: counts.get(kind, 0) for kind in OUTCOMES},
             "wrong_output": wrong_output, "wrong_output_checked": num_checked,
             "rejected_with_retry_after": sum(1 for o in outs if o.kind == "rejected" and o.retry_after),
+            "hostile_requests": sum(1 for o in outs if o.request.is_hostile),
             "leaked_kv_blocks": None if self.kv_report is None else _leaked(self.kv_report),
         }
         if self.kv_report is not None:

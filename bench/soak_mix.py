@@ -11,6 +11,11 @@ their own. Of all requests:
     grpc_share      sent over gRPC (when the server has a gRPC port), else HTTP
     stream_share    streamed (abandoning ones always are)
     chat_share      of HTTP requests: chat completions instead of completions (not checked)
+    hostile_share   of valid requests: what a careless or hostile client sends and the server
+                    must serve unharmed: a temperature of 1e-40 (greedy, so still checked)
+                    over HTTP, a shared or sample-like client id ("dup", "x#1") over gRPC.
+                    The invalid tables hold the hostile refusals too (n of 2^32-1, 128
+                    prompts x n 128, huge logprobs, a 1e-30 repetition penalty, 10,000 stops).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class MixSpec:
     grpc_share: float = 0.30
     stream_share: float = 0.50
     chat_share: float = 0.15
+    hostile_share: float = 0.10
     timeout_s: float = 40.0  # the `timeout` field of every valid request
 
 
@@ -47,6 +53,11 @@ class SoakRequest:
     abandon_after: int = 0  # > 0: leave after this many chunks
     invalid: str = ""  # the name of the bad input ("" = a valid request)
     body: Any = None  # HTTP: the JSON (or raw bytes) to send; gRPC: keyword arguments of the request
+    hostile: bool = False  # a valid request with a hostile choice in it (see hostile_share)
+
+    @property
+    def is_hostile(self) -> bool:
+        return self.hostile or self.invalid in HOSTILE_INVALID
 
     @property
     def checkable(self) -> bool:
@@ -69,6 +80,11 @@ def _http_invalid(prompt: list[int], max_model_len: int) -> dict[str, Any]:
         "timeout_negative": {"prompt": prompt, "timeout": -1},
         "broken_json": b'{"prompt": [1, 2',
         "body_not_object": b"[1, 2, 3]",
+        "n_huge": {"prompt": prompt, "n": 10**6},
+        "n_times_prompts": {"prompt": [prompt] * 128, "n": 128},
+        "logprobs_huge": {"prompt": prompt, "logprobs": 10**6},
+        "repetition_penalty_tiny": {"prompt": prompt, "repetition_penalty": 1e-30},
+        "stop_list_long": {"prompt": prompt, "stop": ["x"] * 10_000},
     }
 
 
@@ -77,7 +93,18 @@ _GRPC_INVALID = {
     "grpc_temperature_negative": {"sampling": {"temperature": -1.0}},
     "grpc_unknown_model": {"model": "no-such-model"},
     "grpc_timeout_zero": {"timeout": 0.0},
+    "grpc_n_huge": {"sampling": {"n": 2**32 - 1}},
+    "grpc_logprobs_huge": {"sampling": {"logprobs": 2**32 - 1}},
+    "grpc_repetition_penalty_tiny": {"sampling": {"repetition_penalty": 1e-30}},
+    "grpc_stop_list_long": {"sampling": {"stop": ["x"] * 10_000}},
 }
+# The refusals a hostile client draws (counted in `hostile_requests` with the valid hostile ones).
+HOSTILE_INVALID = frozenset({"n_huge", "n_times_prompts", "logprobs_huge", "repetition_penalty_tiny",
+                             "stop_list_long", "grpc_n_huge", "grpc_logprobs_huge", "grpc_repetition_penalty_tiny",
+                             "grpc_stop_list_long"})
+# gRPC client ids a hostile or careless client sends: one shared by many, one shaped like a sample id.
+HOSTILE_CLIENT_IDS = ("dup", "x#1")
+HOSTILE_TEMPERATURE = 1e-40  # greedy on the server (below 1e-5), so the output is still checked
 
 
 def make_mix(num: int, spec: MixSpec, vocab_size: int, max_model_len: int, *, seed: int, grpc: bool,
@@ -103,7 +130,8 @@ def make_mix(num: int, spec: MixSpec, vocab_size: int, max_model_len: int, *, se
         stream = abandon or rng.random() < spec.stream_share
         chat = api == "http" and rng.random() < spec.chat_share
         out.append(SoakRequest(i, api, stream, prompt, max_tokens, chat=chat,
-                               abandon_after=rng.randint(1, 3) if abandon else 0))
+                               abandon_after=rng.randint(1, 3) if abandon else 0,
+                               hostile=rng.random() < spec.hostile_share))
     return out
 
 
@@ -112,8 +140,8 @@ def http_request(req: SoakRequest, model: str | None, timeout_s: float) -> tuple
     if req.invalid:
         body = req.body if isinstance(req.body, bytes) else {**({"model": model} if model else {}), **req.body}
         return "/v1/completions", body
-    body: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True,
-                            "stream": req.stream, "timeout": timeout_s}
+    body: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": HOSTILE_TEMPERATURE if req.hostile else 0.0,
+                            "ignore_eos": True, "stream": req.stream, "timeout": timeout_s}
     if model:
         body["model"] = model
     if req.chat:
@@ -130,5 +158,6 @@ def grpc_request(req: SoakRequest, pb: Any, timeout_s: float) -> Any:
         if "model" in fields or "timeout" in fields or sampling:
             fields["token_ids"] = pb.TokenIds(ids=req.prompt_token_ids)
         return pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), **fields)
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=req.prompt_token_ids), timeout=timeout_s,
+    client_id = HOSTILE_CLIENT_IDS[req.index % len(HOSTILE_CLIENT_IDS)] if req.hostile else ""
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=req.prompt_token_ids), timeout=timeout_s, request_id=client_id,
                               sampling=pb.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True))

@@ -96,3 +96,21 @@ def test_soak_quick(tmp_path: Path) -> None:
     assert fig["wrong_output_checked"] == 6 and fig["wrong_output"] == 0
     assert fig["drained_requests_in_flight"] == 0
     assert fig["overload_goodput_ratio"] == fig["goodput_overload_req_s"] / fig["goodput_capacity_req_s"]
+
+
+def test_the_mix_sends_what_hostile_clients_do() -> None:
+    from tandem.bench.soak_mix import HOSTILE_INVALID, grpc_request, http_request
+    from tandem.router import tandem_pb2 as pb
+
+    spec = MixSpec(num_prefixes=4, prefix_len=16)
+    mix = make_mix(2000, spec, vocab_size=512, max_model_len=256, seed=3, grpc=True)
+    hostile = [r for r in mix if r.hostile]
+    assert 0.05 < len(hostile) / len(mix) < 0.09 and all(not r.invalid for r in hostile)
+    assert {r.invalid for r in mix if r.invalid} >= HOSTILE_INVALID  # every refusal is drawn
+    http = next(r for r in hostile if r.api == "http" and not r.chat)
+    assert http_request(http, "m", 40.0)[1]["temperature"] == 1e-40  # greedy on the server: still checked
+    assert http.checkable
+    ids = {grpc_request(r, pb, 40.0).request_id for r in hostile if r.api == "grpc"}
+    assert ids == {"dup", "x#1"}
+    n_huge = next(r for r in mix if r.invalid == "grpc_n_huge")
+    assert grpc_request(n_huge, pb, 40.0).sampling.n == 2**32 - 1 and n_huge.is_hostile
