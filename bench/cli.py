@@ -17,7 +17,7 @@ from typing import Any
 from tandem.bench import commands
 from tandem.bench.bench_models import BENCH_SHAPES
 from tandem.bench.server import AppBuilder
-from tandem.cluster.direct_ingress import HAPROXY, PROXIES
+from tandem.cluster.direct_ingress import PROXIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 HELP = {
@@ -184,8 +184,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "second one ingress replica sends its clients, all streams together (default: the server's)")
     p.add_argument("--ingress-replicas", type=int, default=None, help="without --url: ingress replicas "
                    "(default: the server's)")
-    p.add_argument("--proxy", choices=PROXIES, default=HAPROXY, help="without --url: in front of the ingress, "
-                   "haproxy (direct ingress, as tandem serve) or serve (Serve's Python proxy actor)")
+    p.add_argument("--proxy", choices=PROXIES, default=None, help="without --url: in front of the ingress, "
+                   "haproxy (direct ingress, as tandem serve; the default where installed) or serve (Serve's "
+                   "Python proxy actor)")
 
 
 def _add_prefix_args(p: argparse.ArgumentParser) -> None:

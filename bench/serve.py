@@ -35,7 +35,7 @@ from tandem.bench.load_generator import LoadLevel, base_url, httpx, run_level, s
 from tandem.bench.report import log_progress
 from tandem.bench.server import SERVED_MODEL_NAME, AppBuilder, bench_server
 from tandem.bench.workload import BenchRequest, WorkloadSpec, make_workload
-from tandem.cluster.direct_ingress import HAPROXY
+from tandem.cluster.direct_ingress import default_proxy
 
 SERVE_FULL = WorkloadSpec(num_requests=64, prompt_len=(32, 256), output_len=(32, 128), seed=0)
 SERVE_QUICK = WorkloadSpec(num_requests=24, prompt_len=(16, 96), output_len=(16, 48), seed=0)
@@ -53,7 +53,7 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
                     spec: WorkloadSpec | None = None, slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS,
                     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS, api_key: str | None = None,
                     vocab_size: int | None = None, stream: bool = True, stall_check: bool = True,
-                    proxy: str = HAPROXY, show_progress: bool = True) -> dict[str, Any]:
+                    proxy: str | None = None, show_progress: bool = True) -> dict[str, Any]:
     """Figures of every load level, as one flat dict. `stream` False: non-streaming requests
     (answered whole; TTFT is then E2E; no ITL, so no single-stream level or stall check).
 
@@ -61,7 +61,8 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
     its /v1/models). With url None, serve tandem through `local_app` (`model`: a local
     directory, default the built-in benchmark model; `engine_options` go to the engine and the
     offline comparison, `serving_options` (num_replicas, ...) to the server only; `proxy`
-    in front of its ingress, cluster/direct_ingress.py) and compare with the offline engine.
+    in front of its ingress, cluster/direct_ingress.py, None: HAProxy where installed) and
+    compare with the offline engine.
     Level i sends the request set of seed `spec.seed + i`: the same shape at every level, and
     no level hits the prefix cache that an earlier one filled.
     """
@@ -94,6 +95,7 @@ def run_serve_bench(url: str | None, quick: bool, *, model: str | None = None, s
     vocab = vocab_size or HFModelConfig.from_dir(model_dir).vocab_size
     compare = LoadLevel(concurrency=compare_concurrency or DEFAULT_COMPARE_CONCURRENCY[quick])
     server_levels = levels if compare in levels else levels + [compare]
+    proxy = proxy or default_proxy()
     figures.update(model=model_dir, compare_concurrency=compare.concurrency, proxy=proxy if address is None else "")
     log_progress("serve", show_progress, f"offline engine, {compare.concurrency} in flight")
     compare_requests = level_requests(spec, vocab, server_levels.index(compare))

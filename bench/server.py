@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from tandem.cluster.direct_ingress import HAPROXY, use_proxy
+from tandem.cluster.direct_ingress import default_proxy, use_proxy
 
 AppBuilder = Callable[[dict[str, Any]], Any]  # engine and serving options -> a Serve application
 SERVED_MODEL_NAME = "tandem-bench"
@@ -22,20 +22,20 @@ HEALTH_TIMEOUT_S = 120.0
 @contextmanager
 def bench_server(local_app: AppBuilder, apps: dict[str, dict[str, Any]], *, num_cpus: int,
                  address: str | None = None, grpc: tuple[int, str] | None = None,
-                 proxy: str = HAPROXY) -> Iterator[dict[str, str]]:
+                 proxy: str | None = None) -> Iterator[dict[str, str]]:
     """Serve each of `apps` ({route: options}; route "" is the root) and yield {route: base URL}.
 
     `grpc`: (port, servicer function's import path): Serve's gRPC proxy too, on that port.
 
     Without `address`: a local Ray of `num_cpus` logical CPUs with `proxy` in front of the
-    ingress (cluster/direct_ingress.py), or the Ray this process is already connected to, and
-    a Serve instance of our own, shut down at the end. With one: that cluster, whose Serve and
-    other applications outlive ours (its own proxy)."""
+    ingress (cluster/direct_ingress.py; None: HAProxy where installed), or the Ray this
+    process is already connected to, and a Serve instance of our own, shut down at the end.
+    With one: that cluster, whose Serve and other applications outlive ours (its own proxy)."""
     import ray
 
     owns_ray = not ray.is_initialized()
     if owns_ray and not address:
-        use_proxy(proxy)  # before Ray starts: its processes read it once
+        use_proxy(proxy or default_proxy())  # before Ray starts: its processes read it once
     from ray import serve
 
     from tandem.bench.load_generator import httpx

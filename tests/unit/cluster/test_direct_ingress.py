@@ -56,3 +56,9 @@ def test_a_missing_haproxy_is_an_error_before_ray_starts(clean_env, monkeypatch,
 def test_an_unknown_proxy_is_refused(clean_env):
     with pytest.raises(ValueError, match="proxy must be one of haproxy, serve, got 'nginx'"):
         use_proxy("nginx")
+
+
+def test_the_default_is_haproxy_where_it_is_installed_else_serves_proxy(clean_env, monkeypatch, tmp_path):
+    assert direct_ingress.default_proxy() == HAPROXY  # the wheel is here (Linux)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "nowhere"))
+    assert direct_ingress.default_proxy() == SERVE_PROXY
