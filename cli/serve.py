@@ -78,14 +78,18 @@ def app_args(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[s
     if options.get("model"):
         options["model"] = os.path.abspath(options["model"])  # replicas do not share our cwd
     options.update(served_model_name=args.served_model_name or args.model, num_replicas=args.num_replicas,
-                   api_key=args.api_key or (None if args.api_key_file else os.environ.get("TANDEM_API_KEY")),
-                   api_key_file=args.api_key_file, routing=args.routing, kv_fetch=args.kv_fetch,
+                   api_key=_api_key(args), api_key_file=args.api_key_file, routing=args.routing, kv_fetch=args.kv_fetch,
                    host_kv_memory_per_node=args.host_kv_memory_per_node,
                    admission_control=args.admission_control, max_requests_per_group=args.max_requests_per_group,
                    max_requests=args.max_requests, max_request_body_bytes=args.max_request_body_bytes)
     if args.request_timeout is not None:
         options["request_timeout_s"] = args.request_timeout
     return options if args.address else local_group_options(options)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key given as a string: --api-key, else $TANDEM_API_KEY unless --api-key-file names one."""
+    return args.api_key or (None if args.api_key_file else os.environ.get("TANDEM_API_KEY"))
 
 
 def local_group_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +151,7 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         print("tandem: warning: --api-key puts the key on the command line, where `ps` and Ray's job table "
               "(`ray list jobs`, the dashboard) show it; use --api-key-file or TANDEM_API_KEY", file=sys.stderr,
               flush=True)
-    if not (args.api_key or args.api_key_file or os.environ.get("TANDEM_API_KEY")) and args.host not in LOOPBACK:
+    if not (_api_key(args) or args.api_key_file) and args.host not in LOOPBACK:
         print(f"tandem: warning: no API key, and HTTP and gRPC listen on {args.host}: anyone who reaches these "
               "ports may use the server (set TANDEM_API_KEY or --api-key-file)", file=sys.stderr, flush=True)
     if args.address and args.proxy:

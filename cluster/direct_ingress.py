@@ -75,9 +75,3 @@ def use_proxy(proxy: str) -> None:
         # takes free ones; a cluster's nodes keep the defaults (one HAProxy per node).
         for name in LOCAL_PORTS:
             os.environ.setdefault(name, str(free_port()))
-
-
-def proxy_in_use() -> str:
-    """The proxy this process's environment asks Ray for."""
-    on = all(os.environ.get(name) == "1" for name in SWITCHES)
-    return HAPROXY if on else SERVE_PROXY

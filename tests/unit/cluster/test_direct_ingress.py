@@ -3,7 +3,7 @@ import os
 import pytest
 
 from tandem.cluster import direct_ingress
-from tandem.cluster.direct_ingress import HAPROXY, SERVE_PROXY, proxy_in_use, use_proxy
+from tandem.cluster.direct_ingress import HAPROXY, SERVE_PROXY, use_proxy
 
 NAMES = (*direct_ingress.SWITCHES, direct_ingress.DRAINING_PERIOD, *direct_ingress.LOCAL_PORTS,
          "RAY_SERVE_HAPROXY_BINARY_PATH")
@@ -22,7 +22,6 @@ def test_haproxy_turns_both_switches_on_with_a_short_drain_and_free_local_ports(
     assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
     stats, metrics = (int(os.environ[name]) for name in direct_ingress.LOCAL_PORTS)
     assert stats not in (8404, 9101) and metrics not in (8404, 9101) and stats > 0 and metrics > 0
-    assert proxy_in_use() == HAPROXY
 
 
 def test_serve_proxy_turns_both_switches_off(clean_env):
@@ -30,7 +29,6 @@ def test_serve_proxy_turns_both_switches_off(clean_env):
     use_proxy(SERVE_PROXY)
     assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
-    assert proxy_in_use() == SERVE_PROXY
 
 
 def test_what_the_user_set_is_kept(clean_env, monkeypatch):
