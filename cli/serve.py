@@ -67,6 +67,10 @@ def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser
     p.add_argument("--proxy", choices=PROXIES, default=None,
                    help="in front of the ingress replicas: haproxy (direct ingress; the default where installed) "
                    "or serve (Serve's Python proxy actor). Not with --address: that cluster's environment decides")
+    p.add_argument("--channel-transport", choices=["socket", "serve"], default="socket",
+                   help="what carries a replica group's streamed tokens to an ingress replica: a TCP connection "
+                   "to a free port on the group's node (default), or a streaming Serve call (where the nodes "
+                   "cannot connect to each other's ports)")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false", help="start no Ray dashboard")
     p.set_defaults(func=lambda args: run(args, engine_options(args)))
 
@@ -81,7 +85,8 @@ def app_args(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[s
                    api_key=_api_key(args), api_key_file=args.api_key_file, routing=args.routing, kv_fetch=args.kv_fetch,
                    host_kv_memory_per_node=args.host_kv_memory_per_node,
                    admission_control=args.admission_control, max_requests_per_group=args.max_requests_per_group,
-                   max_requests=args.max_requests, max_request_body_bytes=args.max_request_body_bytes)
+                   max_requests=args.max_requests, max_request_body_bytes=args.max_request_body_bytes,
+                   channel_transport=args.channel_transport)
     if args.request_timeout is not None:
         options["request_timeout_s"] = args.request_timeout
     return options if args.address else local_group_options(options)

@@ -77,6 +77,10 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # message per flush for all of its streams (workers/serving/outbox.py); False: each
     # request's deltas over its own call, one Ray message per delta.
     "stream_channels": True,
+    # What a channel is: "socket", a TCP connection from the ingress replica to the group's
+    # channel socket (a free port on the group's node; workers/serving/channel_server.py), or
+    # "serve", a streaming Serve call (where ingress and groups cannot connect directly).
+    "channel_transport": "socket",
     # Messages per second one ingress replica sends its clients, all streams together (with
     # stream_channels; 0 = no bound): each costs the ingress and Serve's proxy the same
     # whatever it holds, so past this a stream's tokens gather into fewer, larger messages
@@ -117,6 +121,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
 }
 
 ROUTING_POLICIES = ("prefix", "load")
+CHANNEL_TRANSPORTS = ("socket", "serve")
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -141,6 +146,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     chunks = serving["ingress_max_chunks_per_s"]
     if isinstance(chunks, bool) or not isinstance(chunks, (int, float)) or not 0 <= chunks < math.inf:
         raise ValueError(f"ingress_max_chunks_per_s: must be a number >= 0 (0: no bound), got {chunks!r}")
+    if serving["channel_transport"] not in CHANNEL_TRANSPORTS:
+        raise ValueError(f"channel_transport: must be one of {', '.join(CHANNEL_TRANSPORTS)}, "
+                         f"got {serving['channel_transport']!r}")
     if serving["kv_fetch"] not in FETCH_MODES:
         raise ValueError(f"kv_fetch: must be one of {', '.join(FETCH_MODES)}, got {serving['kv_fetch']!r}")
     group_options = {"kv_allocator": config.cache.enable_prefix_caching,
@@ -151,7 +159,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                      "probe_device_peaks": serving["probe_device_peaks"],
                      "max_group_rebuilds": serving["max_group_rebuilds"],
                      "group_rebuild_timeout_s": serving["group_rebuild_timeout_s"],
-                     "step_timeout_s": serving["step_timeout_s"]}
+                     "step_timeout_s": serving["step_timeout_s"], "channel_transport": serving["channel_transport"]}
     for name in ("step_timeout_s", "request_timeout_s"):
         timeout = serving[name]
         if name == "request_timeout_s" and timeout is None:
@@ -252,7 +260,7 @@ def _group_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, A
     use_gpu = config.model.simulated_step_ms is None and _use_gpu(config.model.device)
     max_ongoing = serving["max_ongoing_requests"] or 2 * config.scheduler.max_num_seqs
     options: dict[str, Any] = {
-        # Each ingress replica's channel (stream_channels) is one more call a group carries.
+        # Each ingress replica's channel (stream_channels) may be one more call a group carries.
         "max_ongoing_requests": max_ongoing + num_ingress_replicas(serving),
         "max_queued_requests": serving["max_queued_requests"],
         "health_check_period_s": serving["health_check_period_s"],

@@ -224,7 +224,7 @@ class EngineClient:
                 accepted = await _before(anext(response), deadline)
             except StopAsyncIteration:
                 raise _GroupFailed("its call ended before it accepted the request") from None
-            channels.accepted(stream, accepted.group_id)
+            channels.accepted(stream, accepted.group_id, accepted.channel_address)
             loop = asyncio.get_running_loop()
             watcher = loop.create_task(_watch(response, stream, accepted.group_id))
             # One timer for the request's deadline, not a timeout around every delta's await:

@@ -2,8 +2,10 @@
 
 A streamed request registers here before it is sent (`open`), so no delta can arrive
 before there is a place for it. When its group accepts it, the ingress makes sure it has
-a channel to that group (one long-lived `GroupServer.channel` call, routed by
-`target_group`) and reads the request's deltas from its `ChannelStream`. A channel's pump
+a channel to that group (a connection to the channel socket the group named in its
+`Accepted`, router/channel_socket.py; or, where it named none, one long-lived
+`GroupServer.channel` call, routed by `target_group`) and reads the request's deltas from
+its `ChannelStream`. A channel's pump
 hands each `DeltaBatch` out by request id; a delta of a request that is gone (the client
 left) is dropped. A channel that ends or fails ends every stream it feeds with
 `ChannelLost`: the group is gone or unreachable, and the request may be retried elsewhere
@@ -21,10 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import secrets
 from collections.abc import Callable
 from typing import Any
 
+from tandem.router.channel_socket import read_socket_channel
 from tandem.workers.serving.messages import ChannelOpen, DeltaBatch, GroupDelta
 
 logger = logging.getLogger(__name__)
@@ -113,7 +116,8 @@ class GroupChannels:
         what the ingress sends on, all streams together; see `min_interval_s`."""
         self._handle = handle
         self.max_chunks_per_s = max_chunks_per_s
-        self.channel_id = f"ingress-{uuid.uuid4().hex}"  # this ingress process, to every group
+        # This ingress process, to every group; unguessable: it is all a channel socket asks for.
+        self.channel_id = f"ingress-{secrets.token_hex(16)}"
         self._streams: dict[str, ChannelStream] = {}
         self._pumps: dict[str, asyncio.Task] = {}  # group id -> its channel's pump
         self.num_batches = 0
@@ -136,23 +140,24 @@ class GroupChannels:
             return 0.0
         return len(self._streams) / self.max_chunks_per_s
 
-    def accepted(self, stream: ChannelStream, group_id: str) -> None:
-        """Its group took the request: read that group's channel (opened now if it is not open)."""
+    def accepted(self, stream: ChannelStream, group_id: str, address: tuple[str, int] | None = None) -> None:
+        """Its group took the request: read that group's channel (opened now if it is not open),
+        at the group's channel socket `address` (None: over a `GroupServer.channel` call)."""
         stream.group_id = group_id
         pump = self._pumps.get(group_id)
         loop = asyncio.get_running_loop()
         if pump is None or pump.done() or pump.get_loop() is not loop:
-            self._pumps[group_id] = loop.create_task(self._pump(group_id))
+            self._pumps[group_id] = loop.create_task(self._pump(group_id, address))
 
     def close(self, stream: ChannelStream) -> None:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
 
-    async def _pump(self, group_id: str) -> None:
+    async def _pump(self, group_id: str, address: tuple[str, int] | None) -> None:
         me = asyncio.current_task()
         reason = "its channel ended"
         try:
-            while await self._read_channel(group_id):
+            while await self._read_channel(group_id, address):
                 # Closed for being idle: open again at once if a request came meanwhile.
                 if not any(s.group_id == group_id for s in self._streams.values()):
                     return
@@ -170,10 +175,13 @@ class GroupChannels:
             for stream in lost:
                 stream.put(ChannelLost(reason, group_id))
 
-    async def _read_channel(self, group_id: str) -> bool:
-        """One call of the channel, read to its end; True when the group closed it for being idle
-        (False: it ended without saying so, routed to a group that is gone)."""
-        async for batch in self._handle.channel.remote(ChannelOpen(group_id, self.channel_id)):
+    async def _read_channel(self, group_id: str, address: tuple[str, int] | None) -> bool:
+        """One connection (or call) of the channel, read to its end; True when the group closed it
+        for being idle (False: it ended without saying so: the group is gone)."""
+        opened = ChannelOpen(group_id, self.channel_id)
+        if address is not None:
+            return await read_socket_channel(address, opened, self._hand_out)
+        async for batch in self._handle.channel.remote(opened):
             self._hand_out(batch)
             if batch.closing:
                 return True

@@ -50,6 +50,11 @@ def test_unknown_or_bad_args_fail_with_the_field_name():
         build_app({"routing": "random"})
     with pytest.raises(ValueError, match="^kv_fetch:"):
         build_app({"kv_fetch": "sometimes"})
+    with pytest.raises(ValueError, match="^channel_transport: must be one of socket, serve, got 'zmq'"):
+        build_app({"channel_transport": "zmq"})
+    for transport in ("socket", "serve"):  # the groups choose what their Accepted names
+        group = build_app({"channel_transport": transport})._bound_deployment.init_args[0]._bound_deployment
+        assert group.init_args[1]["channel_transport"] == transport
     with pytest.raises(ValueError, match="^host_kv_cache_memory:"):
         build_app({"host_kv_cache_memory": -1})
 

@@ -29,7 +29,8 @@ def test_serve_flags_become_build_app_args():
         "--max-num-batched-tokens", "1024", "--block-size", "32", "--kv-cache-memory", "1000000",
         "--dtype", "float32", "--host", "127.0.0.1", "--port", "8001", "--grpc-port", "9001",
         "--api-key", "k", "--address", "ray://x:10001", "--routing", "load", "--host-kv-cache-memory", "4096",
-        "--host-kv-memory-per-node", "8192", "--kv-fetch", "never", "--no-cpu-packed-weights"])
+        "--host-kv-memory-per-node", "8192", "--kv-fetch", "never", "--no-cpu-packed-weights",
+        "--channel-transport", "serve"])
     options = app_args(args, engine_options(args))
     assert options == {
         "model": os.path.abspath("some/model"), "served_model_name": "m", "tensor_parallel_size": 2,
@@ -38,12 +39,12 @@ def test_serve_flags_become_build_app_args():
         "api_key": "k", "api_key_file": None, "routing": "load", "host_kv_cache_memory": 4096,
         "host_kv_memory_per_node": 8192,
         "kv_fetch": "never", "cpu_packed_weights": False, "admission_control": True, "max_requests_per_group": None,
-        "max_requests": None, "max_request_body_bytes": 8 * 1024 * 1024}
+        "max_requests": None, "max_request_body_bytes": 8 * 1024 * 1024, "channel_transport": "serve"}
     assert (args.host, args.port, args.grpc_port, args.address) == ("127.0.0.1", 8001, 9001, "ray://x:10001")
     defaults = app_args_of(["serve", "--gpu-memory-utilization", "0.5"])
     assert defaults["gpu_memory_utilization"] == 0.5 and "model" not in defaults
     assert "cpu_packed_weights" not in defaults and "enforce_eager" not in defaults  # the engine's defaults
-    assert (defaults["routing"], defaults["kv_fetch"]) == ("prefix", "auto")
+    assert (defaults["routing"], defaults["kv_fetch"], defaults["channel_transport"]) == ("prefix", "auto", "socket")
     assert app_args_of(["serve", "--enforce-eager", "--address", "auto"])["enforce_eager"] is True
     limits = app_args_of(["serve", "--max-requests-per-group", "5", "--max-requests", "9", "--no-admission-control",
                           "--max-request-body-bytes", "4096"])

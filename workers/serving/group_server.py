@@ -2,8 +2,10 @@
 
 A thin shim over `AsyncEngine`: a `GroupRequest` in, `GroupDelta`s out (messages.py;
 tensors never leave the group). A streamed request's deltas go into its ingress's outbox
-(outbox.py) and leave on that ingress's channel, one batch per flush for all its streams;
-a request answered whole gets its one delta as the call's answer.
+(outbox.py) and leave on that ingress's channel, one batch per flush for all its streams:
+a connection to the group's channel socket (channel_server.py; `channel_transport`
+"socket", the default) or a `channel` call ("serve"). A request answered whole gets its one
+delta as the call's answer.
 
 With tensor or pipeline parallelism the replica runs in bundle 0 of its own placement
 group (set through the deployment's placement-group options in router/app.py) and the
@@ -38,6 +40,7 @@ from tandem.workers.engine.async_engine import AsyncEngine
 from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
 from tandem.workers.engine.kv_transfer import kv_layout
 from tandem.workers.serving import tracer
+from tandem.workers.serving.channel_server import ChannelServer
 from tandem.workers.serving.group_healer import GroupHealer, HealPolicy
 from tandem.workers.serving.group_metrics import start_group_metrics
 from tandem.workers.serving.kv_fetch import KVFetcher
@@ -92,6 +95,9 @@ class GroupServer:
         self.num_requests = 0
         self.num_aborted = 0  # left before the end (a client that went away)
         self.outboxes = Outboxes()  # streamed deltas, per ingress channel
+        self.channel_transport = group_options.get("channel_transport", "socket")
+        self.channel_server: ChannelServer | None = None
+        self._channel_address: asyncio.Task | None = None  # the socket's start, once
         self.allocator: AllocatorClient | None = None
         self.fetcher: KVFetcher | None = None
         self.stream_interval_s = group_options.get("stream_interval_ms", 0) / 1e3
@@ -192,7 +198,7 @@ class GroupServer:
             async for delta in self._deltas(request):
                 yield delta
             return
-        yield Accepted(self.group_id)
+        yield Accepted(self.group_id, await self._channel_socket())
         self.outboxes.begin(request.channel_id)  # the channel stays open until this request ends
         try:
             if self.stream_interval_s > 0:  # each delta held for the interval: a task per request
@@ -202,6 +208,32 @@ class GroupServer:
                 await self._to_outbox(request, request.channel_id)
         finally:
             self.outboxes.end(request.channel_id)
+
+    async def _channel_socket(self) -> tuple[str, int] | None:
+        """Where this group's channel socket listens (started by the first channelled request);
+        None with `channel_transport` "serve", or when it cannot listen (then the ingresses
+        read their channels through `channel` calls)."""
+        if self.channel_transport != "socket":
+            return None
+        if self._channel_address is None:
+            self._channel_address = asyncio.get_running_loop().create_task(self._start_channel_socket())
+        elif self._channel_address.done():
+            return self._channel_address.result()
+        return await asyncio.shield(self._channel_address)
+
+    async def _start_channel_socket(self) -> tuple[str, int] | None:
+        import ray
+
+        server = ChannelServer(self.group_id, self.outboxes)
+        try:
+            address = await server.start(ray.util.get_node_ip_address())
+        except OSError as exc:
+            logger.warning("replica group %s: no channel socket (%s); channels go through Serve calls",
+                           self.group_id, exc)
+            self.channel_transport = "serve"
+            return None
+        self.channel_server = server
+        return address
 
     async def _to_outbox(self, request: GroupRequest, channel_id: str) -> None:
         """Run a request whose outputs go straight into its channel's outbox as the engine hands
@@ -336,6 +368,9 @@ class GroupServer:
         metrics = getattr(self, "metrics", None)
         if metrics is not None:
             metrics.close()
+        channel_server = getattr(self, "channel_server", None)
+        if channel_server is not None:
+            channel_server.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -4,14 +4,18 @@ schema of that traffic. Both sides import these classes; Ray pickles them across
     ingress ──GroupRequest──> GroupServer.generate ──GroupDelta, GroupDelta, ...──> ingress
     ingress ──GroupRequest(channel_id)──> GroupServer.generate ──Accepted──> ingress
     ingress ──ChannelOpen──> GroupServer.channel ──DeltaBatch, DeltaBatch, ...──> ingress
+    ingress ──ChannelOpen──> the group's channel socket ──DeltaBatch, DeltaBatch, ...──> ingress
     group A ──PrefixExportRequest──> GroupServer.export_prefix (of group B) ──PrefixExport──> A
     anyone  ──StatsRequest──> GroupServer.stats ──GroupStats──> (kv_report, bench soak)
     Serve   ──record_routing_stats──> RoutingStats.as_dict() ──> LoadAwareRouter
 
 A streamed request names its ingress's channel (`channel_id`): the group then answers the
-call with one `Accepted` and sends the request's deltas over the channel, a long-lived call
-from that ingress to that group that carries, as one `DeltaBatch` per flush, what all the
-ingress's streams on the group produced (workers/serving/outbox.py, router/group_channels.py).
+call with one `Accepted` and sends the request's deltas over the channel, a long-lived
+connection from that ingress to that group that carries, as one `DeltaBatch` per flush, what
+all the ingress's streams on the group produced (workers/serving/outbox.py,
+router/group_channels.py). The channel is a TCP connection to the socket the group names in
+`Accepted` (workers/serving/channel_server.py; frames of `encode_batch`), or, when it names
+none, a streaming `GroupServer.channel` call.
 The call itself stays open until the request ends: its cancellation is still the abort, and
 its failure still says the group failed. A request answered whole (`final_only`) sends no
 channel: its one delta is the call's answer.
@@ -56,9 +60,11 @@ class GroupRequest:
 
 @dataclass(frozen=True)
 class Accepted:
-    """A group's only answer on the call of a request sent with a channel: which group took it."""
+    """A group's only answer on the call of a request sent with a channel: which group took it,
+    and where its channel socket listens (None: the channel is a `GroupServer.channel` call)."""
 
     group_id: str
+    channel_address: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,20 +88,26 @@ class DeltaBatch:
     # group is alive; the ingress opens it again when it needs it).
     closing: bool = False
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes, bool]]:
-        rows = [(d.request_id, d.group_id, [_output_row(o) for o in d.outputs], d.finished, d.num_prompt_tokens,
-                 d.num_cached_tokens, d.prompt_logprobs, d.error, d.error_kind) for d in self.deltas]
-        return _unpack_batch, (pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL), self.closing)
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return decode_batch, (encode_batch(self),)
 
 
 def _output_row(o: CompletionOutput) -> tuple:
     return o.index, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason, o.cumulative_logprob
 
 
-def _unpack_batch(data: bytes, closing: bool = False) -> DeltaBatch:
+def encode_batch(batch: DeltaBatch) -> bytes:
+    """A batch as rows of plain values, pickled by the C pickler (a channel socket's frame)."""
+    rows = [(d.request_id, d.group_id, [_output_row(o) for o in d.outputs], d.finished, d.num_prompt_tokens,
+             d.num_cached_tokens, d.prompt_logprobs, d.error, d.error_kind) for d in batch.deltas]
+    return pickle.dumps((rows, batch.closing), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_batch(data: bytes) -> DeltaBatch:
     # Rows of plain values: the C unpickler builds them without a Python call per object.
+    rows, closing = pickle.loads(data)
     return DeltaBatch([GroupDelta(rid, gid, [CompletionOutput(*o) for o in outputs], *rest)
-                       for rid, gid, outputs, *rest in pickle.loads(data)], closing)
+                       for rid, gid, outputs, *rest in rows], closing)
 
 
 @dataclass(slots=True)

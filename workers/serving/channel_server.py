@@ -1,0 +1,146 @@
+"""ChannelServer: a group's channel socket, where its ingresses read their streams' deltas.
+
+One TCP listener per group, on its node's address (a free port, named to each ingress in
+`Accepted`). An ingress connects once per group and says which channel it reads with one
+hello frame (`ChannelOpen` as JSON); from then on the group writes that channel's outbox
+(outbox.py) to it, one frame per flush (`encode_batch`): a 4-byte big-endian length, then
+the pickled batch. The ingress writes nothing after its hello; its connection closing ends
+the flushes at once.
+
+Against a Serve streaming call per channel this costs a `write` per flush: no object ref,
+no generator report, no deserialization on another thread in the ingress (figures in
+bench/RESULTS.md). The group never unpickles what a connection sends (the hello is JSON,
+bounded in size and time): a stranger who reaches the port can read nothing but a channel
+whose 128-bit random id it knows, and can hurt nothing.
+
+Everything here runs on the group's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from contextlib import aclosing, suppress
+
+from tandem.workers.serving.messages import ChannelOpen, encode_batch
+from tandem.workers.serving.outbox import Outboxes
+
+logger = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 10.0
+MAX_HELLO_BYTES = 4096
+HEADER_BYTES = 4
+
+
+def frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(HEADER_BYTES, "big") + payload
+
+
+def hello(opened: ChannelOpen) -> bytes:
+    """The one frame an ingress sends: the channel it reads, and the group it means."""
+    return frame(json.dumps({"target_group": opened.target_group, "channel_id": opened.channel_id}).encode())
+
+
+def tune(sock: socket.socket | None) -> None:
+    """No Nagle delay (a flush is a whole message), and keepalive probes: a peer whose node
+    died without closing the connection is found within ~25 s."""
+    if sock is None:
+        return
+    with suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+async def _read_hello(reader: asyncio.StreamReader) -> ChannelOpen:
+    """The connection's hello; ValueError for anything else (too long, not JSON, wrong keys)."""
+    size = int.from_bytes(await reader.readexactly(HEADER_BYTES), "big")
+    if size > MAX_HELLO_BYTES:
+        raise ValueError(f"a hello of {size} bytes")
+    fields = json.loads(await reader.readexactly(size))
+    if not isinstance(fields, dict) or set(fields) != {"target_group", "channel_id"} \
+            or not all(isinstance(v, str) for v in fields.values()):
+        raise ValueError("not a channel hello")
+    return ChannelOpen(fields["target_group"], fields["channel_id"])
+
+
+class ChannelServer:
+    def __init__(self, group_id: str, outboxes: Outboxes) -> None:
+        self.group_id = group_id
+        self.outboxes = outboxes
+        self.address: tuple[str, int] | None = None
+        self.num_refused = 0  # connections that did not say a proper hello for this group
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()  # the connections open now
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self, host: str) -> tuple[str, int]:
+        """Listen on `host` (the node's address), a free port; returns (host, port)."""
+        self._loop = asyncio.get_running_loop()
+        self._server = await asyncio.start_server(self._serve, host, 0)
+        self.address = (host, self._server.sockets[0].getsockname()[1])
+        return self.address
+
+    def close(self) -> None:
+        """Stop listening and drop every connection (the ingresses end the streams they fed).
+        Callable from any thread (a replica's shutdown)."""
+        if self._server is None or self._loop is None or self._loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._close()
+        else:
+            with suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(self._close)
+
+    def _close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        tune(writer.get_extra_info("socket"))
+        self._writers.add(writer)
+        try:
+            try:
+                opened = await asyncio.wait_for(_read_hello(reader), HELLO_TIMEOUT_S)
+            except (TimeoutError, ValueError, asyncio.IncompleteReadError, OSError) as exc:
+                self.num_refused += 1
+                logger.warning("channel socket: refused a connection from %s (%s)",
+                               writer.get_extra_info("peername"), type(exc).__name__)
+                return
+            if opened.target_group != self.group_id:  # an old address of another group: nothing
+                self.num_refused += 1
+                return
+            await self._write_flushes(opened.channel_id, reader, writer)
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _write_flushes(self, channel_id: str, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        """The channel's flushes, until the outbox closes it (idle) or the ingress hangs up."""
+        loop = asyncio.get_running_loop()
+        hung_up = loop.create_task(reader.read(1))  # the ingress sends nothing more: any end is its hang-up
+        writing = loop.create_task(self._write_all(channel_id, writer))
+        try:
+            await asyncio.wait({hung_up, writing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (hung_up, writing):
+                task.cancel()
+            await asyncio.gather(hung_up, writing, return_exceptions=True)
+
+    async def _write_all(self, channel_id: str, writer: asyncio.StreamWriter) -> None:
+        async with aclosing(self.outboxes.flushes(channel_id)) as flushes:
+            async for batch in flushes:
+                writer.write(frame(encode_batch(batch)))
+                await writer.drain()  # an ingress that reads slowly: the next flush gathers more
