@@ -130,10 +130,11 @@ def llama_dir() -> str:
 
 @pytest.fixture(scope="module")
 def shared_ray(request):
-    """A local Ray (logical CPUs) shared with the next module that requests it too (tests/shared_ray.py)."""
+    """A local Ray (logical CPUs) shared with the next module that requests it too (tests/shared_ray.py).
+    The Serve modules (tests/serve) share its Serve as well; any other module gets it without Serve."""
     from tests import shared_ray as instance
 
-    ray = instance.acquire()
+    ray = instance.acquire(keep_serve=request.module.__name__.startswith("tests.serve."))
     yield ray
     instance.settle(request.module.__name__)
 

@@ -1,4 +1,4 @@
-"""Serve test helpers: one Serve instance per test module, on free ports, with tiny models."""
+"""Serve test helpers: one application per test module on the shared Serve (tests/shared_ray.py), with tiny models."""
 
 from __future__ import annotations
 
@@ -8,32 +8,43 @@ from typing import Any
 
 import pytest
 
-from tandem.cluster.net import free_port
-from tests.conftest import wait_for  # noqa: F401 - the serve tests import it from here
+from tandem.cluster.net import free_port  # noqa: F401 - the serve tests import it from here
+from tests.conftest import wait_for
 
 APP_NAME = "tandem"
 
 
 @contextmanager
 def serve_app(args: dict[str, Any]) -> Iterator[str]:
-    """Serve, on the shared local Ray (tests/shared_ray.py), with build_app(args); yields the
+    """An application of build_app(args) on the shared Serve (tests/shared_ray.py); yields the
     base URL. The module's fixture requests `shared_ray`, so the next module may keep the
-    instance. Serve and the application's KV allocator end with it."""
+    instance and its Serve. The application and its KV allocator end with it."""
     from ray import serve
 
     from tandem.cluster.kv_allocator import kill_allocator
     from tandem.router.app import build_app
     from tests import shared_ray
 
-    port = free_port()
-    shared_ray.acquire()
+    http_port, _ = shared_ray.serve_ports()
+    url = f"http://127.0.0.1:{http_port}"
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"group_num_cpus": 1, **args}), name=APP_NAME, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        # A proxy that served an earlier module's application learns of this one's route
+        # from the controller, a moment after serve.run returns: the first request waits for it.
+        assert wait_for(lambda: _health(url) == 200, timeout_s=60), f"{url}/health: {_health(url)}"
+        yield url
     finally:
-        serve.shutdown()
+        shared_ray.delete_app(APP_NAME)
         kill_allocator(APP_NAME)
+
+
+def _health(url: str) -> int:
+    import requests
+
+    try:
+        return requests.get(f"{url}/health", timeout=10).status_code
+    except requests.RequestException:
+        return 0
 
 
 def group_handle():

@@ -16,7 +16,6 @@ import sys
 import grpc
 import pytest
 from ray import cloudpickle, serve
-from ray.serve.config import gRPCOptions
 
 from tandem.router import tandem_pb2 as pb
 from tandem.router import tandem_pb2_grpc as pb_grpc
@@ -29,12 +28,11 @@ from tandem.router.text_work import TextWork
 from tandem.workers.core.request import CompletionOutput, Logprob, SamplingParams
 from tandem.workers.core.validation import PromptLimits, validate_prompt
 from tandem.workers.serving.messages import GroupDelta, GroupRequest
-from tests.serve.conftest import free_port, wait_for
+from tests.serve.conftest import wait_for
 from tests.serve.hostile_cases import GRPC_CASES
 
 pytestmark = pytest.mark.slow  # a Serve application on Ray: not in the fast loop
 
-SERVICER = "tandem.router.grpc_proxy.add_TandemServicer_to_server"
 FAKE_APP = "fake"
 API_KEY = "sesame"
 AUTH = ("authorization", f"Bearer {API_KEY}")
@@ -183,10 +181,11 @@ class FakeIngress(GrpcMethods):
 # ---- fixtures --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def grpc_address(shared_ray):
-    port = free_port()
+    """The shared Serve's gRPC proxy (tests/shared_ray.py: tandem's servicer), with the fake app."""
+    from tests import shared_ray as instance
+
+    _, port = instance.serve_ports()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
-                    grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[SERVICER]))
         serve.run(FakeIngress.bind(API_KEY), name=FAKE_APP, route_prefix=f"/{FAKE_APP}")
         address = f"127.0.0.1:{port}"
         with grpc.insecure_channel(address) as channel:
@@ -194,7 +193,7 @@ def grpc_address(shared_ray):
             assert wait_for(lambda: _is_up(stub, FAKE_APP), timeout_s=60), "the gRPC proxy never answered"
         yield address
     finally:
-        serve.shutdown()
+        instance.delete_app(FAKE_APP)
 
 
 @pytest.fixture(scope="module")
@@ -441,6 +440,7 @@ def test_real_app_greedy_generate_matches_offline(grpc_address: str, stub) -> No
     from tandem.router.app import build_app
     from tandem.workers.core.request import SamplingParams
     from tandem.workers.llm import LLM
+    from tests import shared_ray
     from tests.conftest import tiny_model
 
     model = tiny_model("llama")
@@ -464,7 +464,7 @@ def test_real_app_greedy_generate_matches_offline(grpc_address: str, stub) -> No
         assert stub.Generate(pb.GenerateRequest(text=prompt, sampling=sampling), metadata=_md(auth=None, app="tandem"),
                              timeout=60).choices[0].text == out.choices[0].text  # still serving
     finally:
-        serve.delete("tandem")
+        shared_ray.delete_app("tandem")
         kill_allocator("tandem")  # detached: it would outlive the app (tests/shared_ray.py hands on clean)
 
     llm = LLM(model, kv_cache_memory=16 << 20)

@@ -100,8 +100,12 @@ def test_embedded_ray_listens_on_loopback_with_token_auth(monkeypatch):
     from tandem.cli.serve import local_ray_init_kwargs
 
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)  # restored after the test
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    for name in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        # Set, then removed: monkeypatch records a variable only when it is there, and only what
+        # it recorded is put back, so what local_ray_init_kwargs sets ends with the test (else
+        # every later test and `ray start` inherits token auth and no cluster address).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     args = build_parser().parse_args(["serve"])
     assert local_ray_init_kwargs(args, 4) == {"address": "local", "num_cpus": 4, "_node_ip_address": "127.0.0.1",
                                               "include_dashboard": True, "dashboard_host": "127.0.0.1"}
