@@ -10,9 +10,13 @@ longer than the lookup's timeout, and when it is down routing is by load alone.
 
 A burst arrives faster than Serve reports sends back (`on_request_routed` comes after
 the group accepted), so each pick counts at once as a *predicted* request of the group
-ranked first (Serve takes the first tier unless that group is full); the prediction
-turns into a routed request when Serve confirms it, or lapses after a few seconds if
-Serve picked another group. Groups of equal score are tried in random order.
+ranked first (Serve takes the first tier unless that group is full). A prediction
+belongs to its pending request: a second pick for it (a retry after a rejection)
+replaces it, and Serve's confirmation of that request takes it back, wherever the
+request went, and counts the request on the group that took it; one never confirmed
+lapses after a few seconds. The prompt's prefix is recorded on the group that took it,
+not the one ranked first. With one group there is nothing to choose: no directory
+lookup. Groups of equal score are tried in random order.
 
 NOTE: every group call made while serving one HTTP request (one per prompt of a
 multi-prompt completion) carries that request's `internal_request_id`. Serve's default
@@ -25,7 +29,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections import Counter, deque
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -39,6 +44,14 @@ from tandem.workers.serving.messages import GroupRequest, RoutingStats
 PREDICTION_TTL_S = 5.0
 
 
+@dataclass(frozen=True)
+class _Prediction:
+    request: PendingRequest  # held, so that its id() is not reused while it is predicted
+    group: ReplicaID  # ranked first for it
+    made_at: float  # monotonic
+    block_hashes: list[int]  # its prompt's, under prefix routing ([] otherwise)
+
+
 class LoadAwareRouter(FIFOMixin, RequestRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -47,7 +60,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.prefix: PrefixLookup | None = None
         self.num_prefix_routed = 0  # requests whose group a prefix credit decided
         self._routed: dict[ReplicaID, Counter[str]] = {}  # sent and accepted, not completed
-        self._predicted: dict[ReplicaID, deque[float]] = {}  # picked here, not confirmed yet
+        self._predicted: dict[int, _Prediction] = {}  # id(pending request) -> its pick, not confirmed yet
         self.completions = CompletionLog()  # seen to finish: ages each group's polled load
         self._decisions: Any = None  # the router-decision counter (ray.util.metrics), made on first use
         self.export_metrics = True
@@ -64,12 +77,16 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         if routing == "prefix":
             self.prefix = PrefixLookup(block_size, allocator_matcher(self._deployment_id.app_name))
 
-    def num_in_flight(self, replica_id: ReplicaID) -> int:
-        predicted = self._predicted.get(replica_id, deque())
-        now = time.monotonic()
-        while predicted and now - predicted[0] > PREDICTION_TTL_S:
-            predicted.popleft()
-        return sum(self._routed.get(replica_id, Counter()).values()) + len(predicted)
+    def num_in_flight(self) -> Counter[ReplicaID]:
+        """Requests each group has, as this router knows: sent and not seen finish, and
+        predicted (picked for it, not confirmed yet; a prediction past its TTL lapses)."""
+        horizon = time.monotonic() - PREDICTION_TTL_S
+        for key in [k for k, p in self._predicted.items() if p.made_at < horizon]:
+            del self._predicted[key]
+        counts = Counter(p.group for p in self._predicted.values())
+        for replica_id, routed in self._routed.items():
+            counts[replica_id] += sum(routed.values())
+        return counts
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -81,14 +98,17 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             chosen = [r for rid, r in by_id.items() if rid.unique_id == target]
             return [chosen] if chosen else [list(by_id.values())]
         started_ns = time.time_ns()
-        hashes = self._prompt_hashes(pending_request)
+        hashes = self._prompt_hashes(pending_request) if len(by_id) > 1 else []
         # The directory first: loads are read after the await, so requests routed
         # meanwhile (counted as predictions) are in them.
         held = await self.prefix.cached_tokens(hashes) if hashes else {}
+        if pending_request is not None:  # chosen again (after a rejection): its own pick is no load
+            self._predicted.pop(id(pending_request), None)
+        in_flight = self.num_in_flight()
         scores = {}
         for rid, replica in by_id.items():
             stats = RoutingStats.from_dict(replica.routing_stats)
-            scores[rid] = score_load(stats, self.num_in_flight(rid), self.weights,
+            scores[rid] = score_load(stats, in_flight[rid], self.weights,
                                      self.completions.since(rid, stats.stats_time))
         by_prefix = False
         if hashes:
@@ -102,11 +122,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         avoid = _request_field(pending_request, "avoid_group")
         if avoid is not None:  # a retry: the group that failed it goes last (it may be the only one)
             ranked.sort(key=lambda rid: rid.unique_id == avoid)
-        self._predicted.setdefault(ranked[0], deque()).append(time.monotonic())
-        if hashes:
-            # Serve takes the first tier unless that group is full; if it does not, the
-            # directory corrects the record within a publish interval.
-            self.prefix.recent.record(hashes, ranked[0].unique_id)
+        if pending_request is not None:
+            self._predicted[id(pending_request)] = _Prediction(pending_request, ranked[0], time.monotonic(), hashes)
         if pending_request is not None and pending_request.metadata.call_method == "generate":
             self._record_decision(pending_request, ranked[0], by_prefix, held, scores, started_ns)
         return [[by_id[rid]] for rid in ranked]
@@ -143,9 +160,11 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         return self.prefix.block_hashes(request.prompt_token_ids)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        predicted = self._predicted.get(replica_id)
-        if predicted:
-            predicted.popleft()
+        prediction = self._predicted.pop(id(pending_request), None)
+        if prediction is not None and prediction.request is pending_request and prediction.block_hashes \
+                and self.prefix is not None:
+            # Where it went (Serve passes over a full group), not where it was ranked first.
+            self.prefix.recent.record(prediction.block_hashes, replica_id.unique_id)
         self._routed.setdefault(replica_id, Counter())[pending_request.metadata.internal_request_id] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -162,7 +181,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.completions.forget(replica_id)
         if self.prefix is not None:
             self.prefix.recent.forget_group(replica_id.unique_id)
-        self._predicted.pop(replica_id, None)
+        for key in [k for k, p in self._predicted.items() if p.group == replica_id]:
+            del self._predicted[key]
         super().on_replica_actor_died(replica_id)
 
 
