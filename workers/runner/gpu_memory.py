@@ -4,7 +4,7 @@ The KV cache gets what `gpu_memory_utilization` of the card leaves once everythi
 this engine needs is counted: the weights (already loaded), the peak activations of the
 largest step the scheduler may send (a prefill of `max_num_batched_tokens` tokens over
 up to `max_num_seqs` sequences, profiled with a one-block KV cache whose block tables
-all point at block 0), and, with CUDA graphs, their private pool (as large as the
+all point at block 0, scoring one slice of prompt positions for `prompt_logprobs`), and, with CUDA graphs, their private pool (as large as the
 largest decode step's activations). Whatever else is on the card (the CUDA context,
 another process, an earlier engine not yet collected) counts as used, so the card's
 total use stays under the fraction.
@@ -23,6 +23,9 @@ from tandem.workers.core.scheduler_output import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from tandem.workers.runner.model_runner import ModelRunner
+
+
+PROFILED_TOP_LOGPROBS = 20  # the top-k of a profiled prompt-logprob slice (the API's max_logprobs default)
 
 
 def kv_budget(device: torch.device, utilization: float, reserve: int) -> int:
@@ -49,7 +52,10 @@ def profile_steps(runner: ModelRunner, sched: SchedulerConfig) -> tuple[int, int
     try:
         num_tokens = min(sched.max_num_batched_tokens, runner.max_model_len * sched.max_num_seqs)
         num_seqs = max(1, min(sched.max_num_seqs, num_tokens))
-        prefill = _peak_of(runner, builder, table, _dummy_step(num_tokens, num_seqs, runner.max_model_len, 0))
+        # A prefill step may score its prompt positions (prompt_logprobs): one slice of those
+        # rows' logits and log-softmax is in its peak (ModelRunner.prompt_logprobs).
+        prefill = _peak_of(runner, builder, table, _dummy_step(num_tokens, num_seqs, runner.max_model_len, 0),
+                           score_prompt=True)
         # A decode step's activations hardly depend on its context: a short one stands for all.
         context = min(runner.max_model_len, 4 * runner.block_size)
         decode = _peak_of(runner, builder, table, _dummy_step(sched.max_num_seqs, sched.max_num_seqs, context,
@@ -79,7 +85,8 @@ def _dummy_step(num_tokens: int, num_seqs: int, max_len: int, computed: int) -> 
     return out, states
 
 
-def _peak_of(runner: ModelRunner, builder, table, step: tuple[SchedulerOutput, dict]) -> int:
+def _peak_of(runner: ModelRunner, builder, table, step: tuple[SchedulerOutput, dict],
+             score_prompt: bool = False) -> int:
     out, states = step
     device = runner.device
     torch.cuda.synchronize(device)
@@ -96,6 +103,12 @@ def _peak_of(runner: ModelRunner, builder, table, step: tuple[SchedulerOutput, d
     if runner.ctx.is_last_stage:
         logits = model.compute_logits(hidden[inputs.logits_index])
         logits.float().argmax(-1)  # the sampler's float32 copy of the logits
+        if score_prompt:
+            from tandem.workers.sample.sampler import logprob_tensors
+
+            rows = min(runner.prompt_logprob_rows, hidden.shape[0])
+            scored = model.compute_logits(hidden[:rows])
+            logprob_tensors(scored, torch.zeros(rows, dtype=torch.long, device=device), PROFILED_TOP_LOGPROBS)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del inputs, hidden

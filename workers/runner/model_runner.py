@@ -36,6 +36,12 @@ from tandem.workers.sample.pass_sampler import PassSampler
 from tandem.workers.sample.sampler import Sampler, compute_logprobs
 from tandem.workers.sample.step_sampler import StepSampler
 
+# Prompt positions scored at once: their logits and log-softmax are vocabulary-wide float32
+# rows (128k vocabulary: 0.5 MiB each), so a step's whole prefill chunk at once (thousands of
+# rows) could take gigabytes. This many at a time bounds it; the KV cache is sized with one
+# such slice in the profiled peak (gpu_memory.profile_steps).
+PROMPT_LOGPROB_ROWS = 256
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str, ctx: ParallelContext,
@@ -49,6 +55,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
         self.states: dict[str, CachedRequestState] = {}
+        self.prompt_logprob_rows = PROMPT_LOGPROB_ROWS
         self.sampler = Sampler(seed=config.model.seed)
         self.step_sampler = StepSampler(self.sampler, hf_config.eos_token_ids)
         self.model: LlamaForCausalLM | None = None
@@ -353,13 +360,18 @@ class ModelRunner:
         if not inputs.prompt_rows:
             return {}
         rows = [r for _, _, req_rows, _ in inputs.prompt_rows for r in req_rows]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        if self.ctx.tp_rank != 0:
-            return {}
         targets = [t for _, _, _, tokens in inputs.prompt_rows for t in tokens]
         num_top = [self.states[req_id].sampling_params.prompt_logprobs
                    for req_id, _, req_rows, _ in inputs.prompt_rows for _ in req_rows]
-        entries = compute_logprobs(logits, targets, num_top)
+        entries: list[PositionLogprobs | None] = []
+        step = self.prompt_logprob_rows
+        for at in range(0, len(rows), step):  # the same slices on every TP rank (each joins the gather)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[at:at + step], device=self.device)])
+            if self.ctx.tp_rank == 0:
+                entries += compute_logprobs(logits, targets[at:at + step], num_top[at:at + step])
+            del logits
+        if self.ctx.tp_rank != 0:
+            return {}
         out, k = {}, 0
         for req_id, first, req_rows, _ in inputs.prompt_rows:
             out[req_id] = (first, entries[k:k + len(req_rows)])
