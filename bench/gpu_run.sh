@@ -203,11 +203,22 @@ part_serve_serve_channel() {
   ray_errors serve_1b_serve_channel
 }
 # Who holds the GIL in the group and the ingress while 128 streams run (py-spy --gil, 8 s of
-# samples a few seconds into the served level; raw stacks to $OUT/gil_*.txt).
+# samples a few seconds into the served level), and in the benchmark's own process while the
+# offline engine runs the same requests (its stacks under _offline_run): raw stacks to
+# $OUT/gil_*.txt.
 part_serve_gil() {
   serve_ready || return
   command -v py-spy > /dev/null || { log "serve_gil: no py-spy"; return; }
   local seen; seen=$(grep -c "server at conc128" "$OUT/bench.log")
+  local offline; offline=$(grep -c "offline engine, 128 in flight" "$OUT/bench.log")
+  (
+    for _ in $(seq 120); do
+      [ "$(grep -c "offline engine, 128 in flight" "$OUT/bench.log")" -gt "$offline" ] && break; sleep 0.5
+    done
+    pid=$(pgrep -n -f "tandem.cli.main import main")
+    [ -n "$pid" ] && py-spy record --gil --nonblocking -r 100 -d 45 -f raw -o "$OUT/gil_offline.txt" -p "$pid" \
+      > /dev/null 2>> "$OUT/bench.log"
+  ) &
   (
     for _ in $(seq 300); do
       [ "$(grep -c "server at conc128" "$OUT/bench.log")" -gt "$seen" ] && break; sleep 1
