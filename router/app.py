@@ -99,6 +99,9 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "max_requests": None,
     "retry_after_s": 1,
     "max_request_body_bytes": 8 * 1024 * 1024,  # larger bodies: 413
+    # Bytes of bodies one ingress replica reads and parses at once (a body is read whole before
+    # admission can price it); past them, 429 (router/body_budget.py). None: 32 of the largest.
+    "max_request_body_bytes_in_flight": None,
     # The deadline of a request that sets no `timeout` of its own (seconds; past it, 408 and
     # its KV freed): no request, however its client behaves, holds a group for ever. None: none.
     "request_timeout_s": 3600.0,
@@ -170,7 +173,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     admission = admission_options(config, serving)
     if admission is not None:
         AdmissionLimits.from_dict(admission)  # bad bounds fail here, not in every ingress replica
-    limits = {"max_body_bytes": serving["max_request_body_bytes"], "max_n": serving["max_n"],
+    limits = {"max_body_bytes": serving["max_request_body_bytes"],
+              "max_body_bytes_in_flight": serving["max_request_body_bytes_in_flight"], "max_n": serving["max_n"],
               "max_logprobs": serving["max_logprobs"],
               "max_sequences_per_request": serving["max_sequences_per_request"]}
     RequestLimits(**limits)  # bad bounds fail here

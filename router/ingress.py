@@ -39,6 +39,7 @@ from ray import serve
 
 from tandem.router.admission import Admission, AdmissionLimits, NoGroupUp, Overloaded, ReleasingStream, Ticket
 from tandem.router.api_key import key_matches
+from tandem.router.body_budget import BodyBudget
 from tandem.router.chat import ChatServing
 from tandem.router.completions import CompletionServing
 from tandem.router.engine_client import EngineClient, RequestTimeout, ServiceUnavailable
@@ -133,6 +134,7 @@ class OpenAIIngress(GrpcMethods):
         if self.api_key is None:
             logger.warning("tandem: no API key: whoever reaches this server's HTTP and gRPC ports may use it")
         self.limits = RequestLimits(**config.get("limits", {}))
+        self.body_budget = BodyBudget(self.limits.body_bytes_in_flight)
         admission = config.get("admission")
         self.admission = (Admission(AdmissionLimits.from_dict(admission), self.client.groups_up)
                           if admission else None)
@@ -200,7 +202,7 @@ class OpenAIIngress(GrpcMethods):
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
         self._authorize(request)
-        body = await read_json_object(request, self.limits)
+        body = await read_json_object(request, self.limits, self.body_budget)
         try:
             req = model.model_validate(body)
         except ValidationError as exc:

@@ -1,6 +1,7 @@
 """RequestLimits and the request body reader that enforces them, before any model work.
 
     Content-Length or bytes read > max_body_bytes   413, without reading the rest
+    the replica's bodies past max_body_bytes_in_flight  429, without reading the rest (body_budget.py)
     a Content-Type that is not JSON                 415 (none at all is taken as JSON)
     not UTF-8, not JSON, NaN / Infinity literals    400 invalid_json
     nesting deeper than max_json_depth              400 (json's own recursion never runs out)
@@ -16,11 +17,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
+from tandem.router.body_budget import BodyBudget
 from tandem.router.protocol import MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, OpenAIError
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
@@ -29,6 +33,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 @dataclass(frozen=True)
 class RequestLimits:
     max_body_bytes: int = 8 * 1024 * 1024
+    # All the bodies one ingress replica reads at once; None: 32 of the largest (256 MiB by default).
+    max_body_bytes_in_flight: int | None = None
     max_json_depth: int = 32  # the deepest legitimate body (chat content parts) is 4
     # The work one request may ask for, the same over HTTP and gRPC (the HTTP schema's own
     # bounds, MAX_N and MAX_LOGPROBS, are the most a server may allow): samples per prompt,
@@ -41,6 +47,9 @@ class RequestLimits:
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes: must be >= 1024, got {self.max_body_bytes}")
+        if self.body_bytes_in_flight < self.max_body_bytes:
+            raise ValueError(f"max_request_body_bytes_in_flight: must be >= max_request_body_bytes "
+                             f"({self.max_body_bytes}), got {self.max_body_bytes_in_flight}")
         if self.max_json_depth < 4:
             raise ValueError(f"max_json_depth: must be >= 4, got {self.max_json_depth}")
         if not 1 <= self.max_n <= MAX_N:
@@ -49,6 +58,12 @@ class RequestLimits:
             raise ValueError(f"max_logprobs: must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
         if self.max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request: must be >= 1, got {self.max_sequences_per_request}")
+
+    @property
+    def body_bytes_in_flight(self) -> int:
+        if self.max_body_bytes_in_flight is None:
+            return 32 * self.max_body_bytes
+        return self.max_body_bytes_in_flight
 
     def sequences(self, n: int, num_prompts: int, logprobs: int | None = None,
                   logprobs_field: str = "logprobs") -> int:
@@ -67,11 +82,18 @@ class RequestLimits:
         return n * num_prompts
 
 
-async def read_json_object(request: Request, limits: RequestLimits) -> dict[str, Any]:
-    """The request's JSON object body, or an OpenAIError saying what is wrong with it."""
+async def read_json_object(request: Request, limits: RequestLimits,
+                           budget: BodyBudget | None = None) -> dict[str, Any]:
+    """The request's JSON object body, or an OpenAIError saying what is wrong with it; its
+    bytes count against `budget` until it is parsed."""
     _check_content_type(request.headers.get("content-type"))
-    body = await _read_bounded(request, limits.max_body_bytes)
-    return parse_json_object(body, limits.max_json_depth)
+    with budget.hold() if budget is not None else nullcontext(_take_nothing) as take:
+        body = await _read_bounded(request, limits.max_body_bytes, take)
+        return parse_json_object(body, limits.max_json_depth)
+
+
+def _take_nothing(num_bytes: int) -> None:
+    pass
 
 
 def parse_json_object(body: bytes, max_depth: int) -> dict[str, Any]:
@@ -105,16 +127,23 @@ def _check_content_type(content_type: str | None) -> None:
                           code="unsupported_media_type")
 
 
-async def _read_bounded(request: Request, max_bytes: int) -> bytes:
+async def _read_bounded(request: Request, max_bytes: int, take: Callable[[int], None]) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
+    taken = 0
+    if declared is not None and declared.isdigit():
+        if int(declared) > max_bytes:
+            raise _too_large(max_bytes)
+        taken = int(declared)
+        take(taken)  # all of it before any is read
     chunks, size = [], 0
     try:
         async for chunk in request.stream():  # a chunked body has no length up front
             size += len(chunk)
             if size > max_bytes:
                 raise _too_large(max_bytes)
+            if size > taken:
+                take(size - taken)
+                taken = size
             chunks.append(chunk)
     except ClientDisconnect:
         raise OpenAIError(400, "the client closed the connection before the body ended",

@@ -52,6 +52,8 @@ def test_unknown_or_bad_args_fail_with_the_field_name():
         build_app({"kv_fetch": "sometimes"})
     with pytest.raises(ValueError, match="^channel_transport: must be one of socket, serve, got 'zmq'"):
         build_app({"channel_transport": "zmq"})
+    with pytest.raises(ValueError, match="^max_request_body_bytes_in_flight: must be >= max_request_body_bytes"):
+        build_app({"max_request_body_bytes_in_flight": 4096})
     for transport in ("socket", "serve"):  # the groups choose what their Accepted names
         group = build_app({"channel_transport": transport})._bound_deployment.init_args[0]._bound_deployment
         assert group.init_args[1]["channel_transport"] == transport

@@ -104,6 +104,33 @@ def test_a_body_over_the_limit_without_a_length_is_cut_off_at_the_limit(served):
     assert "8388608 bytes" in response.json()["error"]["message"]
 
 
+def test_bodies_past_the_replicas_body_budget_get_429_before_they_are_read(served):
+    server, client, _ = served
+    budget = server.body_budget
+    assert budget.max_bytes == 32 * 8 * 1024 * 1024 and budget.held == 0
+    body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+    headers = {**AUTH, "content-type": "application/json"}
+    budget.held = budget.max_bytes - len(body) + 1  # other bodies being read hold all but a body less one byte
+    try:
+        response = client.post("/v1/completions", content=body, headers=headers)
+        assert_openai_error(response, 429, None, "overloaded")
+        assert response.headers["retry-after"] == "1"
+        room = budget.max_bytes - budget.held
+
+        def chunks():  # no Content-Length: refused at the chunk that crosses the budget (the second)
+            for _ in range(8):
+                yield b" " * (room - 1)
+
+        response = client.post("/v1/completions", content=chunks(), headers=headers)
+        assert_openai_error(response, 429, None, "overloaded")
+        assert budget.held == budget.max_bytes - len(body) + 1  # what each took is given back
+    finally:
+        budget.held = 0
+    response = client.post("/v1/completions", content=body, headers=headers)
+    assert response.status_code == 200, response.text
+    assert (budget.held, budget.num_refused) == (0, 2)
+
+
 async def _grpc(server, case: GrpcCase) -> FakeGrpcContext:
     context = FakeGrpcContext(list(case.metadata))
     response = await server.Generate(case.request, context)

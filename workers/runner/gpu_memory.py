@@ -4,10 +4,10 @@ The KV cache gets what `gpu_memory_utilization` of the card leaves once everythi
 this engine needs is counted: the weights (already loaded), the peak activations of the
 largest step the scheduler may send (a prefill of `max_num_batched_tokens` tokens over
 up to `max_num_seqs` sequences, profiled with a one-block KV cache whose block tables
-all point at block 0, scoring one slice of prompt positions for `prompt_logprobs`), and, with CUDA graphs, their private pool (as large as the
-largest decode step's activations). Whatever else is on the card (the CUDA context,
-another process, an earlier engine not yet collected) counts as used, so the card's
-total use stays under the fraction.
+all point at block 0, scoring one slice of prompt positions for `prompt_logprobs`), and,
+with CUDA graphs, their private pool (as large as the largest decode step's activations).
+Whatever else is on the card (the CUDA context, another process, an earlier engine not yet
+collected) counts as used, so the card's total use stays under the fraction.
 """
 
 from __future__ import annotations
