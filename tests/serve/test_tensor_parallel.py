@@ -1,5 +1,6 @@
 """A TP=2 replica group behind the API gives the offline LLM's greedy text, token for token,
-also after one of its workers is killed (the group starts new workers in place)."""
+also after one of its workers is killed (the group starts new workers in place); its
+streams travel over Serve-call channels (channel_transport "serve")."""
 
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ def offline_texts(tiny_llama) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(shared_ray, tiny_llama, offline_texts):
+    # Its streams' channels are Serve calls (channel_transport "serve"): the other Serve
+    # modules stream over the groups' channel sockets, the default.
     with serve_app({"model": tiny_llama, "tensor_parallel_size": 2, "max_model_len": 256,
-                    "num_kv_blocks": 64, "served_model_name": "tiny", "api_key": KEY}) as url:
+                    "num_kv_blocks": 64, "served_model_name": "tiny", "api_key": KEY,
+                    "channel_transport": "serve"}) as url:
         yield url
 
 

@@ -11,19 +11,12 @@ import json
 import pytest
 
 from tandem.router.group_channels import ChannelLost, GroupChannels
-from tandem.workers.core.request import CompletionOutput, Logprob
 from tandem.workers.serving.channel_server import ChannelServer, frame
 from tandem.workers.serving.messages import DeltaBatch, GroupDelta, decode_batch, encode_batch
 from tandem.workers.serving.outbox import Outboxes
+from tests.unit.router.test_group_channels import delta
 
 HOST = "127.0.0.1"
-
-
-def delta(request_id: str, token: int, *, group: str = "g0", index: int = 0, finish: str | None = None,
-          logprobs: bool = False) -> GroupDelta:
-    lp = [{token: Logprob(-0.25, 1, f"t{token}")}] if logprobs else None
-    return GroupDelta(request_id, group, [CompletionOutput(index, f"t{token}", [token], lp, finish)],
-                      finish is not None)
 
 
 class NoServeHandle:
