@@ -218,9 +218,9 @@ def _add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overload", type=float, default=None, help="the overload rate, x the measured capacity "
                    "(default 4)")
     p.add_argument("--faults", default=None, help=f"comma-separated, in order, of {','.join(FAULT_KINDS)}; 'none' "
-                   "(default: all; --quick: allocator,worker; with --url: none)")
+                   "(default: all; --quick: allocator,worker,stall; with --url: none)")
     p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
-                   help="no request is sent after this (default 1200; --quick 60)")
+                   help="no request is sent after this (default 1200; --quick 90)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="each request's server-side timeout (default 40; --quick 20); lost = no answer 20 s after it")
     p.add_argument("--num-groups", type=int, default=None, help="without --url: replica groups to serve (default 2; "

@@ -2,6 +2,9 @@
 
 Against a server it starts (the demo model, two TP=2 groups, HTTP and gRPC) or `--url`:
 
+    hostile    hostile requests alone (huge n, shared client ids, tiny temperatures, large
+               logprobs, long stop lists...), a few at a time: `groups_hurt_by_one_request`
+               counts the groups that failed, restarted or were rebuilt meanwhile (target 0)
     capacity   a closed loop of valid requests: the deployment's capacity (req/s) and its
                goodput there (completed requests per second)
     overload   the mix (soak_mix.py) as a Poisson stream at `overload` x capacity
@@ -45,6 +48,7 @@ class SoakConfig:
     capacity_concurrency: int = 16
     overload_requests: int = 600
     fault_requests: int = 600
+    hostile_requests: int = 48  # sent alone, before the capacity phase
     overload: float = 4.0
     faults: tuple[str, ...] = FAULT_KINDS
     fault_gap_s: float = 5.0  # load before each fault
@@ -66,8 +70,15 @@ class SoakConfig:
 
 
 SOAK_FULL = SoakConfig()
+HOSTILE_FIRST_INDEX = 1_000_000  # the hostile phase's request indices: apart from every other phase's
+HOSTILE_CONCURRENCY = 4
+HEALTH_SETTLE_S = 3.0  # Serve's health checks (1 s apart) see a failed group within this
+# The server the soak starts finds a stalled group this fast (the default, 30 s, is for a
+# model's slowest steps; the soak's tiny model steps in milliseconds): recovery within 30 s.
+SOAK_STEP_TIMEOUT_S = 10.0
 SOAK_QUICK = SoakConfig(capacity_requests=12, capacity_concurrency=6, overload_requests=30, fault_requests=24,
-                        faults=("allocator", "worker"), fault_gap_s=1.0, fault_load=0.5, num_groups=1,
+                        hostile_requests=12, faults=("allocator", "worker", "stall"), fault_gap_s=1.0,
+                        fault_load=0.5, num_groups=1,
                         recovery_timeout_s=60.0, max_duration_s=90.0, check_sample=6, drain_timeout_s=30.0,
                         mix=MixSpec(num_prefixes=3, prefix_len=32, output_len=(4, 16), timeout_s=20.0))
 
@@ -95,6 +106,7 @@ class Soak:
         self.show_progress = show_progress
         self.outcomes: dict[str, list[Outcome]] = {}
         self.faults: list[FaultRecord] = []
+        self.groups_hurt: int | None = None  # in the hostile phase; None: not run, or no KV report
         self.phase_s: dict[str, float] = {}
         self.kv_report: dict[str, Any] | None = None
         self.zero = time.monotonic()
@@ -121,8 +133,16 @@ class Soak:
         make = lambda n, seed, first, valid_only=False: make_mix(  # noqa: E731
             n, mix, t.vocab_size, t.max_model_len, seed=seed, grpc=self.grpc is not None, first_index=first,
             valid_only=valid_only)
-        self._progress(cfg.capacity_requests + cfg.overload_requests + cfg.fault_requests)
+        self._progress(cfg.hostile_requests + cfg.capacity_requests + cfg.overload_requests + cfg.fault_requests)
         await self._closed_loop("warmup", make(2, cfg.seed - 1, -2, valid_only=True), 2)
+        if cfg.hostile_requests:
+            # Drawn from the mix (indices of their own), the hostile ones only, with nothing else running.
+            drawn = make(cfg.hostile_requests * 40, cfg.seed - 2, HOSTILE_FIRST_INDEX)
+            hostile = [r for r in drawn if r.is_hostile][:cfg.hostile_requests]
+            before = await self._group_states()
+            await self._closed_loop("hostile", hostile, HOSTILE_CONCURRENCY)
+            await asyncio.sleep(HEALTH_SETTLE_S)  # a group a request killed is found by then
+            self.groups_hurt = _groups_hurt(before, await self._group_states())
         capacity = make(cfg.capacity_requests, cfg.seed, 0, valid_only=True)
         await self._closed_loop("capacity", capacity, cfg.capacity_concurrency)
         self.capacity_req_s = self._goodput("capacity")
@@ -204,6 +224,14 @@ class Soak:
                          + (f"; short of strength: {record.short_of_strength}" if record.short_of_strength else ""))
 
     # ---- the server's state --------------------------------------------------------------------
+    async def _group_states(self) -> dict[str, tuple[bool, int]] | None:
+        """Each group's (healthy, rebuilds) as the KV report has them; None: no report."""
+        try:
+            groups = (await self._holdings())["groups"]
+        except Exception:  # noqa: BLE001 - a server without /admin/kv: the figure is unknown
+            return None
+        return {gid: (g["healthy"], g.get("num_rebuilds", 0)) for gid, g in groups.items()}
+
     async def _holdings(self) -> dict[str, Any]:
         if self.target.kv_holdings is not None and self.target.app_name is not None:
             return await asyncio.to_thread(self.target.kv_holdings, self.target.app_name)
@@ -260,6 +288,7 @@ class Soak:
             "wrong_output": wrong_output, "wrong_output_checked": num_checked,
             "rejected_with_retry_after": sum(1 for o in outs if o.kind == "rejected" and o.retry_after),
             "hostile_requests": sum(1 for o in outs if o.request.is_hostile),
+            "groups_hurt_by_one_request": self.groups_hurt,
             "leaked_kv_blocks": None if self.kv_report is None else _leaked(self.kv_report),
         }
         if self.kv_report is not None:
@@ -368,6 +397,9 @@ def run_soak(cfg: SoakConfig, *, url: str | None, grpc_address: str | None = Non
     hf = HFModelConfig.from_dir(model_dir)
     options = {**(engine_options or {}), "model": model_dir, "num_replicas": num_groups,
                "tensor_parallel_size": tensor_parallel_size}
+    if "stall" in cfg.faults:
+        options["step_timeout_s"] = SOAK_STEP_TIMEOUT_S
+        figures["step_timeout_s"] = SOAK_STEP_TIMEOUT_S
     address = options.pop("address", None)
     grpc = (free_port(), grpc_servicer) if grpc_servicer and pb is not None else None
     num_cpus = max(os.cpu_count() or 1, num_groups * (1 + tensor_parallel_size)) + 4
@@ -381,9 +413,17 @@ def run_soak(cfg: SoakConfig, *, url: str | None, grpc_address: str | None = Non
     sample = soak.check_sample()
     log_progress("soak", show_progress, f"checking {len(sample)} outputs against the offline engine")
     wrong = count_wrong_outputs(model_dir, sample, {k: v for k, v in options.items() if k not in (
-        "model", "num_replicas", "tensor_parallel_size")})
+        "model", "num_replicas", "tensor_parallel_size", "step_timeout_s")})
     return {**figures, "url": target.url, "model": model_dir, "num_groups": num_groups,
             "tensor_parallel_size": tensor_parallel_size, **soak.figures(wrong, len(sample))}
+
+
+def _groups_hurt(before: dict[str, tuple[bool, int]] | None, after: dict[str, tuple[bool, int]] | None) -> int | None:
+    """Groups that were serving before and, after, are gone, unhealthy or rebuilt."""
+    if before is None or after is None:
+        return None
+    return sum(1 for gid, (healthy, rebuilds) in before.items()
+               if healthy and (gid not in after or not after[gid][0] or after[gid][1] > rebuilds))
 
 
 def _run(target: Target, cfg: SoakConfig, show_progress: bool) -> Soak:

@@ -9,6 +9,10 @@ bench's own): they need the application's Ray cluster and its processes' ids.
     allocator  the application's cluster KV allocator actor, killed (Ray restarts it; the
                groups register again)
     replica    one group's Serve replica actor, killed (its workers die with it)
+    stall      one TP worker process of a group, SIGSTOPped: nothing fails, the group's step
+               just never ends; its stall watchdog (`step_timeout_s`) fails its health check
+               and Serve replaces it. The stopped process is killed once the soak has seen
+               the recovery (Ray kills it with its replica; this is only the clean-up)
 
 Recovered: a probe request is served and the application is back to strength (every
 group healthy and reporting, the one hit replaced, or for a worker fault, serving on new
@@ -28,7 +32,7 @@ from typing import Any
 
 from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
 
-FAULT_KINDS = ("worker", "group", "allocator", "replica")
+FAULT_KINDS = ("worker", "group", "allocator", "replica", "stall")
 SERVE_NAMESPACE = "serve"
 
 Holdings = Callable[[], Awaitable[dict[str, Any]]]  # the application's KV report (kv_report.py's shape)
@@ -76,14 +80,14 @@ class FaultInjector:
         groups = sorted(before["groups"].items())
         now = time.monotonic()
         record = FaultRecord(kind, "", now - self.zero)
-        hit_group, old_workers = None, None
+        hit_group, old_workers, stopped = None, None, None
         try:
             if kind == "allocator":
                 record.target = allocator_name(self.app_name)
                 _kill_actor(record.target, ALLOCATOR_NAMESPACE, no_restart=False)
             else:
                 with_workers = [(gid, g) for gid, g in groups if g["worker_pids"]]
-                if not groups or (kind == "worker" and not with_workers):
+                if not groups or (kind in ("worker", "stall") and not with_workers):
                     raise RuntimeError(f"no group to inject a {kind} fault into")
                 hit_group, group = (with_workers or groups)[0]
                 record.target = hit_group
@@ -96,12 +100,20 @@ class FaultInjector:
                     _kill_actor(group["actor_name"], SERVE_NAMESPACE, no_restart=True)
                 elif kind == "replica":
                     _kill_actor(group["actor_name"], SERVE_NAMESPACE, no_restart=True)
+                elif kind == "stall":
+                    stopped = group["worker_pids"][-1]
+                    record.target += f" worker pid {stopped}"
+                    os.kill(stopped, signal.SIGSTOP)
                 else:
                     raise ValueError(f"fault: unknown kind {kind!r} (one of {', '.join(FAULT_KINDS)})")
         except Exception as exc:  # noqa: BLE001 - reported, the soak goes on
             record.error = f"{type(exc).__name__}: {exc}"
             return record
-        await self._wait_recovered(record, now, hit_group, old_workers)
+        try:
+            await self._wait_recovered(record, now, hit_group, old_workers)
+        finally:
+            if stopped is not None:
+                _kill_pids([stopped])  # SIGKILL ends a stopped process too
         return record
 
     async def _wait_recovered(self, record: FaultRecord, killed_at: float, hit_group: str | None,

@@ -90,8 +90,12 @@ def test_soak_quick(tmp_path: Path) -> None:
     assert fig["invalid_accepted"] == 0  # every bad request got its 4xx (gRPC INVALID_ARGUMENT / NOT_FOUND)
     assert fig["sent"] == sum(fig[kind] for kind in OUTCOMES)
     assert fig["invalid_answered"] > 0 and fig["abandoned"] > 0 and fig["completed"] > 0
-    assert (fig["faults"], fig["num_groups"], fig["tensor_parallel_size"]) == ("allocator,worker", 1, 2)
-    assert "fault_worker_error" not in fig and "fault_allocator_error" not in fig  # both were injected
+    assert (fig["faults"], fig["num_groups"], fig["tensor_parallel_size"]) == ("allocator,worker,stall", 1, 2)
+    assert not [k for k in fig if k.startswith("fault_") and k.endswith("_error")]  # all three were injected
+    assert fig["step_timeout_s"] == 10.0  # the server the soak started finds a stalled step that fast
+    # The hostile requests alone, first: each answered, no group failed, restarted or rebuilt.
+    assert fig["groups_hurt_by_one_request"] == 0
+    assert sum(fig.get(f"hostile_{kind}", 0) for kind in OUTCOMES) == 12 and "hostile_lost" not in fig
     # Recovery times are figures, not asserted (no timing in tests): a busy machine stretches them.
     assert fig["wrong_output_checked"] == 6 and fig["wrong_output"] == 0
     assert fig["drained_requests_in_flight"] == 0
