@@ -196,3 +196,49 @@ def test_a_step_that_hangs_shows_as_the_time_it_has_run(engine):
 async def _drain(outputs) -> None:
     async for _ in outputs:
         pass
+
+
+def test_a_stalled_engine_fails_its_requests_at_once_and_takes_no_more(llama_dir: str):
+    """`fail_stalled` (the stall watchdog's, from another thread than the hung engine's): every
+    request in flight ends with the error now, a new one is refused at once, and the step that
+    comes back later delivers to no one."""
+    from unittest import mock
+
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.engine.group_engine import EngineDeadError
+
+    engine = AsyncEngine(build_engine(EngineConfig.from_options(model=llama_dir, num_kv_blocks=64, block_size=4),
+                                      show_progress=False))
+    entered, release = threading.Event(), threading.Event()
+    real_step = engine.engine.step
+
+    def hanging_step():
+        entered.set()
+        release.wait(60)
+        return real_step()
+
+    async def run() -> list:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        streamed = asyncio.create_task(_drain(engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "a")))
+        submitted: asyncio.Future = asyncio.get_running_loop().create_future()
+        engine.submit({"prompt_token_ids": [8, 9]}, params, "b",
+                      lambda item: submitted.done() or submitted.set_result(item))
+        assert await asyncio.to_thread(entered.wait, 60)
+        await asyncio.sleep(0.05)  # both taken in before the step hung
+        engine.fail_stalled("stuck")
+        with pytest.raises(EngineDeadError, match="^stuck$"):
+            await asyncio.wait_for(streamed, 5)
+        got_b = await asyncio.wait_for(submitted, 5)
+        refused: asyncio.Future = asyncio.get_running_loop().create_future()
+        engine.submit({"prompt_token_ids": [1, 2]}, params, "c", refused.set_result)
+        got_c = await asyncio.wait_for(refused, 5)
+        release.set()  # the step comes back: its outputs have no stream left
+        await asyncio.sleep(0.2)
+        return [type(got_b).__name__, str(got_b), type(got_c).__name__, str(got_c)]
+
+    try:
+        with mock.patch.object(engine.engine, "step", hanging_step):
+            assert asyncio.run(run()) == ["EngineDeadError", "stuck", "EngineDeadError", "stuck"]
+    finally:
+        release.set()
+        engine.shutdown()

@@ -71,13 +71,17 @@ class AsyncEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # taken in (the engine thread's; `fail_stalled` while it is stuck)
+        # Submitted, not yet taken in (by id(stream)): set by the caller's thread, popped by the
+        # engine's when it takes the request in, or by `fail_stalled` while it cannot.
+        self._pending: dict[int, _Stream] = {}
         self._stopped = False
         self.last_stats: dict[str, Any] = engine.stats()
         self._step_listeners: list[Callable[[GroupEngine], None]] = []
         self._failure_listeners: list[Callable[[GroupEngine], None]] = []
         self._failure_told = False  # the listeners heard of this engine's failure
         self._step_started: float | None = None  # monotonic, while a step runs (the stall watchdog's)
+        self.stalled_error: str | None = None  # set by `fail_stalled`: nothing is taken any more
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -181,7 +185,27 @@ class AsyncEngine:
         error (a refusal, a dead engine) is delivered as the exception. No task per request:
         for a caller that hands outputs on as they come (a group's outboxes). `abort` ends it."""
         stream = _Stream(asyncio.get_running_loop(), deliver)
+        if self.stalled_error is not None:  # the engine thread will not come back for it
+            stream.put(EngineDeadError(self.stalled_error))
+            return
+        self._pending[id(stream)] = stream
         self._post(lambda: self._add(request_id, prompt, params, stream))
+
+    def fail_stalled(self, error: str) -> None:
+        """The engine thread is stuck in a step (`step_running_for`): end every request now,
+        from this thread, with `error` (their callers fail, or retry elsewhere, at once,
+        instead of each waiting out its deadline), and refuse new ones. The group fails its
+        health check until Serve replaces it, and its shutdown waits for neither the stuck
+        thread nor its workers (`shutdown`). Nothing here blocks: it runs on the replica's
+        health check."""
+        self.stalled_error = error
+        for key in list(self._pending):  # their commands wait behind the hung step
+            stream = self._pending.pop(key, None)
+            if stream is not None:
+                stream.put(EngineDeadError(error))
+        for request_id, stream in list(self._streams.items()):
+            if self._streams.pop(request_id, None) is stream:
+                stream.put(EngineDeadError(error))
 
     def add_step_listener(self, listener: Callable[[GroupEngine], None]) -> None:
         """Call `listener(engine)` on the engine thread after every step (keep it quick)."""
@@ -251,6 +275,11 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
+        if self.stalled_error is not None:
+            # Stuck in a step (`fail_stalled`): neither the thread nor a graceful teardown (it
+            # would wait on a stopped worker) is waited for; the process is ending.
+            self.engine.executor.abandon()
+            return
         self._thread.join(timeout=30)
         self.engine.shutdown()
 
@@ -260,6 +289,8 @@ class AsyncEngine:
         self._wake.set()
 
     def _add(self, request_id: str, prompt: Prompt, params: SamplingParams, stream: _Stream) -> None:
+        if self._pending.pop(id(stream), None) is None:  # failed by `fail_stalled` while it waited
+            return
         try:
             self.engine.add_request(request_id, prompt, params)
         except Exception as exc:  # bad input or a dead group: the caller gets the error

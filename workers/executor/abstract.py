@@ -53,6 +53,11 @@ class Executor(Protocol):
         left of it; every later step raises."""
         ...
 
+    def abandon(self) -> None:
+        """The group's process is ending while a step is stuck (a stopped worker, a hung
+        device): stop its workers without waiting for anything, the stuck step included."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -68,6 +73,9 @@ class InProcess:
 
     def fail(self, reason: str) -> None:
         """Nothing to stop: a failure here is the engine's own."""
+
+    def abandon(self) -> None:
+        """Nothing to stop but this process, which is ending."""
 
 
 def pick_device(option: str) -> torch.device:

@@ -324,6 +324,19 @@ class RayExecutor:
     def shutdown(self) -> None:
         self._teardown()
 
+    def abandon(self) -> None:
+        """Kill the workers and wait for nothing: the compiled graph's teardown would wait for
+        a stopped worker's loop, and the replica, ending, for the teardown. Ray ends what is
+        left (the graph's driver, the placement group) with the replica's process."""
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.workers = []
+
     def _teardown(self, failed: bool = False) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group

@@ -352,8 +352,10 @@ class GroupServer:
                 return
         stalled = self.engine.step_running_for()
         if stalled > self.step_timeout_s:  # nothing failed, nothing moves: a hung device, a stopped worker
-            raise RuntimeError(f"replica group {self.group_id} has stalled: one step has run for {stalled:.0f} s "
-                               f"(step_timeout_s {self.step_timeout_s:g})")
+            error = (f"replica group {self.group_id} has stalled: one step has run for {stalled:.0f} s "
+                     f"(step_timeout_s {self.step_timeout_s:g})")
+            self.engine.fail_stalled(error)
+            raise RuntimeError(error)
         if not self.engine.is_healthy:
             raise RuntimeError(f"replica group {self.group_id} has failed: {self.engine.dead_error}")
 
