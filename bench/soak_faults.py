@@ -9,10 +9,11 @@ bench's own): they need the application's Ray cluster and its processes' ids.
     allocator  the application's cluster KV allocator actor, killed (Ray restarts it; the
                groups register again)
     replica    one group's Serve replica actor, killed (its workers die with it)
-    stall      one TP worker process of a group, SIGSTOPped: nothing fails, the group's step
-               just never ends; its stall watchdog (`step_timeout_s`) fails its health check
+    stall      one TP worker process of a group, SIGSTOPped: nothing fails. Between steps the
+               group's healer finds a worker that does not answer its probe and rebuilds in
+               place; in a step, the stall watchdog (`step_timeout_s`) fails its health check
                and Serve replaces it. The stopped process is killed once the soak has seen
-               the recovery (Ray kills it with its replica; this is only the clean-up)
+               the recovery (Ray kills it with its group; this is only the clean-up)
 
 Recovered: a probe request is served and the application is back to strength (every
 group healthy and reporting, the one hit replaced, or for a worker fault, serving on new
@@ -101,6 +102,9 @@ class FaultInjector:
                 elif kind == "replica":
                     _kill_actor(group["actor_name"], SERVE_NAMESPACE, no_restart=True)
                 elif kind == "stall":
+                    # Recovered either way: healed in place (the healer's probe finds a stopped
+                    # worker as it finds a dead one) or replaced (the stall watchdog).
+                    old_workers = set(group["worker_pids"])
                     stopped = group["worker_pids"][-1]
                     record.target += f" worker pid {stopped}"
                     os.kill(stopped, signal.SIGSTOP)
