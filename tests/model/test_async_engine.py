@@ -169,13 +169,7 @@ def test_a_step_that_hangs_shows_as_the_time_it_has_run(engine):
     hangs or a worker is stopped, but the running step's age grows."""
     from unittest import mock
 
-    entered, release = threading.Event(), threading.Event()
-    real_step = engine.engine.step
-
-    def hanging_step():
-        entered.set()
-        release.wait(60)
-        return real_step()
+    entered, release, hanging_step = _hanging(engine)
 
     async def run() -> float:
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -191,6 +185,20 @@ def test_a_step_that_hangs_shows_as_the_time_it_has_run(engine):
     with mock.patch.object(engine.engine, "step", hanging_step):
         running = asyncio.run(run())
     assert running >= 0.05 and engine.step_running_for() == 0.0
+
+
+def _hanging(engine: AsyncEngine):
+    """(entered, release, a step that hangs): the step sets `entered`, then waits for `release`
+    (at most 60 s) before it runs, as a stopped worker or a hung device holds it."""
+    entered, release = threading.Event(), threading.Event()
+    real_step = engine.engine.step
+
+    def hanging_step():
+        entered.set()
+        release.wait(60)
+        return real_step()
+
+    return entered, release, hanging_step
 
 
 async def _drain(outputs) -> None:
@@ -209,13 +217,7 @@ def test_a_stalled_engine_fails_its_requests_at_once_and_takes_no_more(llama_dir
 
     engine = AsyncEngine(build_engine(EngineConfig.from_options(model=llama_dir, num_kv_blocks=64, block_size=4),
                                       show_progress=False))
-    entered, release = threading.Event(), threading.Event()
-    real_step = engine.engine.step
-
-    def hanging_step():
-        entered.set()
-        release.wait(60)
-        return real_step()
+    entered, release, hanging_step = _hanging(engine)
 
     async def run() -> list:
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
