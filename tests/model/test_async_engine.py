@@ -78,8 +78,9 @@ def test_stream_interval_sends_fewer_larger_deltas_with_the_same_tokens(engine, 
         assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
     # The first token is never held back for the interval; the other 23 wait for it, and the
     # finish ends the wait (a 30 s interval would otherwise hold them).
+    # (Without the interval the count of deltas is the machine's: the deltas waiting when the
+    # consumer's loop wakes merge into one, so a busy machine may give one delta for all 24.)
     assert [len(d.outputs[0].token_ids) for d in batched] == [1, 23]
-    assert len(batched) < len(every)
     engine.engine.pool.check_all_free()
 
 
