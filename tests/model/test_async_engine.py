@@ -100,15 +100,18 @@ def test_final_only_gives_one_output_with_what_the_deltas_add_up_to(engine, llam
     whole, deltas, pair = asyncio.run(both())
     [out] = whole
     assert out.finished and out.outputs[0].token_ids == expected[0]
-    assert len(deltas) > 1 and sum((d.outputs[0].token_ids for d in deltas), []) == expected[0]
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == expected[0]
     assert out.outputs[0].text == "".join(d.outputs[0].text for d in deltas)
     assert out.outputs[0].finish_reason == deltas[-1].outputs[0].finish_reason == "length"
     [two] = pair
     assert [c.token_ids for c in two.outputs] == [expected[1], expected[1]]
     assert [len(c.logprobs) for c in two.outputs] == [24, 24]
     # A stop string needs the text as it grows: it still ends the request at the right place.
-    text, stop = out.outputs[0].text, deltas[4].outputs[0].text
-    assert stop and text.index(stop) > 0
+    # (Two characters of the text from its middle on, not a delta's: how many deltas there are,
+    # and what each holds, is the machine's, since waiting deltas merge.)
+    text = out.outputs[0].text
+    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
+                if text[i:i + 2].strip() and text.index(text[i:i + 2]) > 0)
     [stopped] = asyncio.run(run(prompts[0], "stop", True, stop=[stop]))
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == stop
     assert stopped.outputs[0].text == text[:text.index(stop)]
