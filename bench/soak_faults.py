@@ -16,7 +16,7 @@ bench's own): they need the application's Ray cluster and its processes' ids.
                the recovery (Ray kills it with its group; this is only the clean-up)
 
 Recovered: a probe request is served and the application is back to strength (every
-group healthy and reporting, the one hit replaced, or for a worker fault, serving on new
+group healthy and reporting, the one hit replaced, or for a worker or stall fault, serving on new
 workers, the allocator reachable and leasing to every group). `recovery_s` is the time
 from the kill to both.
 """

@@ -25,7 +25,7 @@ from tandem.router.ingress import OpenAIIngress
 from tandem.router.limits import RequestLimits
 from tandem.workers.config import EngineConfig
 from tandem.workers.serving.group_healer import HealPolicy
-from tandem.workers.serving.group_server import GroupServer
+from tandem.workers.serving.group_server import DEFAULT_STEP_TIMEOUT_S, GroupServer
 from tandem.workers.serving.kv_fetch import FETCH_MODES
 
 DEMO_MODEL_NAME = "tandem-demo"
@@ -55,7 +55,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "group_rebuild_timeout_s": 120.0,
     # A group whose step has run this long is stalled (a hung device, a SIGSTOPped worker):
     # its health check fails and Serve replaces it (workers/serving/group_server.py).
-    "step_timeout_s": 30.0,
+    "step_timeout_s": DEFAULT_STEP_TIMEOUT_S,
     # Ingress replicas (each carries its share of the streams, on its own event loop, and
     # admits its share of the bounds below); None: one per 8 cores of the node that builds
     # the application, at least 1 and at most 8 (default_ingress_replicas).

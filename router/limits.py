@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,18 +81,13 @@ class RequestLimits:
         return n * num_prompts
 
 
-async def read_json_object(request: Request, limits: RequestLimits,
-                           budget: BodyBudget | None = None) -> dict[str, Any]:
+async def read_json_object(request: Request, limits: RequestLimits, budget: BodyBudget) -> dict[str, Any]:
     """The request's JSON object body, or an OpenAIError saying what is wrong with it; its
     bytes count against `budget` until it is parsed."""
     _check_content_type(request.headers.get("content-type"))
-    with budget.hold() if budget is not None else nullcontext(_take_nothing) as take:
+    with budget.hold() as take:
         body = await _read_bounded(request, limits.max_body_bytes, take)
         return parse_json_object(body, limits.max_json_depth)
-
-
-def _take_nothing(num_bytes: int) -> None:
-    pass
 
 
 def parse_json_object(body: bytes, max_depth: int) -> dict[str, Any]:

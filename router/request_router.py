@@ -161,8 +161,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         prediction = self._predicted.pop(id(pending_request), None)
-        if prediction is not None and prediction.request is pending_request and prediction.block_hashes \
-                and self.prefix is not None:
+        if prediction is not None and prediction.block_hashes and self.prefix is not None:
             # Where it went (Serve passes over a full group), not where it was ranked first.
             self.prefix.recent.record(prediction.block_hashes, replica_id.unique_id)
         self._routed.setdefault(replica_id, Counter())[pending_request.metadata.internal_request_id] += 1
