@@ -12,8 +12,10 @@ bundle 0 holds the GroupServer replica (the engine), bundles 1..tp*pp its worker
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import re
 from typing import Any
 
 from ray.serve import Application
@@ -29,6 +31,8 @@ from tandem.workers.serving.group_server import DEFAULT_STEP_TIMEOUT_S, GroupSer
 from tandem.workers.serving.kv_fetch import FETCH_MODES
 
 DEMO_MODEL_NAME = "tandem-demo"
+
+logger = logging.getLogger(__name__)
 
 # Serving options and their defaults; every other key is an engine option.
 SERVING_DEFAULTS: dict[str, Any] = {
@@ -121,6 +125,9 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # groups' workers), e.g. OTEL_* to trace one application of a shared cluster (Ray's
     # runtime_env; they override what the processes inherit from the cluster).
     "env_vars": None,
+    # The GPU model the groups need (a Ray accelerator type: "H100", "A100", "L4", ...): they
+    # reserve GPUs of that type whatever `device` says, and wait for a node that has them.
+    "accelerator_type": None,
 }
 
 ROUTING_POLICIES = ("prefix", "load")
@@ -260,8 +267,7 @@ def num_cpus_needed(args: dict[str, Any]) -> int:
 
 def _group_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any]:
     par = config.parallel
-    # A simulated device (simulated_step_ms) stands for a GPU but uses none.
-    use_gpu = config.model.simulated_step_ms is None and _use_gpu(config.model.device)
+    use_gpu = groups_use_gpus(config, serving["accelerator_type"])
     max_ongoing = serving["max_ongoing_requests"] or 2 * config.scheduler.max_num_seqs
     options: dict[str, Any] = {
         # Each ingress replica's channel (stream_channels) may be one more call a group carries.
@@ -280,8 +286,12 @@ def _group_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, A
     num_cpus = serving["group_num_cpus"]
     if par.world_size == 1:
         options["ray_actor_options"] = {"num_cpus": num_cpus, "num_gpus": 1 if use_gpu else 0, **_runtime_env(serving)}
+        if serving["accelerator_type"]:
+            options["ray_actor_options"]["accelerator_type"] = serving["accelerator_type"]
     else:
         worker = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
+        if serving["accelerator_type"]:  # what Ray's accelerator_type option asks of a node
+            worker[f"accelerator_type:{serving['accelerator_type']}"] = 0.001
         options["ray_actor_options"] = {"num_cpus": num_cpus, **_runtime_env(serving)}
         options["placement_group_bundles"] = [{"CPU": float(num_cpus)}] + [dict(worker) for _ in range(par.world_size)]
         # A stage's TP ranks talk every layer: one node. Stages may span nodes.
@@ -306,9 +316,42 @@ def _router_kwargs(config: EngineConfig, serving: dict[str, Any]) -> dict[str, A
             "max_imbalance": serving["routing_max_imbalance"], "metrics": serving["metrics"]}
 
 
-def _use_gpu(device: str) -> bool:
+def groups_use_gpus(config: EngineConfig, accelerator_type: str | None = None) -> bool:
+    """Whether the replica groups reserve GPUs, decided by the configuration when the
+    application is built, never by which nodes have joined by then.
+
+    `device: cuda` or an `accelerator_type` reserves them: Serve then holds the groups until
+    GPU nodes join (a cluster's GPU workers often start after its head deploys the
+    application). `device: auto` reserves them where GPUs are visible now (the Ray cluster
+    joined, else this machine, where `tandem serve` starts Ray) and otherwise runs the groups
+    on CPU, saying so: a deployment meant for GPUs names them. A simulated device stands for a
+    GPU but uses none: it reserves one only for an `accelerator_type` (placement tests).
+    """
+    device = config.model.device
+    if accelerator_type is not None:
+        if not isinstance(accelerator_type, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*", accelerator_type):
+            raise ValueError(f"accelerator_type: must be a Ray accelerator type such as H100, got {accelerator_type!r}")
+        if device == "cpu":
+            raise ValueError(f"accelerator_type: {accelerator_type} asks for GPUs but device is cpu")
+        return True
+    if config.model.simulated_step_ms is not None:
+        return False
     if device != "auto":
         return device == "cuda"
+    if gpus_visible():
+        return True
+    logger.warning("device: auto and no GPU is visible as the application is built: its replica groups run on "
+                   "CPU. A deployment meant for GPU nodes that have not joined yet sets device: cuda (or "
+                   "accelerator_type), and its groups wait for them.")
+    return False
+
+
+def gpus_visible() -> bool:
+    """GPUs in the Ray cluster this process has joined, else on this machine."""
     import ray
 
-    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()

@@ -12,6 +12,8 @@ host first) and answers one JSON line per request line on stdin:
         last state seen, with "timed_out": true), and "why": the nodes, their free resources
         and Serve's status of the group deployment.
     {"group": ID}  that group's figures now, no waiting ("error" says why there are none).
+    {"replicas": DEPLOYMENT}  the tandem application's status and each live replica of DEPLOYMENT:
+        {"status", "replicas": [{"node_resources", "required_resources"}]}, no waiting.
 
 Each reply line starts with REPLY_PREFIX (Ray may write to stdout too). One driver serves
 the whole test module: a Ray driver's start costs seconds of CPU, and tens of seconds on a
@@ -84,6 +86,20 @@ def groups(dashboard: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def replicas(dashboard: str, deployment: str) -> dict[str, Any]:
+    """Where each live replica of `deployment` runs (its node's resources) and what it reserved."""
+    import ray
+    from ray import serve
+    from ray.util.state import list_actors
+
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    status = serve.status().applications.get(APP)
+    actors = list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
+    return {"status": None if status is None else str(getattr(status.status, "value", status.status)),
+            "replicas": [{"node_resources": nodes.get(a.node_id), "required_resources": a.required_resources}
+                         for a in actors if a.class_name == f"ServeReplica:{APP}:{deployment}"]}
+
+
 def _settled(found: dict[str, dict[str, Any]], num_groups: int) -> bool:
     return len(found) == num_groups and all(
         g["error"] is None and g["num_running"] == 0 and g["kv_blocks_free"] == g["kv_blocks_total"]
@@ -106,7 +122,12 @@ def main(gcs: str, dashboard: str) -> None:
     ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
     for line in sys.stdin:  # until the test closes stdin
         ask = json.loads(line)
-        reply = _stats(ask["group"]) if "group" in ask else settle(dashboard, ask["num_groups"], ask["timeout_s"])
+        if "group" in ask:
+            reply = _stats(ask["group"])
+        elif "replicas" in ask:
+            reply = replicas(dashboard, ask["replicas"])
+        else:
+            reply = settle(dashboard, ask["num_groups"], ask["timeout_s"])
         print(REPLY_PREFIX + json.dumps(reply), flush=True)
     ray.shutdown()
 

@@ -453,3 +453,39 @@ def _health(cluster: Cluster) -> int:
         return requests.get(f"{cluster.http}/health", timeout=5).status_code
     except requests.RequestException:
         return 0
+
+
+def test_gpu_groups_wait_for_a_gpu_node_that_joins_after_the_deploy(cluster: Cluster) -> None:
+    """A configuration that names its GPUs gets them however late the GPU nodes join: the group
+    waits, then lands on the new node with a GPU reserved (never on a CPU node, on CPU). The
+    simulated device stands for the GPU, so the logical one is enough."""
+    cluster.run(*serve_cmd("shutdown", "--yes", "--address", cluster.dashboard))
+    http_port = free_port()
+    config = multi_node_config(http_port, free_port())
+    [app] = config["applications"]
+    app["args"].update(num_replicas=1, pipeline_parallel_size=1, simulated_step_ms="1,0.01", accelerator_type="H100")
+    app["deployments"] = app["deployments"][:1]  # the ingress on the head; the group where its GPU is
+    path = cluster.base / "gpu_serve_config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    cluster.run(*serve_cmd("deploy", str(path), "--address", cluster.dashboard))
+
+    time.sleep(10.0)  # time enough for a wrong placement to happen
+    seen = cluster.ask({"replicas": "GroupServer"}, timeout_s=60)
+    assert seen["replicas"] == [] and seen["status"] != "RUNNING", seen
+
+    node = start_node(cluster.base, "gpu1", cluster.env, head_address=cluster.gcs, num_cpus=2,
+                      resources={"accelerator_type:H100": 1}, extra=("--num-gpus=1",), diagnose=cluster.head)
+    cluster.started.append(node)
+
+    def placed() -> bool:
+        seen.update(cluster.ask({"replicas": "GroupServer"}, timeout_s=60))
+        return seen["status"] == "RUNNING"
+
+    assert wait_for(placed, timeout_s=300, interval_s=2.0), seen
+    [replica] = seen["replicas"]
+    assert replica["node_resources"]["GPU"] == 1 and replica["node_resources"]["accelerator_type:H100"] == 1
+    assert replica["required_resources"]["GPU"] == 1
+    r = requests.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": prompt(0), "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+    cluster.run(*serve_cmd("shutdown", "--yes", "--address", cluster.dashboard))

@@ -127,3 +127,27 @@ def test_only_the_keys_digest_is_deployed_whichever_way_the_key_is_given(tmp_pat
         build_app({"api_key_file": str(tmp_path / "missing")})
     with pytest.raises(ValueError, match="^api_key_sha256: must be 64 hex digits"):
         build_app({"api_key_sha256": "abc"})
+
+
+def test_gpus_are_decided_by_the_configuration_not_by_the_nodes_joined_so_far(monkeypatch, caplog):
+    from tandem.router import app
+
+    cuda = _group_options(EngineConfig.from_options(device="cuda"), dict(SERVING_DEFAULTS))
+    assert cuda["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
+    typed = _group_options(EngineConfig.from_options(tensor_parallel_size=2),
+                           {**SERVING_DEFAULTS, "accelerator_type": "H100"})
+    assert typed["placement_group_bundles"] == [{"CPU": 1.0}] + [{"GPU": 1.0, "accelerator_type:H100": 0.001}] * 2
+    one = _group_options(EngineConfig.from_options(simulated_step_ms="5.9,0.01"),
+                         {**SERVING_DEFAULTS, "accelerator_type": "A100"})
+    assert one["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1, "accelerator_type": "A100"}
+    # auto: what is visible when the application is built, and a CPU deployment is said aloud.
+    monkeypatch.setattr(app, "gpus_visible", lambda: True)
+    assert options()["ray_actor_options"]["num_gpus"] == 1
+    monkeypatch.setattr(app, "gpus_visible", lambda: False)
+    with caplog.at_level("WARNING", logger="tandem.router.app"):
+        assert options()["ray_actor_options"]["num_gpus"] == 0
+    assert "its replica groups run on CPU" in caplog.text
+    with pytest.raises(ValueError, match="^accelerator_type: H100 asks for GPUs but device is cpu"):
+        build_app({"device": "cpu", "accelerator_type": "H100"})
+    with pytest.raises(ValueError, match="^accelerator_type: must be a Ray accelerator type"):
+        build_app({"accelerator_type": "H100; rm"})
