@@ -61,7 +61,7 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
     for name in ("offline", "latency"):
         p = _parser(sub, name, hooks, model="local Hugging Face model directory (default: built-in benchmark model)",
                     dtype="auto = float32 on CPU, bfloat16 on CUDA")
-        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        p.set_defaults(device="auto")  # the engine's --device, which the benchmark's own work follows too
         _add_repeats(p, "default 3; offline --quick: 2")
         _add_idle_wait(p, "CPU only: before each run wait up to this long for other processes to go quiet, and "
                        "redo a run they disturbed (up to twice); 0 = measure at once, never redo")

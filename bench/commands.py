@@ -54,7 +54,8 @@ def _bench_options(hooks: RouterHooks, args: argparse.Namespace) -> Any:
 
     options = hooks.engine_options(args)
     return BenchOptions(model=options.pop("model", None), bench_model=args.bench_model, dtype=options.pop("dtype"),
-                        device=args.device, quick=args.quick, repeats=args.repeats, engine_options=options,
+                        device=options.pop("device", "auto"), quick=args.quick, repeats=args.repeats,
+                        engine_options=options,
                         idle_wait_s=args.idle_wait, temperature=args.temperature)
 
 

@@ -31,17 +31,25 @@ class EngineFlag:
 
 
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
-    EngineFlag(("--model",), {"help": "local Hugging Face model directory (default: built-in demo model)"}),
-    EngineFlag(("--dtype",), {"default": "auto", "choices": DTYPES}),
-    EngineFlag(("--max-model-len",), {"type": int}),
-    EngineFlag(("--max-num-seqs",), {"type": int}),
-    EngineFlag(("--max-num-batched-tokens",), {"type": int}),
-    EngineFlag(("--block-size",), {"type": int}),
+    EngineFlag(("--model",), {"help": "a local Hugging Face model directory, a Hub repo id (org/name) or an s3:// or "
+                                      "gs:// URI (default: the built-in demo model)"}),
+    EngineFlag(("--tokenizer",), {"help": "the tokenizer's directory, repo id or URI (default: the model's)"}),
+    EngineFlag(("--revision",), {"help": "the model's Hub revision: a branch, tag or commit (default: main)"}),
+    EngineFlag(("--device",), {"choices": ["auto", "cpu", "cuda"],
+                               "help": "auto: GPUs where the application is built sees them, else CPU"}),
+    EngineFlag(("--dtype",), {"default": "auto", "choices": DTYPES,
+                              "help": "auto: the checkpoint's dtype on CUDA, float32 on CPU"}),
+    EngineFlag(("--max-model-len",), {"type": int, "help": "tokens of prompt and output (default: the model's)"}),
+    EngineFlag(("--max-num-seqs",), {"type": int, "help": "requests running at once per group"}),
+    EngineFlag(("--max-num-batched-tokens",), {"type": int, "help": "tokens one step computes"}),
+    EngineFlag(("--block-size",), {"type": int, "help": "tokens per KV cache block"}),
     EngineFlag(("--kv-cache-memory",), {"type": int, "help": "bytes of KV cache (CPU)"}),
     EngineFlag(("--host-kv-cache-memory",), {
         "type": int, "help": "bytes of host memory per group for evicted prefix blocks (default 0: none)"}),
-    EngineFlag(("--gpu-memory-utilization",), {"type": float}),
-    EngineFlag(("--no-enable-prefix-caching",), {"dest": "enable_prefix_caching", "action": "store_false"}),
+    EngineFlag(("--gpu-memory-utilization",), {
+        "type": float, "help": "share of the GPU's memory the group may use (weights, activations, KV cache)"}),
+    EngineFlag(("--no-enable-prefix-caching",), {"dest": "enable_prefix_caching", "action": "store_false",
+                                                 "help": "do not reuse the KV of prompt prefixes seen before"}),
     EngineFlag(("--no-cpu-packed-weights",), {
         "dest": "cpu_packed_weights", "action": "store_false",
         "help": "CPU float32: do not keep a copy of each linear weight in MKL's packed layout "
@@ -66,10 +74,16 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                 "PER_SEQ x (requests in the step) ms, with deterministic tokens (never EOS); the scheduler, KV "
                 "blocks, detokenizer and outputs stay real (e.g. 5.9,0.01 ~ an 8B model on an H100). "
                 "TP = PP = 1, no speculation, no multi-step"}),
-    EngineFlag(("--tensor-parallel-size", "-tp"), {"type": int}),
-    EngineFlag(("--pipeline-parallel-size", "-pp"), {"type": int}),
-    EngineFlag(("--speculative-model",), {"help": 'draft model directory, or "ngram"'}),
-    EngineFlag(("--num-speculative-tokens",), {"type": int}),
+    EngineFlag(("--tensor-parallel-size", "-tp"), {"type": int, "help": "GPUs (workers) that split each layer"}),
+    EngineFlag(("--pipeline-parallel-size", "-pp"), {"type": int, "help": "stages the layers are split into"}),
+    EngineFlag(("--speculative-config",), {
+        "metavar": "JSON", "help": 'speculative decoding, as vLLM takes it: {"model": DRAFT, "num_speculative_tokens": '
+                                   'K} or {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N} '
+                                   '(keys: workers/spec/speculative_config.py)'}),
+    EngineFlag(("--speculative-model",), {"help": 'the draft model, or "ngram" (vLLM\'s older flag; '
+                                                  'prefer --speculative-config)'}),
+    EngineFlag(("--num-speculative-tokens",), {
+        "type": int, "help": "draft tokens a step verifies (vLLM's older flag; prefer --speculative-config)"}),
     EngineFlag(("--speculative-draft-dtype",), {
         "choices": DTYPES, "help": "the draft model's dtype (default auto: the target's)"}),
     EngineFlag(("--speculative-draft-tensor-parallel-size",), {
@@ -77,15 +91,42 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(("--park-workers-after-s",), {
         "type": float, "help": "TP/PP groups: seconds without a step after which the workers wait off the "
                                "CPU instead of polling for the next step (default 1.0)"}),
-    EngineFlag(("--address",), {"help": "Ray cluster address to join"}),
-    EngineFlag(("--seed",), {"type": int}),
+    EngineFlag(("--address",), {"help": "Ray cluster address to join (auto: the running one; default: start a "
+                                        "local Ray)"}),
+    EngineFlag(("--seed",), {"type": int, "help": "the engine's random seed"}),
 )
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in --help, as vLLM shows them; an unset engine flag's is the
+    engine's own (engine_defaults), so "None" is never shown."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def engine_defaults() -> dict[str, Any]:
+    """Engine option -> its default (EngineConfig's fields)."""
+    import dataclasses
+
+    from tandem.workers.config import _PARTS
+
+    return {f.name: f.default for cls in _PARTS.values() for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options, named as vLLM names them."""
+    defaults = engine_defaults()
     for flag in ENGINE_FLAGS:
-        p.add_argument(*flag.flags, **{"default": None, **flag.kwargs})
+        kwargs = {"default": None, **flag.kwargs}
+        shown = defaults.get(flag.dest)
+        if kwargs["default"] is None and shown is not None and "(default" not in kwargs.get("help", "") \
+                and kwargs.get("action") is None:
+            kwargs["help"] = f"{kwargs.get('help', '')} (default: {shown})".lstrip()
+        p.add_argument(*flag.flags, **kwargs)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,9 +169,10 @@ def _telemetry_cost() -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Distributed LLM serving on Ray.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate offline from a model (no server)")
+    parser = argparse.ArgumentParser(prog="tandem", description="Distributed LLM serving on Ray.",
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = sub.add_parser("generate", help="generate offline from a model (no server)", formatter_class=HelpFormatter)
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -145,12 +187,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser: its own usage line leads any error it or its command reports,
+    and its help shows the defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's own signature
+        namespace, rest = super().parse_known_args(args, namespace)
+        namespace.parser = self  # the innermost subcommand parsed last, so its parser stays
+        return namespace, rest
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ValueError as exc:
-        print(f"tandem: error: {exc}", file=sys.stderr)
+        # As argparse reports a bad flag: the command's usage, then the reason; exit code 2.
+        command = getattr(args, "parser", parser)
+        command.print_usage(sys.stderr)
+        print(f"{command.prog}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -25,6 +25,8 @@ GRPC_SERVICER = "tandem.router.grpc_proxy.add_TandemServicer_to_server"
 def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None],
              engine_options: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
     p = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI API) and gRPC on Ray Serve")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
     p.add_argument("--num-replicas", type=int, default=1, help="replica groups (each tp x pp workers)")
@@ -71,22 +73,43 @@ def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser
                    help="what carries a replica group's streamed tokens to an ingress replica: a TCP connection "
                    "to a free port on the group's node (default), or a streaming Serve call (where the nodes "
                    "cannot connect to each other's ports)")
+    p.add_argument("--accelerator-type", default=None, metavar="TYPE",
+                   help="the GPU model the groups need (a Ray accelerator type: H100, A100, L4, ...): they reserve "
+                   "such GPUs and wait for a node that has them")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false", help="start no Ray dashboard")
-    p.set_defaults(func=lambda args: run(args, engine_options(args)))
+    p.set_defaults(func=lambda args: run(args, engine_options(positional_model(args))))
+
+
+def positional_model(args: argparse.Namespace) -> argparse.Namespace:
+    """`tandem serve MODEL` as `tandem serve --model MODEL`; both, naming different models, is an error."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"model: given twice, as {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    return args
+
+
+def local_reference(reference: str | None) -> str | None:
+    """A model or tokenizer reference the replicas can use: a local path made absolute (they do
+    not share our working directory); a Hub repo id or a URI as it is."""
+    if reference and os.path.exists(reference):
+        return os.path.abspath(reference)
+    return reference
 
 
 def app_args(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[str, Any]:
     """build_app's arguments from the command line (`engine_options`: its engine options)."""
     options = dict(engine_options)
     options.pop("address", None)
-    if options.get("model"):
-        options["model"] = os.path.abspath(options["model"])  # replicas do not share our cwd
+    for name in ("model", "tokenizer"):
+        if options.get(name):
+            options[name] = local_reference(options[name])
     options.update(served_model_name=args.served_model_name or args.model, num_replicas=args.num_replicas,
                    api_key=_api_key(args), api_key_file=args.api_key_file, routing=args.routing, kv_fetch=args.kv_fetch,
                    host_kv_memory_per_node=args.host_kv_memory_per_node,
                    admission_control=args.admission_control, max_requests_per_group=args.max_requests_per_group,
                    max_requests=args.max_requests, max_request_body_bytes=args.max_request_body_bytes,
-                   channel_transport=args.channel_transport)
+                   channel_transport=args.channel_transport, accelerator_type=args.accelerator_type)
     if args.request_timeout is not None:
         options["request_timeout_s"] = args.request_timeout
     return options if args.address else local_group_options(options)

@@ -258,6 +258,15 @@ class EngineConfig:
     def from_options(**options: Any) -> EngineConfig:
         """Build from flat vLLM-style keyword options; unknown names are a ValueError."""
         parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
+        if options.get("speculative_config") is not None:
+            from tandem.workers.spec.speculative_config import speculative_options
+
+            expanded = speculative_options(options["speculative_config"])
+            both = sorted(key for key in expanded if options.get(key) is not None)
+            if both:
+                raise ValueError(f"speculative_config: give it or {', '.join(both)}, not both")
+            options = {**options, **expanded}
+        options.pop("speculative_config", None)
         for key, value in options.items():
             owner = _FIELD_OWNER.get(key)
             if owner is None:

@@ -33,13 +33,14 @@ def test_serve_flags_become_build_app_args():
         "--channel-transport", "serve"])
     options = app_args(args, engine_options(args))
     assert options == {
-        "model": os.path.abspath("some/model"), "served_model_name": "m", "tensor_parallel_size": 2,
+        "model": "some/model", "served_model_name": "m", "tensor_parallel_size": 2,
         "pipeline_parallel_size": 1, "num_replicas": 3, "max_model_len": 512, "max_num_seqs": 8,
         "max_num_batched_tokens": 1024, "block_size": 32, "kv_cache_memory": 1000000, "dtype": "float32",
         "api_key": "k", "api_key_file": None, "routing": "load", "host_kv_cache_memory": 4096,
         "host_kv_memory_per_node": 8192,
         "kv_fetch": "never", "cpu_packed_weights": False, "admission_control": True, "max_requests_per_group": None,
-        "max_requests": None, "max_request_body_bytes": 8 * 1024 * 1024, "channel_transport": "serve"}
+        "max_requests": None, "max_request_body_bytes": 8 * 1024 * 1024, "channel_transport": "serve",
+        "accelerator_type": None}
     assert (args.host, args.port, args.grpc_port, args.address) == ("127.0.0.1", 8001, 9001, "ray://x:10001")
     defaults = app_args_of(["serve", "--gpu-memory-utilization", "0.5"])
     assert defaults["gpu_memory_utilization"] == 0.5 and "model" not in defaults
@@ -58,11 +59,12 @@ def test_engine_flags_come_from_one_table():
     from tandem.cli.main import ENGINE_FLAGS, build_parser, engine_options
 
     assert [flag.dest for flag in ENGINE_FLAGS] == [
-        "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
+        "model", "tokenizer", "revision", "device", "dtype", "max_model_len", "max_num_seqs",
+        "max_num_batched_tokens", "block_size", "kv_cache_memory",
         "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "cpu_packed_weights",
         "enforce_eager", "mixed_step_graphs", "max_mixed_graph_tokens", "max_seq_len_to_capture",
         "attention_backend", "num_scheduler_steps", "simulated_step_ms",
-        "tensor_parallel_size", "pipeline_parallel_size", "speculative_model",
+        "tensor_parallel_size", "pipeline_parallel_size", "speculative_config", "speculative_model",
         "num_speculative_tokens", "speculative_draft_dtype", "speculative_draft_tensor_parallel_size",
         "park_workers_after_s", "address", "seed"]
     args = build_parser().parse_args(["generate", "-tp", "2", "-pp", "3", "--no-enable-prefix-caching",
@@ -78,6 +80,46 @@ def test_engine_flags_come_from_one_table():
         "dtype": "auto", "park_workers_after_s": 0.5}
     assert engine_options(build_parser().parse_args(["serve", "--simulated-step-ms", "5.9,0.01"])) == {
         "dtype": "auto", "simulated_step_ms": "5.9,0.01"}
+
+
+def test_the_command_line_is_vllms_where_a_vllm_user_types_it(tmp_path, monkeypatch, capsys):
+    from tandem.cli.main import build_parser, engine_options, main
+    from tandem.cli.serve import app_args, positional_model
+    from tandem.workers.config import EngineConfig
+
+    def app_args_of(argv: list[str]) -> dict:
+        args = positional_model(build_parser().parse_args(argv))
+        return app_args(args, engine_options(args))
+
+    # `vllm serve MODEL`: a Hub repo id stays a repo id; a local directory becomes absolute.
+    assert app_args_of(["serve", "org/model", "--revision", "v2", "--tokenizer", "org/tok"])["model"] == "org/model"
+    assert app_args_of(["serve", "org/model", "--revision", "v2"])["revision"] == "v2"
+    assert app_args_of(["serve", "org/model", "--tokenizer", "org/tok"])["tokenizer"] == "org/tok"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local").mkdir()
+    assert app_args_of(["serve", "local"])["model"] == str(tmp_path / "local")
+    assert app_args_of(["serve", "local", "--model", "local"])["model"] == str(tmp_path / "local")
+    assert main(["serve", "org/a", "--model", "org/b"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tandem serve ") and "tandem serve: error: model: given twice" in err
+    # --speculative-config, vLLM's JSON; the older flags stay.
+    spec = app_args_of(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert EngineConfig.from_options(**{k: spec[k] for k in ("speculative_config",)}).speculative.enabled
+    assert app_args_of(["serve", "--speculative-model", "ngram", "--num-speculative-tokens", "2"])[
+        "speculative_model"] == "ngram"
+    for bad, reason in [('{"method": "eagle", "num_speculative_tokens": 2}', "method: must be one of ngram"),
+                        ('{"model": "d", "num_speculative_tokens": 2, "quantization": "fp8"}',
+                         "quantization: not supported by tandem"),
+                        ('{"model": "d"}', "num_speculative_tokens: required"), ("[1", "not a JSON object")]:
+        assert main(["serve", "--speculative-config", bad]) == 2, bad
+        assert reason in capsys.readouterr().err, bad
+    assert main(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                 "--num-speculative-tokens", "3"]) == 2
+    assert "give it or num_speculative_tokens, not both" in capsys.readouterr().err
+    # Defaults in --help: the engine's own where a flag is unset, never "None".
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "tokens per KV cache block (default: 16)" in " ".join(text.split())
+    assert "(default: 8000)" in text and "(default: None)" not in text
 
 
 def test_a_local_tp1_group_leaves_one_core_to_serve(monkeypatch):
