@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.workers.config import require_field
+from tandem.workers.structured.spec import StructuredSpec
 
 if TYPE_CHECKING:
     from tandem.workers.core.stats import RequestMetrics
@@ -24,6 +25,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 # Repetition penalties divide or multiply seen tokens' logits: beyond these, they overflow
 # float32 just as a tiny temperature does (and no one means a 1e30-fold penalty).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 
 
 @dataclass
@@ -52,6 +54,11 @@ class SamplingParams:
     # until then unless a stop string needs it; what LLM.generate asks for)
     output_kind: str = "cumulative"
     use_speculation: bool = True  # per-request opt-out of speculative decoding
+    # What the output must match (a JSON schema, a regex, choices, a grammar): enforced while
+    # decoding, each step's logits masked to the tokens the grammar allows (workers/structured/).
+    structured: StructuredSpec | None = None
+    # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,12 +103,28 @@ class SamplingParams:
         require_field(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         require_field(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "must be non-negative integers")
+        if self.logit_bias is not None:
+            require_field(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+                          f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for token, bias in self.logit_bias.items():
+                require_field(isinstance(token, int) and not isinstance(token, bool) and token >= 0, "logit_bias",
+                              f"keys must be token ids (integers >= 0), got {token!r}")
+                require_field(isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100,
+                              "logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {token}")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        require_field(self.structured is None or isinstance(self.structured, StructuredSpec), "structured",
+                      f"must be a StructuredSpec, got {type(self.structured).__name__}")
         require_field(self.output_kind in ("cumulative", "delta", "final"), "output_kind",
                       f"must be 'cumulative', 'delta' or 'final', got {self.output_kind!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def shapes_logits(self) -> bool:
+        """A grammar or a logit bias changes the logits before sampling (the host sampler's work)."""
+        return self.structured is not None or self.logit_bias is not None
 
     @property
     def needs_penalties(self) -> bool:
