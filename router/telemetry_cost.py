@@ -12,12 +12,12 @@ Per request (as in a served one):
     ingress   the SERVER span with its attributes, current while the group request is built
               (`ingress_span`, `inject`, `note_group_request`, `note_usage`)
     route     the router's span (`record_route`); its decision counter
-    group     the six histograms (`GroupMetrics.observe_request`) and the group's four spans
-              (`record_group_spans`)
+    group     the request histograms, tandem's six and vLLM's nine (`GroupMetrics.observe_request`),
+              and the group's four spans (`record_group_spans`)
     export    the spans serialised and written by the exporter (`force_flush`)
 Per reporter interval:
     report    one `GroupMetrics.report` (counters, gauges, MBU/MFU, the interval's ITL
-              observations: one per step)
+              observations: one per step, under tandem's name and vLLM's two)
 """
 
 from __future__ import annotations

@@ -63,7 +63,14 @@ def test_grafana_dashboard_queries_only_tandem_and_serve_metrics() -> None:
     dashboard = json.loads((DEPLOY / "grafana" / "tandem.json").read_text())
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", ())]
     assert len(exprs) >= len(dashboard["panels"]) - sum(p["type"] == "row" for p in dashboard["panels"])
-    assert all("ray_tandem_" in expr or "ray_serve_" in expr for expr in exprs)
+    # vLLM's names (vllm:*, after deploy/prometheus.yml's relabel rule; never ray_vllm_*, Ray's name
+    # before it) where vLLM has the metric, tandem's own (ray_tandem_*) for the rest, Serve's (ray_serve_*).
+    variables = [v["query"]["query"] for v in dashboard["templating"]["list"] if isinstance(v.get("query"), dict)]
+    names = {name for query in exprs + variables for name in re.findall(r"\b(vllm:\w+|ray_\w+)", query)}
+    assert all(name.startswith(("vllm:", "ray_tandem_", "ray_serve_")) for name in names), names
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+            "vllm:prompt_tokens_total", "vllm:request_success_total"} <= names
+    assert {"ray_tandem_model_bandwidth_utilization", "ray_tandem_model_flops_utilization"} <= names
 
 
 def test_kuberay_pods_expose_and_annotate_the_metrics_port() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 
 from tandem.cluster.net import free_port
 from tests.conftest import wait_for
@@ -83,9 +84,13 @@ def _start_prometheus(dep: Deployment) -> None:
         return
     port = free_port()
     config = os.path.join(dep.workdir, "prometheus.yml")
+    # The shipped scrape job's relabelling (vLLM's names: ray_vllm_* -> vllm:*), this deployment's target.
+    with open(os.path.join(ROOT, "deploy", "prometheus.yml")) as f:
+        (shipped,) = yaml.safe_load(f)["scrape_configs"]
+    job = {"job_name": "ray", "static_configs": [{"targets": [f"127.0.0.1:{dep.metrics_port}"]}],
+           "metric_relabel_configs": shipped["metric_relabel_configs"]}
     with open(config, "w") as f:
-        f.write("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
-                f"  - job_name: ray\n    static_configs:\n      - targets: ['127.0.0.1:{dep.metrics_port}']\n")
+        yaml.safe_dump({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": [job]}, f)
     log = open(os.path.join(dep.workdir, "prometheus.log"), "w")  # noqa: SIM115 - closed with the process
     dep.prometheus = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={dep.workdir}/tsdb",
@@ -165,12 +170,14 @@ def test_http_request_is_one_connected_trace(deployment: Deployment) -> None:
     traceparent = f"00-{TRACE_HTTP}-{CLIENT_SPAN}-01"
     body, headers = deployment.complete("Hello, tandem", {"traceparent": traceparent, "x-request-id": "req-http-1"})
     assert headers["x-request-id"] == "req-http-1"
-    ingress = "POST /v1/completions"
+    ingress = f"text_completion {MODEL}"  # {gen_ai.operation.name} {gen_ai.request.model}
     spans = _trace(deployment, TRACE_HTTP, GROUP_SPANS | {ingress})
     _check_connected(spans, ingress)
     attrs = spans[ingress]["attributes"]
     assert attrs["gen_ai.request.model"] == MODEL
     assert attrs["gen_ai.operation.name"] == "text_completion"
+    assert attrs["gen_ai.provider.name"] == "tandem"
+    assert (attrs["http.request.method"], attrs["url.path"]) == ("POST", "/v1/completions")
     assert attrs["gen_ai.request.id"] == "req-http-1"
     assert attrs["gen_ai.request.max_tokens"] == 4
     assert attrs["gen_ai.usage.input_tokens"] == body["usage"]["prompt_tokens"]
@@ -199,11 +206,12 @@ def test_grpc_request_is_one_connected_trace(deployment: Deployment) -> None:
     deployment.num_group_requests += 1
     trailing = dict(call.trailing_metadata())
     assert trailing["x-request-id"] == trailing["request_id"]
-    ingress = "tandem.v1.Tandem/Generate"
+    ingress = f"text_completion {MODEL}"
     spans = _trace(deployment, TRACE_GRPC, GROUP_SPANS | {ingress})
     _check_connected(spans, ingress)
     attrs = spans[ingress]["attributes"]
     assert (attrs["rpc.system"], attrs["rpc.method"], attrs["gen_ai.request.model"]) == ("grpc", "Generate", MODEL)
+    assert attrs["gen_ai.provider.name"] == "tandem"
     assert attrs["gen_ai.request.id"] == trailing["request_id"]
     assert attrs["gen_ai.usage.output_tokens"] == reply.usage.completion_tokens == 3
     assert attrs["gen_ai.usage.input_tokens"] == reply.usage.prompt_tokens
@@ -232,10 +240,11 @@ def test_prometheus_scrapes_the_deployment(deployment: Deployment) -> None:
     assert wait_for(lambda: _value(deployment.query(tokens)) >= 3 * 5, timeout_s=30)
     kv = 'max(ray_tandem_kv_cache_usage_perc{application="tandem"})'
     assert wait_for(lambda: deployment.query(kv) and _value(deployment.query(kv)) == 0.0, timeout_s=30)
+    _check_vllm_names(deployment, sent)
     # Every panel's query returns a series (variables as Grafana would fill them for "All").
     missing = []
     for title, expr in _grafana_exprs():
-        concrete = expr.replace("$application", ".*").replace("$__rate_interval", "1m")
+        concrete = expr.replace("$application", ".*").replace("$model_name", ".*").replace("$__rate_interval", "1m")
         if not wait_for(lambda concrete=concrete: deployment.query(concrete), timeout_s=10):
             missing.append(f"{title}: {concrete}")
     assert missing == []
@@ -243,6 +252,40 @@ def test_prometheus_scrapes_the_deployment(deployment: Deployment) -> None:
     assert {r["metric"]["finished_reason"]: float(r["value"][1]) for r in finished}["length"] == sent
     mbu = deployment.query("ray_tandem_model_bandwidth_utilization")
     assert mbu and all(float(r["value"][1]) >= 0.0 for r in mbu)
+
+
+# vLLM's series (workers/serving/vllm_metrics.py) as Prometheus stores them after deploy/prometheus.yml's rule.
+VLLM_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc"]
+VLLM_COUNTERS = ["prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                 "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "request_success"]
+VLLM_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
+                   "request_time_per_output_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                   "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                   "request_prompt_tokens", "request_generation_tokens"]
+VLLM_SERIES = {*(f"vllm:{g}" for g in VLLM_GAUGES), *(f"vllm:{c}_total" for c in VLLM_COUNTERS),
+               *(f"vllm:{h}_{part}" for h in VLLM_HISTOGRAMS for part in ("bucket", "sum", "count"))}
+
+
+def _check_vllm_names(dep: Deployment, sent: int) -> None:
+    """Every vLLM-named series, labelled as vLLM labels them, none left under Ray's name."""
+    def names() -> set[str]:
+        return {r["metric"]["__name__"] for r in dep.query('{__name__=~"vllm:.+"}')}
+
+    assert wait_for(lambda: names() == VLLM_SERIES, timeout_s=30), sorted(names() ^ VLLM_SERIES)
+    assert dep.query('{__name__=~"ray_vllm_.+"}') == []
+    ttft = f'sum(vllm:time_to_first_token_seconds_count{{model_name="{MODEL}"}})'
+    assert wait_for(lambda: _value(dep.query(ttft)) == sent, timeout_s=30), dep.query(ttft)
+    def finished() -> dict[str, float]:
+        by_reason = f'sum by (finished_reason) (vllm:request_success_total{{model_name="{MODEL}"}})'
+        return {r["metric"]["finished_reason"]: float(r["value"][1]) for r in dep.query(by_reason)}
+
+    expected = {"stop": 0.0, "length": sent, "abort": 0.0, "error": 0.0}
+    assert wait_for(lambda: finished() == expected, timeout_s=30), finished()
+    # model_name: the served model; engine: the replica group (tandem's replica_group label).
+    labels = {(r["metric"]["model_name"], r["metric"]["engine"], r["metric"]["application"])
+              for r in dep.query('{__name__=~"vllm:.+"}')}
+    groups = {r["metric"]["replica_group"] for r in dep.query("ray_tandem_num_requests_running")}
+    assert labels == {(MODEL, group, APP_NAME) for group in groups}
 
 
 def test_the_telemetry_codes_own_cost_runs_the_real_code(deployment: Deployment) -> None:

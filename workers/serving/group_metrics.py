@@ -17,6 +17,11 @@ Live MBU / MFU: the model bytes (weights + KV) and FLOPs of the steps that ended
 interval, over those steps' own time, divided by the device peaks that `DevicePeaks.probe`
 (the probes of `tandem bench`) measured once at start-up; a group whose model runs on Ray
 workers has no probe in its process and exports bytes and FLOPs without the ratios.
+
+The engine metrics vLLM also has are exported under vLLM's names and labels too
+(vllm_metrics.py: `vllm:num_requests_running{model_name=...}` and so on, after
+deploy/prometheus.yml's relabel rule), fed from the same figures: a vLLM dashboard and
+tandem's read the same series.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tandem.workers.core.stats import RequestMetrics
+from tandem.workers.serving.vllm_metrics import COUNTERS as VLLM_COUNTERS
+from tandem.workers.serving.vllm_metrics import REQUEST_LATENCY_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, VLLMMetrics
 
 if TYPE_CHECKING:
     from tandem.workers.device_peaks import DevicePeaks
@@ -37,14 +44,7 @@ logger = logging.getLogger(__name__)
 
 TAG_KEYS = ("application", "model", "replica_group")
 
-# vLLM's buckets, so dashboards and alerts carry over.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0]
-TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0]
-# Histograms observed per finished request: (name, description, buckets, RequestMetrics property).
+# Histograms observed per finished request, on vLLM's buckets: (name, description, buckets, RequestMetrics property).
 REQUEST_HISTOGRAMS = (
     ("tandem_time_to_first_token_seconds", "Arrival at the group to first token", TTFT_BUCKETS, "ttft_s"),
     ("tandem_request_time_per_output_token_seconds", "Mean time per output token after the first, per request",
@@ -70,6 +70,9 @@ SNAPSHOT_COUNTERS = {
     "tandem_step_seconds": ("Seconds of model steps (launch to collect)", "step_seconds"),
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Where the engine is not at hand (tests, the telemetry cost bench): the context length the
+# vLLM-named token-count histograms' buckets reach.
+DEFAULT_MAX_MODEL_LEN = 8192
 # Gauges set from the snapshot: name -> (description, snapshot key).
 SNAPSHOT_GAUGES = {
     "tandem_num_requests_running": ("Requests in the running batch", "num_running"),
@@ -89,7 +92,7 @@ def scrape_name(name: str, kind: str) -> str:
 class GroupMetrics:
     """One group's metrics; `observe_request` on each finished request, `report` every interval."""
 
-    def __init__(self, tags: dict[str, str]) -> None:
+    def __init__(self, tags: dict[str, str], max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
         from ray.util.metrics import Counter, Gauge, Histogram
 
         def made(metric: Any) -> Any:
@@ -121,6 +124,15 @@ class GroupMetrics:
                                      tag_keys=TAG_KEYS))
         self.peak_bytes = made(Gauge("tandem_device_peak_bytes_per_second",
                                      "Probed copy bandwidth of the group's devices", tag_keys=TAG_KEYS))
+        self.vllm = VLLMMetrics(tags, max_model_len)
+        # Every counter fed from the snapshot, tandem's and vLLM's: (counter, snapshot key, tags).
+        self._feeds: list[tuple[Any, str, dict[str, str] | None]] = [
+            *((self.counters[name], key, None) for name, (_, key) in SNAPSHOT_COUNTERS.items()),
+            *((self.vllm.counters[name], key, None) for name, (_, key) in VLLM_COUNTERS.items()),
+            (self.kv_fetched, "kv_blocks_fetched", None)]
+        for reason in FINISH_REASONS:
+            self._feeds += [(counter, f"num_finished_{reason}", {"finished_reason": reason})
+                            for counter in (self.finished, self.vllm.request_success)]
         self.peaks: DevicePeaks | None = None
         self.num_devices = 1
         self._last: dict[str, float] = {}
@@ -130,6 +142,7 @@ class GroupMetrics:
             value = getattr(metrics, prop)
             if value is not None:
                 histogram.observe(max(0.0, value))
+        self.vllm.observe_request(metrics)
 
     def set_peaks(self, peaks: DevicePeaks, num_devices: int) -> None:
         self.peaks, self.num_devices = peaks, num_devices
@@ -139,30 +152,25 @@ class GroupMetrics:
     def report(self, snapshot: dict[str, float], token_intervals: list[float], kv_blocks_fetched: int) -> None:
         """Counters by their increase since the last report; gauges as they are."""
         values = {**snapshot, "kv_blocks_fetched": kv_blocks_fetched}
-        for name, (_, key) in SNAPSHOT_COUNTERS.items():
-            self._increase(self.counters[name], name, values[key])
-        for reason in FINISH_REASONS:
-            self._increase(self.finished, f"finished_{reason}", values.get(f"num_finished_{reason}", 0),
-                           {"finished_reason": reason})
-        self._increase(self.kv_fetched, "kv_blocks_fetched", kv_blocks_fetched)
+        first = not self._last
+        for counter, key, tags in self._feeds:
+            last, value = self._last.get(key, 0.0), values.get(key, 0.0)
+            # Below the last figure: the group was rebuilt (workers/serving/group_healer.py) and counts from 0 again.
+            delta = value - last if value >= last else value
+            if delta > 0:
+                counter.inc(delta, tags=tags)
+            elif first:
+                start_at_zero(counter, tags)
         for name, (_, key) in SNAPSHOT_GAUGES.items():
             self.gauges[name].set(float(values[key]))
+        self.vllm.set_gauges(values)
         drafted = values["spec_num_draft_tokens"]
         self.acceptance.set(values["spec_num_accepted_tokens"] / drafted if drafted else 0.0)
         for interval in token_intervals:
             self.itl.observe(interval)
+        self.vllm.observe_token_intervals(token_intervals)
         self._report_utilization(values)
         self._last.update(values)
-
-    def _increase(self, counter: Any, key: str, value: float, tags: dict[str, str] | None = None) -> None:
-        last = self._last.get(key, 0.0)
-        # Below the last figure: the group was rebuilt (workers/serving/group_healer.py) and counts from 0 again.
-        delta = value - last if value >= last else value
-        if delta > 0:
-            counter.inc(delta, tags=tags)
-        elif key not in self._last:
-            start_at_zero(counter, tags)
-        self._last[key] = value
 
     def _report_utilization(self, values: dict[str, float]) -> None:
         if self.peaks is None:
@@ -211,7 +219,7 @@ def start_group_metrics(engine: AsyncEngine, fetcher: KVFetcher | None, tags: di
                         interval_s: float = 1.0, probe_peaks: bool = True) -> MetricsReporter:
     """The group's metrics and their reporter; the device peaks are probed first (start-up,
     before any request, so nothing else runs on the device meanwhile)."""
-    metrics = GroupMetrics(tags)
+    metrics = GroupMetrics(tags, engine.engine.max_model_len)
     if probe_peaks:
         try:
             probed = engine.probe_device_peaks()
