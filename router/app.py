@@ -145,6 +145,11 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     # Parsed here only: unknown or bad options fail before anything starts, and every group
     # gets this EngineConfig.
     config = EngineConfig.from_options(**engine_options)
+    # A missing or unreadable model, tokenizer or draft is refused here with the reason, before
+    # anything starts: its source is asked (workers/model/source.py), nothing is fetched.
+    from tandem.workers.model.source import check_model_sources
+
+    check_model_sources(config)
     if serving["routing"] not in ROUTING_POLICIES:
         raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {serving['routing']!r}")
     served_model_name = serving["served_model_name"] or config.model.model or DEMO_MODEL_NAME
@@ -186,7 +191,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
               "max_sequences_per_request": serving["max_sequences_per_request"]}
     RequestLimits(**limits)  # bad bounds fail here
     group = GroupServer.options(**_group_options(config, serving)).bind(config, group_options)
-    ingress_config = {"model": config.model.model, "served_model_name": served_model_name,
+    ingress_config = {"model": config.model.model, "revision": config.model.revision,
+                      "tokenizer": config.model.tokenizer, "served_model_name": served_model_name,
                       "max_model_len": config.model.max_model_len, "api_key_sha256": api_key_sha256,
                       "limits": limits,
                       "admission": admission, "stream_channels": serving["stream_channels"],

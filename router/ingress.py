@@ -120,13 +120,15 @@ class OpenAIIngress(GrpcMethods):
     def __init__(self, group, config: dict[str, Any]) -> None:
         from tandem.workers.model.demo_model import demo_model_path
         from tandem.workers.model.hf_config import HFModelConfig
+        from tandem.workers.model.source import tokenizer_dir
         from tandem.workers.text.tokenizer import load_tokenizer
 
         model_dir = config.get("model") or demo_model_path()
-        hf_config = HFModelConfig.from_dir(model_dir)
+        hf_config = HFModelConfig.from_dir(model_dir, config.get("revision"))
+        tokenizer = load_tokenizer(tokenizer_dir(model_dir, config.get("tokenizer"), config.get("revision")))
         self.groups = group  # the report of KV held (`GET /admin/kv`) calls each group through it
         self.client = EngineClient(
-            group, tokenizer=load_tokenizer(model_dir), model_name=config["served_model_name"],
+            group, tokenizer=tokenizer, model_name=config["served_model_name"],
             max_model_len=config.get("max_model_len") or hf_config.max_position_embeddings,
             vocab_size=hf_config.vocab_size, channels=config.get("stream_channels", True),
             max_chunks_per_s=config.get("max_chunks_per_s", 0.0), request_timeout_s=config.get("request_timeout_s"))

@@ -31,7 +31,15 @@ def require_field(ok: bool, field_name: str, message: str) -> None:
 class ModelConfig:
     """Which weights to serve and how."""
 
-    model: str | None = None  # local HF directory; None = the built-in demo model
+    # A local HF directory, a Hub repo id (org/name), or s3://bucket/prefix or gs://bucket/prefix
+    # (workers/model/source.py); None = the built-in demo model.
+    model: str | None = None
+    # The Hub revision of `model` (a branch, tag or commit; None: main). Bucket and local models
+    # have none: a new version of one goes under a new prefix or directory.
+    revision: str | None = None
+    # The tokenizer's own reference, resolved as `model` is (at the Hub's main revision, not
+    # `revision`); None = the model's.
+    tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = config's dtype on GPU, float32 on CPU
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -88,6 +96,33 @@ class ModelConfig:
                  f"must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None:
             require_field(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+        for name in ("model", "tokenizer"):
+            if getattr(self, name) is not None:
+                check_model_reference(name, getattr(self, name))
+        if self.revision is not None:
+            require_field(isinstance(self.revision, str) and self.revision.strip() == self.revision != "",
+                          "revision", f"must be a branch, tag or commit of the model's Hub repo, got {self.revision!r}")
+            require_field(self.model is not None, "revision", "names a version of `model`, and no model is given")
+            require_field(self.model.partition("://")[0] not in MODEL_URI_SCHEMES, "revision",
+                          f"{self.model.partition(':')[0]}:// models have no revisions (a new version goes under "
+                          "a new prefix)")
+
+
+# The bucket URIs a model reference may be (workers/model/source.py downloads them).
+MODEL_URI_SCHEMES = ("s3", "gs")
+
+
+def check_model_reference(field_name: str, reference: Any) -> None:
+    """A model reference's syntax: a non-empty path or repo id, or s3:// or gs:// with a bucket.
+    Whether it exists is asked where it is read (workers/model/source.py), not here."""
+    require_field(isinstance(reference, str) and reference.strip() == reference != "", field_name,
+                  f"must be a directory, a Hugging Face repo id or an s3:// or gs:// URI, got {reference!r}")
+    scheme, sep, rest = reference.partition("://")
+    if sep:
+        require_field(scheme in MODEL_URI_SCHEMES, field_name,
+                      f"{scheme}:// is not a model source; name a directory, a Hugging Face repo id (org/name), "
+                      f"s3://bucket/prefix or gs://bucket/prefix, got {reference!r}")
+        require_field(rest.split("/")[0] != "", field_name, f"names no bucket: {reference!r}")
 
 
 def parse_step_ms(value: Any) -> tuple[float, float]:
@@ -195,7 +230,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    speculative_model: str | None = None  # path, or "ngram"
+    speculative_model: str | None = None  # a model reference (as ModelConfig.model's), or "ngram"
     num_speculative_tokens: int = 0
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
@@ -224,6 +259,8 @@ class SpeculativeConfig:
         if self.speculative_model is not None:
             require_field(self.num_speculative_tokens >= 1, "num_speculative_tokens",
                      "must be >= 1 when speculative_model is set")
+            if self.speculative_model != "ngram":
+                check_model_reference("speculative_model", self.speculative_model)
 
     @property
     def enabled(self) -> bool:

@@ -17,10 +17,11 @@ def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEn
     """Resolve the model, load tokenizer and weights, size the KV cache, and start a group."""
     from tandem.workers.model.demo_model import demo_model_path
     from tandem.workers.model.hf_config import HFModelConfig
+    from tandem.workers.model.source import tokenizer_dir
     from tandem.workers.text.tokenizer import load_tokenizer
 
     model_dir = config.model.model or demo_model_path()
-    hf_config = HFModelConfig.from_dir(model_dir)
+    hf_config = HFModelConfig.from_dir(model_dir, config.model.revision)
     max_len = config.model.max_model_len
     if max_len is not None and max_len > hf_config.max_position_embeddings:
         raise ValueError(f"max_model_len: {max_len} exceeds the model's max_position_embeddings "
@@ -28,7 +29,8 @@ def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEn
     # The tokenizer (and transformers' import, ~2 s of CPU) loads on a thread while the model
     # loads: a group rebuilt after a fault serves that much sooner, most of all on a busy host.
     with ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer") as pool:
-        tokenizer_loaded = pool.submit(load_tokenizer, model_dir)
+        tokenizer_loaded = pool.submit(
+            lambda: load_tokenizer(tokenizer_dir(model_dir, config.model.tokenizer, config.model.revision)))
         executor = _start_executor(config, hf_config, model_dir, show_progress, tokenizer_loaded.result)
         try:
             tokenizer = tokenizer_loaded.result()

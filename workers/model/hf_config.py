@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.workers.model.source import resolve_model
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,10 +43,13 @@ class HFModelConfig:
     bos_token_id: int | None
 
     @staticmethod
-    def from_dir(path: str) -> HFModelConfig:
+    def from_dir(path: str, revision: str | None = None) -> HFModelConfig:
+        """From a model reference (workers/model/source.py): a local directory, a Hub repo id at
+        `revision`, or an s3:// or gs:// URI, whose configs (not weights) are fetched to this node."""
+        path = resolve_model(path, revision, weights=False)
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
-            raise ValueError(f"model: no config.json in {path!r} (expected a local Hugging Face model directory)")
+            raise ValueError(f"model: no config.json in {path!r} (expected a Hugging Face model directory)")
         with open(config_path) as f:
             cfg = json.load(f)
         return HFModelConfig.from_dict(cfg, _generation_eos(path))

@@ -1,4 +1,5 @@
-"""Load this shard's weights from a local safetensors checkpoint.
+"""Load this shard's weights from a safetensors checkpoint, fetched to this node first when the
+model is remote (workers/model/source.py).
 
 Only the tensors this stage needs are opened, and of those only this TP rank's
 rows/columns are read: safetensors slices (`get_slice(name)[a:b]`) read just
@@ -16,6 +17,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from tandem.workers.model.llama import LlamaForCausalLM
+from tandem.workers.model.source import resolve_model
 
 
 class _LazyTensor:
@@ -43,9 +45,12 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
         return {name: single for name in f.keys()}
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str, *, show_progress: bool = True) -> int:
-    """Fill the model's parameters from the checkpoint; returns the number of tensors read."""
+def load_weights(model: LlamaForCausalLM, model_dir: str, *, revision: str | None = None,
+                 show_progress: bool = True) -> int:
+    """Fill the model's parameters from the checkpoint of a model reference (at `revision` for a
+    Hub repo); returns the number of tensors read."""
     targets = model.weight_targets()
+    model_dir = resolve_model(model_dir, revision)
     files = checkpoint_files(model_dir)
     by_file: dict[str, list[str]] = {}
     for target in targets:

@@ -79,7 +79,7 @@ class ModelRunner:
         max_positions = self.max_model_len + self.config.scheduler.num_lookahead_slots + 1
         with torch.device(self.device):
             self.model = LlamaForCausalLM(self.hf_config, self.ctx, self.dtype, max_positions)
-        load_weights(self.model, self.model_dir, show_progress=show_progress)
+        load_weights(self.model, self.model_dir, revision=self.config.model.revision, show_progress=show_progress)
         use_fast_gemm_layout(self.model)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             cpu_kernels.activate()
