@@ -1,255 +1,158 @@
-"""`tandem deploy kuberay`: KubeRay manifests generated from deploy/serve_config.yaml.
+"""`tandem deploy`: deployment files generated from deploy/serve_config.yaml.
 
-    tandem deploy kuberay [--kind rayservice|raycluster] [--config deploy/serve_config.yaml]
-        [--num-replicas N] [-tp T] [-pp P] [--gpus-per-node G] [--spare-gpus S] [--model DIR]
-        [--image IMAGE] [--name NAME] [--output FILE]
+    tandem deploy kuberay [--kind rayservice|raycluster] [--config FILE] [--num-replicas N]
+        [-tp T] [-pp P] [--gpus-per-node G] [--spare-gpus S] [--image IMAGE] [--name NAME]
+        [--model PATH|ORG/NAME|s3://...|gs://...] [--model-pvc CLAIM] [--cache-pvc CLAIM]
+        [--hf-token-secret NAME[:KEY]]
+        [--upgrade-strategy S] [--gateway-class C] [--upgrade-interval-s I] [--upgrade-step-percent P]
+        [--redis create | --redis-address HOST:PORT --redis-password-secret NAME[:KEY]
+         | --no-gcs-fault-tolerance]
+        [--gpu-node-selector KEY=VALUE]... [--gpu-toleration KEY[=VALUE]:EFFECT]... [--output FILE]
+    tandem deploy serve-config [--config FILE] [--device cuda] [--model M] [--output FILE]
 
-The Serve application lives in one place, deploy/serve_config.yaml; a RayService carries
-it as `serveConfigV2` (a YAML string) with the layout flags applied, and its GPU worker
-group is sized for the layout: `num_replicas x TP x PP` GPUs plus `--spare-gpus` (draft
-models), in pods of `--gpus-per-node` GPUs. A stage's TP ranks share a node, so TP may not
-exceed the GPUs of one pod. deploy/kuberay/*.yaml are this command's output with its
-defaults; a test regenerates them and fails when they differ.
+The Serve application lives in one place, deploy/serve_config.yaml (installed with tandem, so
+the commands run from any directory; --config reads another). A RayService carries it as
+`serveConfigV2` with the layout flags, the model and `device: cuda` applied, and its GPU worker
+group is sized for the layout: `num_replicas x TP x PP` GPUs plus `--spare-gpus` (draft models),
+in pods of `--gpus-per-node` GPUs. A stage's TP ranks share a node, so TP may not exceed the
+GPUs of one pod. `serve-config` writes the config a GPU Ray cluster deploys with `serve deploy`
+(deploy/ray-cluster.yaml runs it). deploy/kuberay/*.yaml are `kuberay` output; a test
+regenerates them with the command their first line records and fails when they differ.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import math
-import re
 import sys
-from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tandem.cluster.direct_ingress import NODE_ENV
+from tandem.cli.gcs_ft import PASSWORD_KEY, GcsFaultTolerance
+from tandem.cli.gpu_scheduling import EFFECTS, GpuScheduling
+from tandem.cli.k8s import SecretRef
+from tandem.cli.kuberay import (
+    DEFAULT_IMAGE,
+    DEVICE,
+    KINDS,
+    KubeRayOptions,
+    documents,
+    node_port_params,
+    pinned_ray_version,
+    ray_cluster_spec,
+)
+from tandem.cli.kuberay_text import render
+from tandem.cli.layout import Layout
+from tandem.cli.model_source import HF_TOKEN_KEY, ModelSource
+from tandem.cli.serve_config import DEFAULT_CONFIG, DEVICES, load_serve_config, serve_config, with_app_args
+from tandem.cli.upgrade_strategy import DEFAULT_INTERVAL_S, STRATEGIES, UpgradeStrategy
 
-DEFAULT_CONFIG = "deploy/serve_config.yaml"
-DEFAULT_IMAGE = "registry.example.com/tandem:0.1.0"  # built from deploy/Dockerfile
-SERVE_PORT, GRPC_PORT = 8000, 9000
-METRICS_PORT = 8080  # each Ray node's Prometheus endpoint (tandem_*, ray_serve_*): deploy/prometheus.yml
-# Every node's agents get fixed ports: with port 0 the raylet waits ~15 s for each agent to
-# write the port it took to a file, and on a loaded node that wait times out and the raylet
-# crashes (one wait stays: deploy/README.md, "Ports"). 52365 is Ray's own default, which
-# KubeRay's health probes read from rayStartParams; 8078 and 8079 sit beside the metrics port,
-# outside Ray's worker ports (10002-19999) and the kernel's ephemeral range.
-# deploy/ray-cluster.yaml passes the same ports (a test holds them equal).
-DASHBOARD_AGENT_LISTEN_PORT, DASHBOARD_AGENT_GRPC_PORT, RUNTIME_ENV_AGENT_PORT = 52365, 8078, 8079
-
-
-def pinned_ray_version() -> str:
-    """The Ray version tandem pins (`ray[serve]==X` in pyproject.toml): the image, rayVersion
-    and the cluster launcher's setup commands all use it."""
-    for requirement in metadata.requires("tandem") or ():
-        match = re.match(r"ray(\[[\w,]+\])?\s*==\s*([\w.]+)\s*$", requirement.split(";")[0].strip())
-        if match:
-            return match.group(2)
-    raise ValueError("pyproject.toml does not pin ray (ray[serve]==X.Y.Z)")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What the replica groups need: the layout flags, and how many GPUs a pod has."""
-
-    num_replicas: int = 1
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    gpus_per_node: int = 1
-    spare_gpus: int = 0  # for draft models (speculative_model), beside the groups' GPUs
-    model: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("num_replicas", "tensor_parallel_size", "pipeline_parallel_size", "gpus_per_node"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        if self.spare_gpus < 0:
-            raise ValueError(f"spare_gpus: must be at least 0, got {self.spare_gpus}")
-        if self.tensor_parallel_size > self.gpus_per_node:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs that many GPUs on one node, "
-                             f"but a worker pod has gpus_per_node={self.gpus_per_node}")
-
-    @property
-    def num_gpus(self) -> int:
-        return self.num_replicas * self.tensor_parallel_size * self.pipeline_parallel_size + self.spare_gpus
-
-    @property
-    def num_worker_pods(self) -> int:
-        return math.ceil(self.num_gpus / self.gpus_per_node)
+# The names the rest of tandem and its tests use from here.
+__all__ = ["DEFAULT_CONFIG", "DEFAULT_IMAGE", "KubeRayOptions", "Layout", "documents", "kuberay_options",
+           "load_serve_config", "node_port_params", "pinned_ray_version", "ray_cluster_spec", "register", "render",
+           "serve_config"]
 
 
-def load_serve_config(path: str | Path = DEFAULT_CONFIG) -> dict[str, Any]:
-    return yaml.safe_load(Path(path).read_text())
-
-
-def serve_config(base: dict[str, Any], layout: Layout) -> dict[str, Any]:
-    """`base` (a Serve config with the tandem application) with the layout's arguments."""
-    config = copy.deepcopy(base)
-    [app] = [a for a in config["applications"] if a["import_path"] == "tandem.router.app:build_app"]
-    args = app.setdefault("args", {})
-    args.update(tensor_parallel_size=layout.tensor_parallel_size,
-                pipeline_parallel_size=layout.pipeline_parallel_size, num_replicas=layout.num_replicas)
-    if layout.model is not None:
-        args["model"] = layout.model
-    return config
-
-
-# ---- KubeRay ---------------------------------------------------------------------------------------
-def _container(name: str, image: str, resources: dict[str, Any], ports: list[tuple[str, int]]) -> dict[str, Any]:
-    container: dict[str, Any] = {
-        "name": name, "image": image, "imagePullPolicy": "IfNotPresent",
-        # HAProxy in front of the ingress (cluster/direct_ingress.py): Ray reads it when its
-        # processes start, so it belongs to the pod (the image has it too; another image may not).
-        "env": [{"name": k, "value": v} for k, v in NODE_ENV.items()],
-        "resources": {"limits": dict(resources), "requests": dict(resources)},
-        # NCCL moves tensors through /dev/shm; a container's default is 64 MiB.
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
-    }
-    if ports:
-        container["ports"] = [{"name": n, "containerPort": p} for n, p in ports]
-    return container
-
-
-def _pod(container: dict[str, Any]) -> dict[str, Any]:
-    # The annotations let an annotation-driven Prometheus scrape every Ray pod's metrics;
-    # with prometheus-operator, a PodMonitor on the `metrics` port does the same.
-    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
-                   "prometheus.io/path": "/metrics"}
-    return {"metadata": {"annotations": annotations},
-            "spec": {"containers": [container],
-                     "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
-
-
-def node_port_params() -> dict[str, str]:
-    """The rayStartParams (strings, as the CRD wants) that fix every node's agent and metrics ports.
-    The pods declare none of the agents' ports: Kubernetes does not gate traffic on a
-    containerPort, and KubeRay's probes take the agent's port from these parameters."""
-    return {"metrics-export-port": str(METRICS_PORT),
-            "dashboard-agent-listen-port": str(DASHBOARD_AGENT_LISTEN_PORT),
-            "dashboard-agent-grpc-port": str(DASHBOARD_AGENT_GRPC_PORT),
-            "runtime-env-agent-port": str(RUNTIME_ENV_AGENT_PORT)}
-
-
-def ray_cluster_spec(layout: Layout, image: str, ray_version: str) -> dict[str, Any]:
-    """A RayCluster spec: a CPU head (GCS, dashboard, Serve controller and proxy, ingress)
-    and one GPU worker group sized for the layout."""
-    head = _container("ray-head", image, {"cpu": "8", "memory": "32Gi"},
-                      [("gcs-server", 6379), ("dashboard", 8265), ("client", 10001),
-                       ("serve", SERVE_PORT), ("grpc", GRPC_PORT), ("metrics", METRICS_PORT)])
-    # Serve's proxy answers /-/healthz once it runs; the application's own readiness (every
-    # replica group up) is what RayService waits for before it sends traffic.
-    head["readinessProbe"] = {"httpGet": {"path": "/-/healthz", "port": SERVE_PORT},
-                              "initialDelaySeconds": 10, "periodSeconds": 5}
-    worker = _container("ray-worker", image, {"cpu": str(8 * layout.gpus_per_node), "memory": "64Gi",
-                                              "nvidia.com/gpu": str(layout.gpus_per_node)}, [("metrics", METRICS_PORT)])
-    pods = layout.num_worker_pods
-    return {
-        "rayVersion": ray_version,
-        "enableInTreeAutoscaling": False,
-        "authOptions": {"mode": "token"},  # Ray's own RPCs and dashboard; not Serve's HTTP/gRPC
-        "headGroupSpec": {
-            # num-cpus 0: no replica group lands on the head; it has no GPUs anyway.
-            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", **node_port_params()},
-            "template": _pod(head),
-        },
-        "workerGroupSpecs": [{
-            "groupName": "gpu",
-            "replicas": pods, "minReplicas": pods, "maxReplicas": pods,
-            "rayStartParams": {"num-gpus": str(layout.gpus_per_node), **node_port_params()},
-            "template": _pod(worker),
-        }],
-    }
-
-
-def rayservice(config: dict[str, Any], layout: Layout, *, name: str, image: str, ray_version: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "ray.io/v1",
-        "kind": "RayService",
-        "metadata": {"name": name},
-        "spec": {
-            "serveConfigV2": yaml.safe_dump(config, sort_keys=False),
-            # The Service in front of Serve's proxies: the OpenAI API and gRPC.
-            "serveService": {"metadata": {"name": f"{name}-serve"},
-                             "spec": {"ports": [{"name": "serve", "port": SERVE_PORT, "targetPort": SERVE_PORT},
-                                                {"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT}]}},
-            "rayClusterConfig": ray_cluster_spec(layout, image, ray_version),
-        },
-    }
-
-
-def raycluster(layout: Layout, *, name: str, image: str, ray_version: str) -> dict[str, Any]:
-    return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": name},
-            "spec": ray_cluster_spec(layout, image, ray_version)}
-
-
-def render(kind: str, layout: Layout, *, config_path: str = DEFAULT_CONFIG, image: str = DEFAULT_IMAGE,
-           name: str = "tandem", ray_version: str | None = None) -> str:
-    """The manifest as YAML text, headed by what to edit and how it was made."""
-    ray_version = ray_version or pinned_ray_version()
-    flags = (f"--num-replicas {layout.num_replicas} -tp {layout.tensor_parallel_size} "
-             f"-pp {layout.pipeline_parallel_size} --gpus-per-node {layout.gpus_per_node}")
-    if layout.spare_gpus:
-        flags += f" --spare-gpus {layout.spare_gpus}"
-    if kind == "rayservice":
-        manifest = rayservice(serve_config(load_serve_config(config_path), layout), layout,
-                              name=name, image=image, ray_version=ray_version)
-        use = (f"# `kubectl apply -f` this file; the OpenAI API and gRPC are the Service {name}-serve (ports\n"
-               f"# {SERVE_PORT} and {GRPC_PORT}). Upgrade in place: change the config, regenerate, apply again.\n")
-    elif kind == "raycluster":
-        manifest = raycluster(layout, name=name, image=image, ray_version=ray_version)
-        use = (f"# A bare Ray cluster (batch jobs, notebooks): `kubectl apply -f` this file, then deploy the\n"
-               f"# application with `serve deploy {config_path}` through the head's dashboard (port 8265).\n")
-    else:
-        raise ValueError(f"kind: must be rayservice or raycluster, got {kind!r}")
-    header = (f"# Generated by `tandem deploy kuberay --kind {kind} {flags}`\n"
-              f"# from {config_path}: edit that file or the flags and regenerate, not this file.\n" + use +
-              f"# Edit for your cluster: `image` (deploy/Dockerfile pushed to your registry), the pods'\n"
-              f"# cpu / memory, and `nvidia.com/gpu` with --gpus-per-node.\n"
-              f"# GPUs: {layout.num_gpus} = {layout.num_replicas} group(s) x TP {layout.tensor_parallel_size} x PP "
-              f"{layout.pipeline_parallel_size} + {layout.spare_gpus} spare, in {layout.num_worker_pods} pod(s).\n")
-    return header + yaml.dump(manifest, Dumper=_BlockDumper, sort_keys=False, width=100)
-
-
-class _BlockDumper(yaml.SafeDumper):
-    """Multi-line strings (serveConfigV2) as literal blocks, readable in the manifest."""
-
-
-def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_BlockDumper.add_representer(str, _represent_str)
-
-
-# ---- command line ----------------------------------------------------------------------------------
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("deploy", help="deployment manifests (KubeRay) from the Serve config")
+    p = subparsers.add_parser("deploy", help="deployment files (KubeRay, a Serve config) from the Serve config")
     sub = p.add_subparsers(dest="target", required=True)
     k = sub.add_parser("kuberay", help="a RayService (or RayCluster) manifest from deploy/serve_config.yaml")
-    k.add_argument("--kind", choices=["rayservice", "raycluster"], default="rayservice")
-    k.add_argument("--config", default=DEFAULT_CONFIG, help="the Serve config the RayService carries")
+    k.add_argument("--kind", choices=KINDS, default="rayservice")
+    k.add_argument("--config", default=None,
+                   help=f"the Serve config the RayService carries (default: tandem's {DEFAULT_CONFIG})")
     k.add_argument("--num-replicas", type=int, default=1, help="replica groups")
     k.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     k.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     k.add_argument("--gpus-per-node", type=int, default=1, help="GPUs of one worker pod")
     k.add_argument("--spare-gpus", type=int, default=0, help="GPUs beyond the groups' (draft models)")
-    k.add_argument("--model", default=None, help="model directory, present at that path in every pod")
     k.add_argument("--image", default=DEFAULT_IMAGE, help="the image built from deploy/Dockerfile")
     k.add_argument("--name", default="tandem")
     k.add_argument("--output", "-o", default=None, help="write here (default: stdout)")
-    k.set_defaults(func=_cmd_kuberay)
+
+    m = k.add_argument_group("model")
+    m.add_argument("--model", default=None,
+                   help="an absolute path in the pods, a Hugging Face repo id (org/name) or an s3:// / gs:// URI "
+                        "(default: the built-in demo model)")
+    m.add_argument("--model-pvc", default=None, metavar="CLAIM",
+                   help="a PersistentVolumeClaim holding the model, mounted read-only at the model's parent "
+                        "(a relative --model: at /models)")
+    m.add_argument("--cache-pvc", default=None, metavar="CLAIM",
+                   help="a downloaded model's cache: this claim, shared by the pods (default: an emptyDir per pod)")
+    m.add_argument("--hf-token-secret", default=None, metavar="NAME[:KEY]",
+                   help=f"HF_TOKEN from this Secret's key (default key: {HF_TOKEN_KEY})")
+
+    u = k.add_argument_group("upgrades")
+    u.add_argument("--upgrade-strategy", default=None,
+                   choices=sorted({s for strategies in STRATEGIES.values() for s in strategies}),
+                   help="RayService: NewCluster (default), NewClusterWithIncrementalUpgrade or None; "
+                        "RayCluster: Recreate (default) or None")
+    u.add_argument("--gateway-class", default=None, help="the incremental upgrade's GatewayClass")
+    u.add_argument("--upgrade-interval-s", type=int, default=DEFAULT_INTERVAL_S,
+                   help="the incremental upgrade's seconds between traffic steps")
+    u.add_argument("--upgrade-step-percent", type=int, default=None,
+                   help="the incremental upgrade's step of capacity and traffic (default: one group's share)")
+
+    g = k.add_argument_group("GCS fault tolerance (default: on, with a Redis this manifest creates)")
+    redis = g.add_mutually_exclusive_group()
+    redis.add_argument("--redis", choices=["create"], default=None, help="create a Redis beside the cluster")
+    redis.add_argument("--redis-address", default=None, metavar="HOST:PORT", help="use this Redis")
+    redis.add_argument("--no-gcs-fault-tolerance", action="store_true",
+                       help="no Redis: losing the head pod is then an outage")
+    g.add_argument("--redis-password-secret", default=None, metavar="NAME[:KEY]",
+                   help=f"the Redis password's Secret (default: NAME-redis, key {PASSWORD_KEY})")
+
+    s = k.add_argument_group("GPU worker scheduling")
+    s.add_argument("--gpu-node-selector", action="append", default=None, metavar="KEY=VALUE",
+                   help="a node label the GPU pods need (repeatable)")
+    s.add_argument("--gpu-toleration", action="append", default=None, metavar="KEY[=VALUE]:EFFECT",
+                   help=f"a taint the GPU pods tolerate, EFFECT one of {', '.join(EFFECTS)} (repeatable; "
+                        "default: nvidia.com/gpu:NoSchedule)")
+    k.set_defaults(func=_cmd_kuberay, parser=k)
+
+    c = sub.add_parser("serve-config", help="the Serve config for `serve deploy` on a GPU Ray cluster")
+    c.add_argument("--config", default=None,
+                   help=f"the Serve config to start from (default: tandem's {DEFAULT_CONFIG})")
+    c.add_argument("--device", choices=DEVICES, default=DEVICE,
+                   help="the groups' device: cuda makes Serve wait for GPU nodes that join late")
+    c.add_argument("--model", default=None, help="the application's model (default: the config's)")
+    c.add_argument("--output", "-o", default=None, help="write here (default: stdout)")
+    c.set_defaults(func=_cmd_serve_config, parser=c)
 
 
-def _cmd_kuberay(args: argparse.Namespace) -> int:
-    layout = Layout(args.num_replicas, args.tensor_parallel_size, args.pipeline_parallel_size,
-                    args.gpus_per_node, args.spare_gpus, args.model)
-    text = render(args.kind, layout, config_path=args.config, image=args.image, name=args.name)
-    if args.output:
-        Path(args.output).write_text(text)
+def kuberay_options(args: argparse.Namespace) -> KubeRayOptions:
+    """The options a parsed `tandem deploy kuberay` command line gives (ValueError when they clash)."""
+    hf_token = None if args.hf_token_secret is None else SecretRef.parse(args.hf_token_secret, HF_TOKEN_KEY)
+    password = None if args.redis_password_secret is None else SecretRef.parse(args.redis_password_secret,
+                                                                                PASSWORD_KEY)
+    return KubeRayOptions(
+        kind=args.kind,
+        layout=Layout(args.num_replicas, args.tensor_parallel_size, args.pipeline_parallel_size,
+                      args.gpus_per_node, args.spare_gpus),
+        name=args.name, image=args.image, config_path=args.config,
+        upgrade=UpgradeStrategy(args.kind, args.upgrade_strategy, args.gateway_class, args.upgrade_interval_s,
+                                args.upgrade_step_percent),
+        gcs_ft=GcsFaultTolerance(not args.no_gcs_fault_tolerance, args.redis_address, password),
+        gpu=GpuScheduling.parse(args.gpu_node_selector, args.gpu_toleration),
+        model=ModelSource(args.model, args.model_pvc, args.cache_pvc, hf_token),
+    )
+
+
+def _write(text: str, output: str | None) -> int:
+    if output:
+        Path(output).write_text(text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _cmd_kuberay(args: argparse.Namespace) -> int:
+    return _write(render(kuberay_options(args)), args.output)
+
+
+def _cmd_serve_config(args: argparse.Namespace) -> int:
+    app_args: dict[str, Any] = {"device": args.device}
+    if args.model is not None:
+        app_args["model"] = args.model
+    config = with_app_args(load_serve_config(args.config), app_args)
+    return _write(yaml.safe_dump(config, sort_keys=False), args.output)

@@ -11,6 +11,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import yaml
 
 from tandem.cli import deploy as deploy_cli
 from tandem.cli.main import build_parser
+from tests.deploy.kuberay_rules import VARIANTS, cluster_spec, generated, ray_object, rule_violations
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -39,10 +41,20 @@ def load(name: str) -> Any:
     return yaml.safe_load((DEPLOY / name).read_text())
 
 
+def kuberay_docs(name: str) -> list[dict[str, Any]]:
+    """deploy/kuberay/<name>'s documents: the Redis's, then the RayService or RayCluster."""
+    return list(yaml.safe_load_all((DEPLOY / "kuberay" / name).read_text()))
+
+
+def load_kuberay(name: str) -> dict[str, Any]:
+    """deploy/kuberay/<name>'s RayService or RayCluster."""
+    return ray_object(kuberay_docs(name))
+
+
 def test_every_file_in_deploy_is_covered_here() -> None:
     files = sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*") if p.is_file())
     # serve_config.yaml: tests/serve; grafana/tandem.json's queries: tests/serve/test_observability.py
-    assert files == ["Dockerfile", "README.md", "grafana/tandem.json", "kuberay/raycluster.yaml",
+    assert files == ["Dockerfile", "README.md", "__init__.py", "grafana/tandem.json", "kuberay/raycluster.yaml",
                      "kuberay/rayservice.yaml", "prometheus.yml", "ray-cluster.yaml", "serve_config.yaml",
                      "try_multi_node.sh"]
 
@@ -74,9 +86,8 @@ def test_grafana_dashboard_queries_only_tandem_and_serve_metrics() -> None:
 
 
 def test_kuberay_pods_expose_and_annotate_the_metrics_port() -> None:
-    for name in ("kuberay/rayservice.yaml", "kuberay/raycluster.yaml"):
-        manifest = load(name)
-        spec = manifest["spec"]["rayClusterConfig"] if manifest["kind"] == "RayService" else manifest["spec"]
+    for name in MANIFESTS:
+        spec = cluster_spec(load_kuberay(name))
         for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
             assert group["rayStartParams"]["metrics-export-port"] == "8080"
             assert group["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8080"
@@ -96,7 +107,14 @@ def test_ray_cluster_yaml_passes_rays_own_schema() -> None:
     _validate_launcher_config(config)
     assert config["head_node_type"] in config["available_node_types"]
     assert "RAY_AUTH_MODE=token" in " ".join(config["head_start_ray_commands"])
-    assert "serve deploy /home/ray/tandem/deploy/serve_config.yaml" in config["head_start_ray_commands"][-1]
+
+    # The head deploys the checkout's serve_config.yaml with `device: cuda`: the groups wait for
+    # the GPU workers (device: auto would put them on CPU if the application came up first).
+    [serve_config, deploy] = config["head_start_ray_commands"][-1].split(" && ")
+    args = build_parser().parse_args(shlex.split(serve_config)[1:])
+    assert (args.target, args.config, args.device) == ("serve-config", "/home/ray/tandem/deploy/serve_config.yaml",
+                                                       "cuda")
+    assert deploy == f"RAY_AUTH_MODE=token serve deploy {args.output}"
 
 
 def test_the_launcher_schema_check_rejects_a_misspelt_field() -> None:
@@ -127,9 +145,7 @@ def test_ray_and_torch_versions_agree_everywhere() -> None:
     assert f"pip install --no-cache-dir torch=={torch}" in dockerfile and f'"ray[serve]=={ray}"' in dockerfile
 
     for name in MANIFESTS:
-        manifest = load(f"kuberay/{name}")
-        spec = manifest["spec"].get("rayClusterConfig", manifest["spec"])
-        assert spec["rayVersion"] == ray
+        assert cluster_spec(load_kuberay(name))["rayVersion"] == ray
 
 
 # ---- KubeRay -------------------------------------------------------------------------------------
@@ -167,13 +183,58 @@ def _errors(validator, manifest: dict[str, Any]) -> list[str]:
     return sorted(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(manifest))
 
 
-@pytest.mark.parametrize("name", sorted(MANIFESTS))
+@functools.cache
+def _k8s_validators() -> dict[str, Any]:
+    """Strict validators of core Kubernetes objects, taken from where the CRDs embed them: a pod
+    template (a head group's), a Service's spec (a RayService's serveService) and a claim's spec
+    (a pod's ephemeral volume)."""
+    from jsonschema import Draft7Validator
+
+    cluster = _crd_validator(MANIFESTS["raycluster.yaml"]).schema["properties"]["spec"]["properties"]
+    service = _crd_validator(MANIFESTS["rayservice.yaml"]).schema["properties"]["spec"]["properties"]
+    template = cluster["headGroupSpec"]["properties"]["template"]
+    volume = template["properties"]["spec"]["properties"]["volumes"]["items"]["properties"]
+    claim = volume["ephemeral"]["properties"]["volumeClaimTemplate"]["properties"]["spec"]
+    return {"template": Draft7Validator(template), "claim": Draft7Validator(claim),
+            "service": Draft7Validator(service["serveService"]["properties"]["spec"])}
+
+
+def _manifest_errors(docs: list[dict[str, Any]]) -> list[str]:
+    """Each document against its schema: a RayService or RayCluster against its CRD; the Redis's
+    Service and StatefulSet as well-formed objects whose specs pass Kubernetes' own schemas."""
+    crds = {"RayService": MANIFESTS["rayservice.yaml"], "RayCluster": MANIFESTS["raycluster.yaml"]}
+    errors = []
+    for doc in docs:
+        where = f"{doc.get('kind')} {doc.get('metadata', {}).get('name')}"
+        if doc.get("kind") in crds:
+            errors += [f"{where}: {e}" for e in _errors(_crd_validator(crds[doc["kind"]]), doc)]
+            continue
+        k8s = _k8s_validators()
+        if (doc.get("apiVersion"), doc.get("kind")) not in {("v1", "Service"), ("apps/v1", "StatefulSet")} \
+                or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"].get("name", "")):
+            errors.append(f"{where}: not a Service or StatefulSet with a name")
+        elif doc["kind"] == "Service":
+            errors += [f"{where}: {e}" for e in _errors(k8s["service"], doc["spec"])]
+        else:
+            errors += [f"{where}: {e}" for e in _errors(k8s["template"], doc["spec"]["template"])]
+            for claim in doc["spec"]["volumeClaimTemplates"]:
+                errors += [f"{where}: {e}" for e in _errors(k8s["claim"], claim["spec"])]
+    return errors
+
+
+@functools.cache  # read and generated once for the tests below, which only read them
+def _checked_manifests() -> dict[str, tuple[list[dict[str, Any]], bool]]:
+    """name -> (its documents, made with GCS fault tolerance): the committed files and VARIANTS."""
+    manifests = {name: (kuberay_docs(name), True) for name in MANIFESTS}
+    return manifests | {name: (generated(flags), "--no-gcs-fault-tolerance" not in flags)
+                        for name, flags in VARIANTS.items()}
+
+
+@pytest.mark.parametrize("name", [*sorted(MANIFESTS), *VARIANTS])
 def test_kuberay_manifest_passes_the_crd_schema(name: str) -> None:
-    validator = _crd_validator(MANIFESTS[name])
-    manifest = load(f"kuberay/{name}")
-    assert manifest["apiVersion"] == "ray.io/v1"
-    assert _errors(validator, manifest) == []
-    spec = manifest["spec"].get("rayClusterConfig", manifest["spec"])
+    docs, _ = _checked_manifests()[name]
+    assert _manifest_errors(docs) == []
+    spec = cluster_spec(ray_object(docs))
     for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
         assert all(isinstance(v, str) for v in group["rayStartParams"].values())
         [container] = group["template"]["spec"]["containers"]
@@ -183,9 +244,64 @@ def test_kuberay_manifest_passes_the_crd_schema(name: str) -> None:
     assert gpus == worker["rayStartParams"]["num-gpus"]
 
 
+@pytest.mark.parametrize("name", [*sorted(MANIFESTS), *VARIANTS])
+def test_kuberay_manifest_keeps_kuberays_rules(name: str) -> None:
+    """What the CRDs cannot say (tests/deploy/kuberay_rules.py): no probe of ours that waits on
+    Serve or hides KubeRay's, an upgradeStrategy, GCS fault tolerance through its options with a
+    Secret's password, device: cuda, and a created Redis where the options point."""
+    docs, gcs_fault_tolerance = _checked_manifests()[name]
+    assert rule_violations(docs, gcs_fault_tolerance) == []
+
+
+def test_the_rule_check_catches_each_broken_rule() -> None:
+    docs = kuberay_docs("rayservice.yaml")
+
+    def broken(change) -> list[str]:
+        bad = copy.deepcopy(docs)
+        change(bad, ray_object(bad), cluster_spec(ray_object(bad)))
+        return rule_violations(bad)
+
+    def container(spec: dict[str, Any], group: str) -> dict[str, Any]:
+        pod = spec["headGroupSpec"] if group == "head" else spec["workerGroupSpecs"][0]
+        return pod["template"]["spec"]["containers"][0]
+
+    def app_args(obj: dict[str, Any], **args: Any) -> None:
+        config = yaml.safe_load(obj["spec"]["serveConfigV2"])
+        config["applications"][0]["args"].update(args)
+        obj["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+
+    assert rule_violations(docs) == []
+    assert broken(lambda d, o, s: container(s, "head").update(
+        readinessProbe={"httpGet": {"path": "/-/healthz", "port": 8000}})) == [
+        "RayService head: a readinessProbe on Serve (the application waits for the head's readiness)"]
+    assert broken(lambda d, o, s: container(s, "head").update(
+        livenessProbe={"exec": {"command": ["bash", "-c", "wget -qO- localhost:8000/-/healthz"]}})) == [
+        "RayService head: a livenessProbe on Serve (the application waits for the head's readiness)"]
+    assert broken(lambda d, o, s: container(s, "head").update(
+        readinessProbe={"httpGet": {"path": "/api/healthz", "port": 52365}})) == []  # Ray's own health is fine
+    assert broken(lambda d, o, s: container(s, "gpu").update(livenessProbe={"tcpSocket": {"port": 52365}})) == [
+        "RayService gpu: a livenessProbe of ours (KubeRay's own then stay out)"]
+    assert broken(lambda d, o, s: o["spec"].pop("upgradeStrategy")) == ["RayService: no upgradeStrategy"]
+    assert broken(lambda d, o, s: s.update(upgradeStrategy={"type": "Recreate"})) == [
+        "RayService: an upgradeStrategy in rayClusterConfig (KubeRay refuses it)"]
+    assert broken(lambda d, o, s: app_args(o, device="auto")) == [
+        "RayService: the application's device is 'auto', not cuda"]
+    assert broken(lambda d, o, s: s.pop("gcsFaultToleranceOptions")) == ["no gcsFaultToleranceOptions"]
+    assert broken(lambda d, o, s: s["gcsFaultToleranceOptions"].update(redisPassword={"value": "hunter2"})) == [
+        "gcsFaultToleranceOptions: the Redis password is not a Secret's key (secretKeyRef)"]
+    assert broken(lambda d, o, s: o["metadata"].update(annotations={"ray.io/ft-enabled": "true"})) == [
+        "the ray.io/ft-enabled or external-storage-namespace annotation beside gcsFaultToleranceOptions"]
+    assert broken(lambda d, o, s: s["headGroupSpec"]["rayStartParams"].update({"redis-password": "x"})) == [
+        "a redis-password / redis-username rayStartParam beside gcsFaultToleranceOptions"]
+    assert broken(lambda d, o, s: s["gcsFaultToleranceOptions"].update(redisAddress="redis:6379")) == [
+        "redisAddress redis:6379 is not the created Redis's Service (['tandem-redis:6379'])"]
+    assert broken(lambda d, o, s: s["gcsFaultToleranceOptions"]["redisPassword"]["valueFrom"]["secretKeyRef"]
+                  .update(key="pw")) == ["tandem-redis: its password is not the Secret the head reads"]
+
+
 def test_the_strict_crd_check_rejects_misspelt_and_mistyped_fields() -> None:
     validator = _crd_validator(MANIFESTS["rayservice.yaml"])
-    manifest = load("kuberay/rayservice.yaml")
+    manifest = load_kuberay("rayservice.yaml")
     bad = copy.deepcopy(manifest)
     bad["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParam"] = {}
     assert any("rayStartParam" in e for e in _errors(validator, bad))
@@ -195,6 +311,13 @@ def test_the_strict_crd_check_rejects_misspelt_and_mistyped_fields() -> None:
     bad = copy.deepcopy(manifest)
     bad["spec"]["serveConfigV2"] = yaml.safe_load(manifest["spec"]["serveConfigV2"])  # must be a string
     assert _errors(validator, bad) != []
+    docs = kuberay_docs("rayservice.yaml")
+    [redis] = [d for d in docs if d["kind"] == "StatefulSet"]
+    redis["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    redis["spec"]["volumeClaimTemplates"][0]["spec"]["accessMode"] = ["ReadWriteOnce"]
+    assert [e.split(": ")[-1] for e in _manifest_errors(docs)] == [
+        "Additional properties are not allowed ('readinesProbe' was unexpected)",
+        "Additional properties are not allowed ('accessMode' was unexpected)"]
 
 
 def test_rayservice_serves_the_application_of_serve_config_yaml() -> None:
@@ -202,33 +325,77 @@ def test_rayservice_serves_the_application_of_serve_config_yaml() -> None:
 
     from tandem.router.app import build_app
 
-    manifest = load("kuberay/rayservice.yaml")
+    manifest = load_kuberay("rayservice.yaml")
     served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     base = load("serve_config.yaml")
     [app], [base_app] = served["applications"], base["applications"]
     assert {k: v for k, v in served.items() if k != "applications"} == \
            {k: v for k, v in base.items() if k != "applications"}
     assert {k: v for k, v in app.items() if k != "args"} == {k: v for k, v in base_app.items() if k != "args"}
-    layout_keys = {"tensor_parallel_size", "pipeline_parallel_size", "num_replicas"}
-    assert {k: v for k, v in app["args"].items() if k not in layout_keys} == \
-           {k: v for k, v in base_app["args"].items() if k not in layout_keys}
+    # The layout the flags give, and device: cuda (GPU pods); the rest is serve_config.yaml's.
+    set_keys = {"tensor_parallel_size", "pipeline_parallel_size", "num_replicas", "device"}
+    assert {k: v for k, v in app["args"].items() if k not in set_keys} == \
+           {k: v for k, v in base_app["args"].items() if k not in set_keys}
+    assert app["args"]["device"] == "cuda"
     ServeDeploySchema.model_validate(served)
     build_app(app["args"])  # every argument known and valid
 
 
 @pytest.mark.parametrize("name", sorted(MANIFESTS))
-def test_kuberay_manifest_is_its_generators_output(name: str, monkeypatch) -> None:
+def test_kuberay_manifest_is_its_generators_output(name: str) -> None:
     """deploy/kuberay/*.yaml are `tandem deploy kuberay` output: regenerate with the command
     their first line records and compare; a change to serve_config.yaml must be regenerated."""
-    monkeypatch.chdir(ROOT)
     text = (DEPLOY / "kuberay" / name).read_text()
     command = re.match(r"# Generated by `tandem (deploy kuberay [^`]*)`", text)
     assert command, "the manifest's first line names the command that made it"
-    args = build_parser().parse_args(shlex.split(command.group(1)))
-    layout = deploy_cli.Layout(args.num_replicas, args.tensor_parallel_size, args.pipeline_parallel_size,
-                               args.gpus_per_node, args.spare_gpus, args.model)
-    regenerated = deploy_cli.render(args.kind, layout, config_path=args.config, image=args.image, name=args.name)
+    regenerated = deploy_cli.render(deploy_cli.kuberay_options(build_parser().parse_args(shlex.split(command[1]))))
     assert text == regenerated, f"regenerate with: tandem {command.group(1)} -o deploy/kuberay/{name}"
+
+
+def test_deploy_commands_run_from_any_directory(tmp_path) -> None:
+    """The default Serve config is package data (tandem.deploy), not a path under the cwd."""
+
+    def tandem(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "tandem.cli.main", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    manifest = tandem("deploy", "kuberay", "--num-replicas", "2", "-tp", "2", "--gpus-per-node", "2")
+    assert manifest == deploy_cli.render(deploy_cli.KubeRayOptions(layout=deploy_cli.Layout(2, 2, 1, 2)))
+    [app] = yaml.safe_load(ray_object(list(yaml.safe_load_all(manifest)))["spec"]["serveConfigV2"])["applications"]
+    assert (app["args"]["num_replicas"], app["args"]["device"]) == (2, "cuda")
+
+    served = yaml.safe_load(tandem("deploy", "serve-config"))
+    assert served == deploy_cli.with_app_args(load("serve_config.yaml"), {"device": "cuda"})
+    assert served["applications"][0]["args"]["device"] == "cuda"
+    assert list(tmp_path.iterdir()) == []  # nothing read or written where it ran
+
+
+def test_the_readmes_kuberay_walk_through_matches_what_the_generator_writes() -> None:
+    """deploy/README.md's steps name what its `tandem deploy kuberay` command writes: the Secret
+    the Redis and the head read, the RayService, the Serve Service, the Redis's claim, the image."""
+    text = (DEPLOY / "README.md").read_text()
+    [command] = re.findall(r"(?m)^tandem deploy kuberay ((?:.*\\\n)*.*)$", text)
+    args = build_parser().parse_args(["deploy", "kuberay", *shlex.split(command.replace("\\\n", " "))])
+    options = deploy_cli.kuberay_options(args)
+    docs = deploy_cli.documents(options)
+    [service, redis, rayservice] = docs
+    secret = cluster_spec(rayservice)["gcsFaultToleranceOptions"]["redisPassword"]["valueFrom"]["secretKeyRef"]
+    [create_secret] = [line.removeprefix("#").strip() for line in deploy_cli.render(options).splitlines()
+                       if "kubectl create secret" in line]
+    assert create_secret.startswith(f"kubectl create secret generic {secret['name']} --from-literal={secret['key']}=")
+    assert f"\n{create_secret}\n" in text
+    assert f"docker build -f deploy/Dockerfile -t {options.image} ." in text
+    assert f"kubectl apply -f {args.output}\n" in text
+    assert f"kubectl wait --for=condition=Ready rayservice/{rayservice['metadata']['name']} " in text
+    serve = rayservice["spec"]["serveService"]
+    ports = " ".join(f"{p['port']}:{p['port']}" for p in serve["spec"]["ports"])
+    assert f"kubectl port-forward svc/{serve['metadata']['name']} {ports} &" in text
+    claim = redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    assert f"kubectl delete pvc {claim}-{redis['metadata']['name']}-0 && kubectl delete secret {secret['name']}" in text
+    assert service["metadata"]["name"] == redis["metadata"]["name"] == secret["name"] == "tandem-redis"
+    assert '"model": "tandem-demo"' in text and options.model.model is None
 
 
 # ---- the generator ------------------------------------------------------------------------------------
@@ -236,9 +403,9 @@ def test_layout_sizes_the_gpu_worker_group() -> None:
     layout = deploy_cli.Layout(num_replicas=3, tensor_parallel_size=2, pipeline_parallel_size=2, gpus_per_node=4,
                                spare_gpus=1)
     assert (layout.num_gpus, layout.num_worker_pods) == (13, 4)
-    spec = deploy_cli.ray_cluster_spec(layout, "img", "2.60.0")
+    spec = deploy_cli.ray_cluster_spec(deploy_cli.KubeRayOptions(layout=layout), "2.60.0")
     [worker] = spec["workerGroupSpecs"]
-    assert (worker["replicas"], worker["rayStartParams"]) == (4, {
+    assert (worker["replicas"], worker["minReplicas"], worker["maxReplicas"], worker["rayStartParams"]) == (4, 4, 4, {
         "num-gpus": "4", "metrics-export-port": "8080", "dashboard-agent-listen-port": "52365",
         "dashboard-agent-grpc-port": "8078", "runtime-env-agent-port": "8079"})
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
@@ -248,22 +415,25 @@ def test_layout_sizes_the_gpu_worker_group() -> None:
         deploy_cli.Layout(num_replicas=0)
 
 
-def test_deploy_kuberay_command_writes_a_valid_manifest(tmp_path, monkeypatch) -> None:
+def test_deploy_kuberay_command_writes_a_valid_manifest(tmp_path) -> None:
     from tandem.cli.main import main
 
-    monkeypatch.chdir(ROOT)
     out = tmp_path / "svc.yaml"
     assert main(["deploy", "kuberay", "--num-replicas", "1", "-tp", "2", "-pp", "2", "--gpus-per-node", "2",
                  "--model", "/models/llama", "--name", "llm", "-o", str(out)]) == 0
-    manifest = yaml.safe_load(out.read_text())
-    assert manifest["metadata"]["name"] == "llm"
+    docs = list(yaml.safe_load_all(out.read_text()))
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("Service", "llm-redis"), ("StatefulSet", "llm-redis"), ("RayService", "llm")]
+    manifest = ray_object(docs)
     [app] = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
     assert {k: app["args"][k] for k in ("model", "tensor_parallel_size", "pipeline_parallel_size", "num_replicas")} \
         == {"model": "/models/llama", "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_replicas": 1}
     assert manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] == 2
     if CRDS.is_dir():
-        assert _errors(_crd_validator(MANIFESTS["rayservice.yaml"]), manifest) == []
+        assert _manifest_errors(docs) == []
+    assert rule_violations(docs) == []
     assert main(["deploy", "kuberay", "-tp", "4", "--gpus-per-node", "2"]) == 2  # refused, with the reason
+    assert main(["deploy", "kuberay", "--redis-address", "redis:6379"]) == 2  # and a Redis without its password
 
 
 # ---- the ports every node opens ------------------------------------------------------------------------
@@ -347,9 +517,8 @@ def test_the_readmes_ray_start_commands_fix_the_agent_ports() -> None:
 
 
 def test_every_kuberay_group_fixes_the_agent_ports() -> None:
-    generated = deploy_cli.render("rayservice", deploy_cli.Layout(3, 4, 2, gpus_per_node=8, spare_gpus=1),
-                                  config_path=str(DEPLOY / "serve_config.yaml"))
-    manifests = {name: load(f"kuberay/{name}") for name in MANIFESTS} | {"generated": yaml.safe_load(generated)}
+    flags = ["--num-replicas", "3", "-tp", "4", "-pp", "2", "--gpus-per-node", "8", "--spare-gpus", "1"]
+    manifests = {name: load_kuberay(name) for name in MANIFESTS} | {"generated": ray_object(generated(flags))}
     assert deploy_cli.node_port_params() == {"metrics-export-port": "8080", "dashboard-agent-listen-port": "52365",
                                              "dashboard-agent-grpc-port": "8078", "runtime-env-agent-port": "8079"}
     for name, manifest in manifests.items():
@@ -398,7 +567,7 @@ def test_every_node_starts_with_haproxy_in_front_of_the_ingress() -> None:
         assert f"export {' '.join(pairs)};" in start, key
     readme = (DEPLOY / "README.md").read_text()
     assert f"export {' '.join(pairs)}\n" in readme
-    for name in MANIFESTS:
-        for _, group in _kuberay_groups(load(f"kuberay/{name}")):
+    for name, (docs, _) in _checked_manifests().items():
+        for _, group in _kuberay_groups(ray_object(docs)):
             [container] = group["template"]["spec"]["containers"]
-            assert {e["name"]: e["value"] for e in container["env"]} == NODE_ENV, name
+            assert {e["name"]: e.get("value") for e in container["env"]}.items() >= NODE_ENV.items(), name
