@@ -108,7 +108,7 @@ def register(subparsers: Any) -> None:
     s.add_argument("--gpu-toleration", action="append", default=None, metavar="KEY[=VALUE]:EFFECT",
                    help=f"a taint the GPU pods tolerate, EFFECT one of {', '.join(EFFECTS)} (repeatable; "
                         "default: nvidia.com/gpu:NoSchedule)")
-    k.set_defaults(func=_cmd_kuberay, parser=k)
+    k.set_defaults(func=_cmd_kuberay)
 
     c = sub.add_parser("serve-config", help="the Serve config for `serve deploy` on a GPU Ray cluster")
     c.add_argument("--config", default=None,
@@ -117,7 +117,7 @@ def register(subparsers: Any) -> None:
                    help="the groups' device: cuda makes Serve wait for GPU nodes that join late")
     c.add_argument("--model", default=None, help="the application's model (default: the config's)")
     c.add_argument("--output", "-o", default=None, help="write here (default: stdout)")
-    c.set_defaults(func=_cmd_serve_config, parser=c)
+    c.set_defaults(func=_cmd_serve_config)
 
 
 def kuberay_options(args: argparse.Namespace) -> KubeRayOptions:
