@@ -79,7 +79,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(("--speculative-config",), {
         "metavar": "JSON", "help": 'speculative decoding, as vLLM takes it: {"model": DRAFT, "num_speculative_tokens": '
                                    'K} or {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N} '
-                                   '(keys: workers/spec/speculative_config.py)'}),
+                                   '(keys: workers/speculative_config.py)'}),
     EngineFlag(("--speculative-model",), {"help": 'the draft model, or "ngram" (vLLM\'s older flag; '
                                                   'prefer --speculative-config)'}),
     EngineFlag(("--num-speculative-tokens",), {
@@ -197,7 +197,9 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's own signature
         namespace, rest = super().parse_known_args(args, namespace)
-        namespace.parser = self  # the innermost subcommand parsed last, so its parser stays
+        # The innermost subcommand's parser parses first (its namespace is copied out): it stays.
+        if getattr(namespace, "parser", None) is None:
+            namespace.parser = self
         return namespace, rest
 
 

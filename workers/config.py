@@ -296,7 +296,7 @@ class EngineConfig:
         """Build from flat vLLM-style keyword options; unknown names are a ValueError."""
         parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
         if options.get("speculative_config") is not None:
-            from tandem.workers.spec.speculative_config import speculative_options
+            from tandem.workers.speculative_config import speculative_options
 
             expanded = speculative_options(options["speculative_config"])
             both = sorted(key for key in expanded if options.get(key) is not None)

@@ -27,9 +27,11 @@ ALLOWED = {
 }
 # workers/ from the bottom up: a unit is a subpackage, or a module at the top of workers/.
 WORKER_LAYERS = (
+    ("speculative_config",),  # vLLM's speculative_config JSON, read into the options below
     ("config",),  # the engine's options
     ("kernels", "startup_heap", "device_peaks"),  # device fast paths and process-level helpers
     ("distributed",),  # process groups and collectives
+    ("structured",),  # grammars of structured outputs, and their token masks
     ("core",),  # requests, scheduler, KV blocks (no torch)
     ("text",),  # tokens to text
     ("model",),  # the model code

@@ -219,7 +219,8 @@ class Scheduler:
         time one nears its end."""
         steps = max_steps
         for req in scheduled:
-            if out.num_scheduled_tokens[req.request_id] != 1 or req.spec_token_ids or req.is_prefill:
+            if out.num_scheduled_tokens[req.request_id] != 1 or req.spec_token_ids or req.is_prefill \
+                    or req.sampling_params.shapes_logits:  # grammars and logit biases: the host sampler's
                 return 1
             steps = min(steps, req.max_model_len - req.num_tokens)
         if steps <= 1:

@@ -60,6 +60,9 @@ class SchedulerOutput:
     # the tokens the one before sampled; each request gets this many tokens back. Its KV slots
     # are allocated.
     num_steps: int = 1
+    # Structured outputs: per sequence with a grammar, [1 + drafts, words] int32 token bitmasks
+    # (workers/structured/request_grammars.py); the sampling rank applies the rows it scores.
+    token_masks: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

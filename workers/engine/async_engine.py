@@ -189,7 +189,18 @@ class AsyncEngine:
             stream.put(EngineDeadError(self.stalled_error))
             return
         self._pending[id(stream)] = stream
-        self._post(lambda: self._add(request_id, prompt, params, stream))
+        if params.structured is None:
+            self._post(lambda: self._add(request_id, prompt, params, stream))
+            return
+        # A grammar compiles on a worker thread (milliseconds for a schema, once per schema), so
+        # the step loop's own compile at add_request finds it compiled and no step waits for it.
+        compiled = asyncio.get_running_loop().run_in_executor(None, self.engine.compile_grammar, params.structured)
+
+        def queue(done: asyncio.Future) -> None:
+            done.exception()  # retrieved: add_request compiles again and hands the caller the same error
+            self._post(lambda: self._add(request_id, prompt, params, stream))
+
+        compiled.add_done_callback(queue)
 
     def fail_stalled(self, error: str) -> None:
         """The engine thread is stuck in a step (`step_running_for`): end every request now,

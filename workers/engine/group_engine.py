@@ -33,6 +33,9 @@ from tandem.workers.executor.uniproc import UniProcExecutor
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.spec.policy import SpeculationPolicy
 from tandem.workers.startup_heap import StartupHeap
+from tandem.workers.structured.grammar_cache import GrammarCompiler
+from tandem.workers.structured.request_grammars import RequestGrammars
+from tandem.workers.structured.spec import StructuredSpec
 from tandem.workers.text.output_processor import OutputProcessor, RequestState
 
 logger = logging.getLogger(__name__)
@@ -81,6 +84,7 @@ class GroupEngine:
         self._in_flight: deque[tuple[Any, PendingOutput, float]] = deque()
         self._failed_outputs: list[RequestOutput] = []
         self.startup_heap: StartupHeap | None = None  # frozen once the group is assembled (builder.py)
+        self._grammars: RequestGrammars | None = None  # made at the first request with a StructuredSpec
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -94,6 +98,8 @@ class GroupEngine:
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         validate_prompt(token_ids, params, self.prompt_limits)
+        if params.structured is not None:  # before anything is queued: a spec that cannot compile is refused
+            self.grammars.add([sequence_id(request_id, params.n, i) for i in range(params.n)], params.structured)
         state = self.outputs.new_state(request_id, text, token_ids, params)
         state.arrival_time = arrival = time.monotonic()
         self.states[request_id] = state
@@ -114,12 +120,29 @@ class GroupEngine:
         """End every sequence of a request still running (an abort, a failure); its last output."""
         metrics = request_metrics(state, self.scheduler)  # before the scheduler lets go of the sequences
         for seq in state.seqs:
-            self.scheduler.finish_request(sequence_id(state.request_id, state.params.n, seq.index), status)
+            seq_id = sequence_id(state.request_id, state.params.n, seq.index)
+            self.scheduler.finish_request(seq_id, status)
+            if self._grammars is not None:
+                self._grammars.remove(seq_id)
             self.outputs.finish(state, seq.index, status)
             self.counters.record_finished(seq.finish_reason)
         output = self.outputs.make_output(state)
         output.metrics = replace(metrics, finished_time=time.monotonic(), finish_reason=finish_reason)
         return output
+
+    @property
+    def grammars(self) -> RequestGrammars:
+        """The matchers of requests with a StructuredSpec, over this model's tokenizer."""
+        if self._grammars is None:
+            self._grammars = RequestGrammars(
+                GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, tuple(self.hf_config.eos_token_ids)),
+                max_rollback_tokens=self.config.speculative.num_speculative_tokens)
+        return self._grammars
+
+    def compile_grammar(self, spec: StructuredSpec) -> None:
+        """Compile `spec` now (thread-safe; AsyncEngine calls it off the step loop, so the step
+        loop's own compile at add_request is a lookup). ValueError when it cannot compile."""
+        self.grammars.compiler.compile(spec)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states) or bool(self._in_flight)
@@ -172,10 +195,14 @@ class GroupEngine:
             if candidates:
                 self.proposer.propose(candidates)
                 self.spec_policy.stats.num_steps_with_drafts += 1
+                if self._grammars:
+                    self._grammars.trim_drafts(candidates)
         # EngineConfig allows several passes only with the model in this process and no drafts.
         sched_out = self.scheduler.schedule(ahead, self.config.scheduler.num_scheduler_steps, num_ahead)
         if not sched_out.has_work:
             return
+        if self._grammars:
+            sched_out.token_masks = self._grammars.masks(sched_out.num_scheduled_tokens, sched_out.spec_token_ids)
         started = time.perf_counter()
         try:
             pending = self.executor.execute_async(sched_out)
@@ -210,7 +237,23 @@ class GroupEngine:
             state = self.states.get(req.parent_id) if req is not None and req.index == 0 else None
             if state is not None:
                 self.outputs.add_prompt_logprobs(state, first, entries)
-        return self.scheduler.update(sched_out, result)
+        updates = self.scheduler.update(sched_out, result)
+        if self._grammars:
+            self._advance_grammars(updates)
+        return updates
+
+    def _advance_grammars(self, updates: list[StepUpdate]) -> None:
+        """Each grammar sequence's matcher takes the tokens the scheduler kept, before the next
+        step's masks are made; a grammar that is complete ends its sequence (even with
+        ignore_eos: nothing more can match)."""
+        for update in updates:
+            req = update.request
+            if req.request_id not in self._grammars:
+                continue
+            if self._grammars.accept(req.request_id, update.new_token_ids) and not req.status.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.status.is_finished:
+                self._grammars.remove(req.request_id)
 
     def _emit(self, updates: list[StepUpdate]) -> list[RequestOutput]:
         """Text, stop strings and outputs of a finished step's tokens."""

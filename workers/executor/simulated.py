@@ -33,6 +33,7 @@ from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, Sc
 from tandem.workers.executor.abstract import InProcess
 from tandem.workers.model.cost import ModelCost
 from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.structured.bitmask import allowed_tokens
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -172,6 +173,10 @@ class SimulatedExecutor(InProcess):
                 logprobs.append(None)
                 continue
             token = self.token(req.key, req.num_tokens - num_prompt)
+            mask = step.token_masks.get(req_id)
+            if mask is not None:  # a grammar's: the same hash, over the tokens it allows
+                allowed = allowed_tokens(mask[:1], self.vocab_size, torch.device("cpu"))[0].nonzero()[:, 0].tolist()
+                token = allowed[splitmix64(req.key + (req.num_tokens - num_prompt + 1) * _GOLDEN) % len(allowed)]
             sampled.append([token])
             logprobs.append(None if params.logprobs is None else [self.logprobs_entry(token, params.logprobs)])
         return RunnerOutput(req_ids, sampled, logprobs, prompt_logprobs=prompt_logprobs), computed
@@ -182,8 +187,8 @@ class SimulatedExecutor(InProcess):
         ahead (ModelRunner.launch_batch): every scored one when the step is all plain greedy
         with no prompt logprobs, or all decodes without penalties; otherwise none."""
         scored = [req_id for req_id, tokens in zip(output.req_ids, output.sampled_token_ids) if tokens]
-        if not scored:
-            return None
+        if not scored or step.token_masks or any(self.requests[r].params.logit_bias for r in scored):
+            return None  # grammars and logit biases are sampled on the host
         params = {req_id: self.requests[req_id].params for req_id in scored}
         greedy = not output.prompt_logprobs and all(
             p.is_greedy and not p.needs_penalties and p.logprobs is None

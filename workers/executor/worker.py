@@ -190,7 +190,8 @@ def split_micro_batches(step: SchedulerOutput, num: int) -> list[SchedulerOutput
             new_requests=[r for r in step.new_requests if r.req_id in ids],
             cached_requests=[r for r in step.cached_requests if r.req_id in ids],
             num_scheduled_tokens={r: step.num_scheduled_tokens[r] for r in group},
-            spec_token_ids={r: d for r, d in step.spec_token_ids.items() if r in ids}))
+            spec_token_ids={r: d for r, d in step.spec_token_ids.items() if r in ids},
+            token_masks={r: m for r, m in step.token_masks.items() if r in ids}))
     return batches
 
 

@@ -264,7 +264,8 @@ class ModelRunner:
         prompt_logprobs = self.prompt_logprobs(inputs, hidden)
         if self.ctx.tp_rank != 0:
             return None
-        pending = self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs, plain_greedy)
+        pending = self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs, plain_greedy,
+                                           out.token_masks)
         where: dict[str, int] = {}
         if pending.device_tokens is not None:  # a step may be scheduled ahead on them: where each is
             index = 0
@@ -282,10 +283,12 @@ class ModelRunner:
         device and the tokens stay there, so the next step can be scheduled ahead of them
         rather than after the host sampler's synchronous copy. In one process only (TP and PP
         groups sample on the host)."""
-        if inputs.meta.prefills or out.spec_token_ids:
-            return False
+        if inputs.meta.prefills or out.spec_token_ids or out.token_masks:
+            return False  # grammar rows (token_masks) and logit biases are the host sampler's work
         for group in (out.cached_requests, out.new_requests):
             for r in group:
+                if self.states[r.req_id].sampling_params.logit_bias:
+                    return False
                 if r.num_computed_tokens < len(self.states[r.req_id].prompt_token_ids):
                     return False  # the prompt's last token (it may score prompt logprobs)
         return True

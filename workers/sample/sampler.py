@@ -147,13 +147,15 @@ class Sampler:
         """Each row's next token."""
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if not sampled and not any(r.suppress_token_ids or r.params.needs_penalties for r in rows):
+        if not sampled and not any(r.suppress_token_ids or r.params.needs_penalties or r.params.logit_bias
+                                   for r in rows):
             # Plain greedy, the common case: nothing modifies the logits, so no copy of them.
             return argmax_rows(logits.float())
         # Work on a float32 copy: the caller's logits stay raw for the logprobs (and for anyone
         # else holding them), and bf16/fp16 lose too much precision for the filters.
         x = logits.to(torch.float32, copy=True)
         self._suppress(x, rows)
+        self._apply_logit_bias(x, rows)
         self._apply_penalties(x, rows)
 
         device = x.device
@@ -174,6 +176,7 @@ class Sampler:
         """
         x = logits.to(torch.float32, copy=True)
         self._suppress(x, rows)
+        self._apply_logit_bias(x, rows)
         self._apply_penalties(x, rows)
         out = torch.empty_like(x)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
@@ -199,6 +202,18 @@ class Sampler:
         if pairs:
             r_idx, c_idx = zip(*pairs)
             x[torch.tensor(r_idx, device=x.device), torch.tensor(c_idx, device=x.device)] = float("-inf")
+
+    @staticmethod
+    def _apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """OpenAI's logit_bias: each listed token's logit moved by its bias (ids past the
+        vocabulary were refused at the ingress; here they are skipped)."""
+        vocab = x.shape[-1]
+        pairs = [(i, t, b) for i, r in enumerate(rows) if r.params.logit_bias
+                 for t, b in r.params.logit_bias.items() if t < vocab]
+        if pairs:
+            r_idx, c_idx, bias = zip(*pairs)
+            x.index_put_((torch.tensor(r_idx, device=x.device), torch.tensor(c_idx, device=x.device)),
+                         torch.tensor(bias, dtype=x.dtype, device=x.device), accumulate=True)
 
     @staticmethod
     def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -31,6 +31,7 @@ from tandem.workers.sample.sampler import (
     logprob_entry,
     suppressed_ids,
 )
+from tandem.workers.structured.bitmask import apply_token_masks
 
 
 class SampledRequest(Protocol):
@@ -56,12 +57,15 @@ class StepSampler:
 
     def sample(self, inputs: ScoredStep, logits: torch.Tensor | None, states: dict[str, SampledRequest],
                prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]],
-               plain_greedy: bool | None = None) -> PendingOutput:
+               plain_greedy: bool | None = None, token_masks: dict[str, torch.Tensor] | None = None) -> PendingOutput:
         """logits: [scored rows, vocab], the rows of `inputs.logits_rows` flattened in order;
-        `plain_greedy`: `all_plain_greedy` of the step, if the caller has it already."""
+        `plain_greedy`: `all_plain_greedy` of the step, if the caller has it already;
+        `token_masks`: grammar rows' bitmasks (SchedulerOutput.token_masks)."""
         if logits is None:
             return PendingOutput.done(RunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids],
                                                    [None] * len(inputs.req_ids), prompt_logprobs=prompt_logprobs))
+        if token_masks:
+            self._mask(inputs, logits, token_masks)
         if plain_greedy is None:
             plain_greedy = self.all_plain_greedy(inputs, states)
         if not prompt_logprobs and plain_greedy:
@@ -69,10 +73,12 @@ class StepSampler:
         rows: list[SamplingRow] = []
         for req_id, idx, draft in zip(inputs.req_ids, inputs.logits_rows, inputs.drafts):
             state = states[req_id]
+            # A grammar decides where its output ends: min_tokens never holds it open.
+            grammar = req_id in (token_masks or ())
             for j in range(len(idx)):
                 outputs = state.output_token_ids + draft[:j]
-                rows.append(SamplingRow(state.sampling_params, state.prompt_token_ids, outputs,
-                                        suppressed_ids(state.sampling_params, len(outputs), self.eos_token_ids)))
+                suppress = () if grammar else suppressed_ids(state.sampling_params, len(outputs), self.eos_token_ids)
+                rows.append(SamplingRow(state.sampling_params, state.prompt_token_ids, outputs, suppress))
         result = self.sampler(logits, rows)
         return PendingOutput.done(self._assemble(inputs, result.token_ids, result.logprobs, logits, rows,
                                                  prompt_logprobs))
@@ -85,10 +91,27 @@ class StepSampler:
                 continue
             state = states[req_id]
             p = state.sampling_params
-            if not p.is_greedy or p.needs_penalties or p.logprobs is not None or \
+            if not p.is_greedy or p.needs_penalties or p.logprobs is not None or p.shapes_logits or \
                     len(state.output_token_ids) < p.min_tokens:
                 return False
         return True
+
+    @staticmethod
+    def _mask(inputs: ScoredStep, logits: torch.Tensor, token_masks: dict[str, torch.Tensor]) -> None:
+        """Grammar rows' disallowed tokens -inf, in place, before anything reads the logits: the
+        sampled token, a draft's verification and the logprobs all see the grammar (vLLM's
+        logprobs do too)."""
+        rows: list[int] = []
+        masks: list[torch.Tensor] = []
+        k = 0
+        for req_id, idx in zip(inputs.req_ids, inputs.logits_rows):
+            mask = token_masks.get(req_id)
+            if mask is not None and idx:
+                rows.extend(range(k, k + len(idx)))
+                masks.append(mask[:len(idx)])
+            k += len(idx)
+        if rows:
+            apply_token_masks(logits, rows, torch.cat(masks))
 
     def _greedy_async(self, inputs: ScoredStep, logits: torch.Tensor) -> PendingOutput:
         tokens = argmax_rows(logits)  # ties -> lowest id, as the sampler's greedy rows

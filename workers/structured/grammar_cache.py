@@ -20,6 +20,7 @@ from typing import Any
 from tandem.workers.structured.spec import StructuredSpec
 
 SEPARATORS = (", ", ": ")
+MAX_COMPILED = 512  # grammars kept compiled per process (xgrammar's own cache keeps what it compiled too)
 
 
 class GrammarCompiler:
@@ -36,14 +37,24 @@ class GrammarCompiler:
         self.stop_token_ids = tuple(info.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True)
         self._lock = threading.Lock()
+        self._compiled: dict[StructuredSpec, Any] = {}
 
     def compile(self, spec: StructuredSpec) -> Any:
-        """The compiled grammar; ValueError saying why a spec cannot compile."""
+        """The compiled grammar; ValueError saying why a spec cannot compile. A spec compiled
+        before is a dictionary read, with no lock: the engine thread asks again for what a
+        worker thread compiled ahead of it (AsyncEngine), and never waits for another compile."""
+        compiled = self._compiled.get(spec)
+        if compiled is not None:
+            return compiled
         try:
             with self._lock:  # one compile at a time: each may use the compiler's threads
-                return self._compile(spec)
+                compiled = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"the {_NAMES[spec.kind]} cannot be compiled: {_reason(exc)}") from None
+        if len(self._compiled) >= MAX_COMPILED:
+            self._compiled.pop(next(iter(self._compiled)), None)  # the oldest
+        self._compiled[spec] = compiled
+        return compiled
 
     def _compile(self, spec: StructuredSpec) -> Any:
         c = self._compiler
@@ -54,10 +65,9 @@ class GrammarCompiler:
                 raise ValueError(f"not JSON ({exc})") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema is an object")
-            return c.compile_json_schema(spec.value, any_whitespace=False, separators=SEPARATORS, strict_mode=True)
+            return c.compile_grammar(_json_grammar(self._xgr, spec.value, strict=True))
         if spec.kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=SEPARATORS,
-                                         strict_mode=False)
+            return c.compile_grammar(_json_grammar(self._xgr, '{"type": "object"}', strict=False))
         if spec.kind == "regex":
             return c.compile_regex(spec.value)
         if spec.kind == "choice":
@@ -76,6 +86,20 @@ class GrammarCompiler:
         matcher.fill_next_token_bitmask(mask)
         if not bool(mask.any()):
             raise ValueError(f"the {_NAMES[spec.kind]} admits no output")
+
+
+# A string character in xgrammar's rule for length-bounded strings, which admits raw control
+# characters, and the same class without them. RFC 8259 forbids U+0000-U+001F unescaped in a
+# string (xgrammar's unbounded strings exclude them too): a strict parser (Python's json,
+# pydantic) would refuse output that contained one.
+_LOOSE_CHAR = r'[^\"\\\r\n]'
+_JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _json_grammar(xgr: Any, schema: str, strict: bool) -> str:
+    """The EBNF of a JSON schema, compact (", " and ": "), strings free of control characters."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS, strict_mode=strict)
+    return str(grammar).replace(_LOOSE_CHAR, _JSON_CHAR)
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list",
