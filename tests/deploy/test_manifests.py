@@ -571,3 +571,12 @@ def test_every_node_starts_with_haproxy_in_front_of_the_ingress() -> None:
         for _, group in _kuberay_groups(ray_object(docs)):
             [container] = group["template"]["spec"]["containers"]
             assert {e["name"]: e.get("value") for e in container["env"]}.items() >= NODE_ENV.items(), name
+
+
+def test_the_image_copies_every_folder_the_package_installs_from() -> None:
+    import tomllib
+
+    folders = {path.split("/")[0] for path in
+               tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()}
+    copied = set(re.findall(r"(?m)^COPY --chown=\S+ (\w+) \1$", (DEPLOY / "Dockerfile").read_text()))
+    assert sorted(folders - copied) == []
