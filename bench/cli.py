@@ -26,6 +26,7 @@ HELP = {
     "overlap": "tensor-parallel compute/communication overlap (two ranks on this machine)",
     "serve": "load test an OpenAI-compatible server (TTFT, TPOT, goodput)",
     "spec": "speculative decoding: per-token speedup, cost at saturation",
+    "structured": "structured outputs: time per output token with a JSON schema enforced vs without",
     "prefix": "prefix-aware vs load-only routing: TTFT, cache hits, overhead",
     "soak": "overload and faults while serving: nothing lost, nothing leaked, goodput and recovery",
     "observability": "what metrics and tracing cost a server: throughput and CPU per token, both on vs both off",
@@ -107,6 +108,11 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
     _add_repeats(p, "batch-1 prompts to take the median over; default 9, --quick 5")
     _add_idle_wait(p)
     p.set_defaults(func=commands.bench_spec)
+
+    p = _parser(sub, "structured", hooks, model="local model directory (default: built-in benchmark model)")
+    _add_repeats(p, "default 5; --quick 3")
+    _add_idle_wait(p)
+    p.set_defaults(func=partial(commands.bench_structured, hooks))
 
     p = _parser(sub, "prefix", hooks, model="local model directory to serve (default: built-in benchmark model)",
                 kv_cache_memory="bytes of KV cache per group (default: --cache-requests whole requests)")

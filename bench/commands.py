@@ -158,6 +158,20 @@ def bench_spec(args: argparse.Namespace) -> int:
     return _finish(args, figures, None)
 
 
+def bench_structured(hooks: RouterHooks, args: argparse.Namespace) -> int:
+    from tandem.bench import report, structured
+    from tandem.bench.systems import check_model_choice, pick_model_dir
+
+    options = hooks.engine_options(args)
+    model = options.pop("model", None)
+    check_model_choice(model, args.bench_model)
+    model = pick_model_dir(model, args.bench_model) if model or args.bench_model else None
+    figures = _measured(lambda: structured.run_structured_bench(
+        model, args.quick, args.repeats, engine_options=options, idle_wait_s=args.idle_wait), in_process=True)
+    report.print_table("tandem bench structured", structured.table_rows(figures))
+    return _finish(args, figures, None)
+
+
 def bench_prefix(hooks: RouterHooks, args: argparse.Namespace) -> int:
     from tandem.bench import report
     from tandem.bench.prefix import run_prefix_bench

@@ -36,6 +36,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "recovery_s_max": ("<=", 30.0),
     "observability_throughput_ratio": (">=", 0.98),
     "telemetry_cpu_share": ("<=", 0.02),
+    "structured_tpot_ratio_b1": ("<=", 1.05),
+    "structured_tpot_ratio_b32": ("<=", 1.10),
     # One GPU, bf16, --bench-model llama-1b.
     "tpot_ratio_vs_hf_compiled": ("<=", 0.7),
     "gpu_busy": (">=", 0.85),

@@ -86,9 +86,10 @@ def next_run_ids(num: int) -> list[str]:
 
 
 def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", record_inputs: bool = False,
-               show_progress: bool = True, temperature: float = 0.0) -> TandemRun:
+               show_progress: bool = True, temperature: float = 0.0, structured: Any = None) -> TandemRun:
     """Run `requests` with ignore_eos to their exact output lengths: greedily, or sampled
-    (unseeded) at `temperature`."""
+    (unseeded) at `temperature`; `structured`: a StructuredSpec every request's output follows
+    (one that no output of that length completes, so the lengths stay exact)."""
     engine = llm.engine
     assert not engine.has_unfinished_requests(), "the engine must be idle"
     engine.pool.reset_prefix_cache()  # repeats of a request set must not hit each other's prefixes
@@ -103,7 +104,7 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
         for request_id, req in zip(ids, requests):
             # As LLM.generate asks: one output per request, when it finishes.
             params = SamplingParams(temperature=temperature, max_tokens=req.output_len, ignore_eos=True,
-                                    output_kind="final")
+                                    output_kind="final", structured=structured)
             engine.add_request(request_id, {"prompt_token_ids": req.prompt_token_ids}, params)
         while engine.has_unfinished_requests():
             capture.last = None

@@ -25,6 +25,9 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tens
     if not rows:
         return
     vocab = logits.shape[-1]
-    allowed = allowed_tokens(bitmask, vocab, logits.device)
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    refused = ~allowed_tokens(bitmask, vocab, logits.device)
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        logits.masked_fill_(refused, float("-inf"))  # every row (one launch)
+        return
+    for i, row in enumerate(rows):  # in place row by row: no gather and scatter of the whole batch
+        logits[row].masked_fill_(refused[i], float("-inf"))
