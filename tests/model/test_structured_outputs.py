@@ -71,15 +71,20 @@ def hf_constrained(model, compiler: GrammarCompiler, eos: list[int], prompt: lis
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module")
-def references(llama_dir: str) -> dict[str, list[list[int]]]:
+def transformers_references(model_dir: str, kinds: tuple[str, ...] = tuple(SPECS)) -> dict[str, list[list[int]]]:
+    """transformers' greedy output for PROMPTS under each of SPECS' grammars."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
-    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(llama_dir), model.config.vocab_size, tuple(eos))
-    return {kind: [hf_constrained(model, compiler, eos, p, spec) for p in PROMPTS] for kind, spec in SPECS.items()}
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(model_dir), model.config.vocab_size, tuple(eos))
+    return {kind: [hf_constrained(model, compiler, eos, p, SPECS[kind]) for p in PROMPTS] for kind in kinds}
+
+
+@pytest.fixture(scope="module")
+def references(llama_dir: str) -> dict[str, list[list[int]]]:
+    return transformers_references(llama_dir)
 
 
 def _generate(llm: LLM, spec: StructuredSpec, **params) -> list:
