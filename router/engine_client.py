@@ -30,6 +30,7 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from tandem.router import tracing
+from tandem.router.grammar_check import GrammarCheck
 from tandem.router.group_channels import ChannelLost, ChannelStream, GroupChannels
 from tandem.router.text_work import TextWork
 from tandem.workers.core.request import SamplingParams
@@ -103,16 +104,18 @@ async def _watch(response: Any, stream: ChannelStream, group_id: str) -> None:
 class EngineClient:
     def __init__(self, handle, *, tokenizer, model_name: str, max_model_len: int, vocab_size: int,
                  group_deployment: str = "GroupServer", channels: bool = True,
-                 max_chunks_per_s: float = 0.0, request_timeout_s: float | None = None) -> None:
+                 max_chunks_per_s: float = 0.0, request_timeout_s: float | None = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         """`channels`: streamed requests' deltas come over one channel per group (group_channels.py),
         their streams sharing `max_chunks_per_s` (0: no bound); False: each over its own call,
         one Ray message per delta. `request_timeout_s`: the deadline of a request that sets
-        none of its own (None: none)."""
+        none of its own (None: none). `eos_token_ids`: the model's, where a grammar may end."""
         self.request_timeout_s = request_timeout_s
         self._handle = handle.options(stream=True)
         self.channels = GroupChannels(self._handle, max_chunks_per_s) if channels else None
         self.tokenizer = tokenizer
         self.text = TextWork(tokenizer, max_model_len)  # tokenizing off the event loop
+        self.grammar = GrammarCheck(self.text, vocab_size, eos_token_ids)  # structured outputs, compiled here first
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -135,6 +138,9 @@ class EngineClient:
         that answers only at the end (a non-streaming request), which then costs the group no
         output, and Ray no message, per token."""
         validate_prompt(prompt_token_ids, params, self.prompt_limits, field)
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in this model's vocabulary "
+                             f"(its ids are below {self.vocab_size})")
         return GroupRequest(request_id, list(prompt_token_ids), params, final_only=final_only)
 
     async def stream(self, request: GroupRequest, deadline: float | None = None) -> AsyncIterator[GroupDelta]:

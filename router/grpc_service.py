@@ -12,8 +12,10 @@ What it raises is always an `RpcError` (code and details in its args): Serve pic
 exception to the proxy, and one the proxy cannot unpickle becomes INTERNAL whatever the code.
 Admission (admission.py) runs before the prompt is tokenized: RESOURCE_EXHAUSTED when the
 groups are full, UNAVAILABLE when none is up, both with `retry-after` trailing metadata
-(seconds; Serve's proxy sends it for unary calls only, a failed stream's is dropped). An
-unexpected error is INTERNAL with an id; its traceback goes to the log only.
+(seconds; Serve's proxy sends it for unary calls only, a failed stream's is dropped). A
+structured-output spec (SamplingParams' `structured` oneof) is compiled at the ingress before
+any group sees it, as over HTTP: one that cannot compile is INVALID_ARGUMENT naming the field.
+An unexpected error is INTERNAL with an id; its traceback goes to the log only.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tandem.router.limits import RequestLimits, check_stop_counts
 from tandem.router.tracing import traced_rpc
 from tandem.workers.core.request import CompletionOutput, Logprob, PositionLogprobs, SamplingParams
 from tandem.workers.serving.messages import GroupDelta, GroupRequest
+from tandem.workers.structured.spec import StructuredSpec
 
 if TYPE_CHECKING:
     from ray.serve.grpc_util import RayServegRPCContext
@@ -192,7 +195,12 @@ class GrpcMethods:
         # the responses, so two requests with the same one (or one like another's sample id,
         # "x#1") never touch each other.
         request_id = f"grpc-{uuid.uuid4().hex}"
-        return self.client.request(request_id, token_ids, sampling_from_proto(request.sampling), final_only=final_only)
+        group_request = self.client.request(request_id, token_ids, sampling_from_proto(request.sampling),
+                                            final_only=final_only)
+        spec = group_request.sampling.structured
+        if spec is not None:  # compiled before any group sees it, as over HTTP
+            await self.client.grammar.check(spec, request.sampling.WhichOneof("structured"))
+        return group_request
 
 
 def _deadline(request: pb.GenerateRequest) -> float | None:
@@ -216,7 +224,29 @@ def sampling_from_proto(proto: pb.SamplingParams) -> SamplingParams:
         sampling["ignore_eos"] = True
     if proto.include_stop_str_in_output:
         sampling["include_stop_str_in_output"] = True
+    structured = structured_from_proto(proto)
+    if structured is not None:
+        sampling["structured"] = structured
+    if proto.logit_bias:
+        sampling["logit_bias"] = dict(proto.logit_bias)
     return sampling_params(sampling)
+
+
+def structured_from_proto(proto: pb.SamplingParams) -> StructuredSpec | None:
+    """The spec the `structured` oneof sets (None: none, or json_object false); ValueError names the field."""
+    kind = proto.WhichOneof("structured")
+    if kind is None or (kind == "json_object" and not proto.json_object):
+        return None
+    try:
+        if kind == "json_schema":
+            return StructuredSpec("json", proto.json_schema)
+        if kind == "json_object":
+            return StructuredSpec("json_object")
+        if kind == "choice":
+            return StructuredSpec.choice(list(proto.choice.choices))
+        return StructuredSpec(kind, getattr(proto, kind))
+    except ValueError as exc:
+        raise ValueError(f"{kind}: {str(exc).removeprefix('structured output: ')}") from None
 
 
 # ---- proto building ---------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
     GET  /v1/models             the served model
     POST /v1/completions        prompts (strings, token ids, lists of either)
     POST /v1/chat/completions   messages through the model's chat template
+    POST /tokenize              a prompt's or a chat's tokens; POST /detokenize: tokens' text
+                                (vLLM's; tokenization.py)
     GET  /health                readiness: 200 while a replica group serves, 503 when none can
     GET  /live                  liveness: 200 while this ingress replica answers
     GET  /admin/kv              KV blocks held now, per group and in the allocator (kv_report.py)
@@ -13,7 +15,10 @@ context), 401 for a missing or wrong API key, 404 for an unknown model, 413 / 41
 body too large or not JSON (limits.py), 429 when the groups are full and 503 when none can
 serve (both with Retry-After; admission.py sheds before any tokenizing), and a bare 500
 with an id for anything unexpected (errors.py). The request is tokenized and validated
-here, so a bad one never reaches a group. The `x-tandem-groups` response header names the
+here, so a bad one never reaches a group: that includes a structured-output spec, compiled
+here first (grammar_check.py). OpenAI fields tandem does not do are refused by name
+(request_fields.py); fields no API defines are ignored with one log line per request. The
+`x-tandem-groups` response header names the
 replica group(s) serving the response.
 A request whose own `timeout` passes is aborted (its KV freed) and answered 408; one
 whose group fails mid-way ends with a 503 (an SSE error event once streaming began).
@@ -28,7 +33,7 @@ whose group fails mid-way ends with a 503 (an SSE error event once streaming beg
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -55,7 +60,9 @@ from tandem.router.protocol import (
     ModelList,
     OpenAIError,
 )
+from tandem.router.request_fields import refuse_unsupported, unknown_fields
 from tandem.router.streams import DONE, sse
+from tandem.router.tokenization import DetokenizeRequest, TokenizationServing, tokenize_request_model
 from tandem.router.tracing import TracingMiddleware
 from tandem.workers.serving import tracer
 
@@ -131,7 +138,8 @@ class OpenAIIngress(GrpcMethods):
             group, tokenizer=tokenizer, model_name=config["served_model_name"],
             max_model_len=config.get("max_model_len") or hf_config.max_position_embeddings,
             vocab_size=hf_config.vocab_size, channels=config.get("stream_channels", True),
-            max_chunks_per_s=config.get("max_chunks_per_s", 0.0), request_timeout_s=config.get("request_timeout_s"))
+            max_chunks_per_s=config.get("max_chunks_per_s", 0.0), request_timeout_s=config.get("request_timeout_s"),
+            eos_token_ids=hf_config.eos_token_ids)
         self.api_key = config.get("api_key_sha256")  # the key's digest (router/api_key.py)
         if self.api_key is None:
             logger.warning("tandem: no API key: whoever reaches this server's HTTP and gRPC ports may use it")
@@ -143,6 +151,7 @@ class OpenAIIngress(GrpcMethods):
         self.created = int(time.time())
         self.completions = CompletionServing(self.client)
         self.chat = ChatServing(self.client)
+        self.tokenization = TokenizationServing(self.client)
 
     def __del__(self) -> None:
         tracer.flush_on_stop(timeout_s=5.0)  # a graceful stop: the last spans still batched go out
@@ -193,6 +202,23 @@ class OpenAIIngress(GrpcMethods):
         return await self._respond(self.chat.create, req, self._sequences(req.n, 1, req.top_logprobs, "top_logprobs"),
                                    req.n)
 
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        # No group is involved: no admission ticket, the key and the body bounds only.
+        req = await self._parse(request, tokenize_request_model)
+        try:
+            return JSONResponse((await self.tokenization.tokenize(req)).model_dump())
+        except ValueError as exc:
+            raise OpenAIError.bad_request(exc) from None
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        req = await self._parse(request, DetokenizeRequest)
+        try:
+            return JSONResponse((await self.tokenization.detokenize(req)).model_dump())
+        except ValueError as exc:
+            raise OpenAIError.bad_request(exc) from None
+
     # ---- helpers -------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -202,9 +228,17 @@ class OpenAIIngress(GrpcMethods):
             raise OpenAIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                               code="invalid_api_key")
 
-    async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
+    async def _parse(self, request: Request, model: type[BaseModel] | Callable[[dict], type[BaseModel]]) -> Any:
+        """The body as `model` (or as the model `model(body)` picks): fields tandem does not do
+        refused by name, fields no API defines logged once and ignored."""
         self._authorize(request)
         body = await read_json_object(request, self.limits, self.body_budget)
+        if not isinstance(model, type):
+            model = model(body)
+        refuse_unsupported(body, model)
+        unknown = unknown_fields(body, model)
+        if unknown:
+            logger.warning("%s: ignored fields that no API defines: %s", request.url.path, ", ".join(unknown))
         try:
             req = model.model_validate(body)
         except ValidationError as exc:
@@ -238,6 +272,9 @@ class OpenAIIngress(GrpcMethods):
         ticket = await self._admit(cost, one_group)
         streaming = False
         try:
+            source = req.structured_source
+            if source is not None:  # compiled before any group sees it: a bad spec is a 400 now
+                await self.client.grammar.check(source.spec, source.field)
             reply = await create(req)
             streaming = not isinstance(reply.body, BaseModel)
         except ValueError as exc:

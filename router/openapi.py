@@ -25,6 +25,13 @@ from tandem.router.protocol import (
     Health,
     ModelList,
 )
+from tandem.router.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {
@@ -38,6 +45,8 @@ _ERRORS = {
     "500": "an internal error (its id is in the server log)",
     "503": "no replica group can serve now: retry after Retry-After seconds",
 }
+# /tokenize and /detokenize involve no group: none of the generation routes' waits or deadlines.
+_TOKENIZATION_ERRORS = ("400", "401", "404", "413", "415", "429", "500")
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "required": True,
                                 "schema": {"type": "integer", "minimum": 0}}}
 
@@ -47,13 +56,20 @@ def openapi_document(title: str = "tandem", version: str = "0.1.0") -> dict[str,
         (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
         (CompletionResponse, "serialization"), (ChatCompletionResponse, "serialization"),
         (ChatCompletionChunk, "serialization"), (ModelList, "serialization"), (ErrorResponse, "serialization"),
-        (Health, "serialization")]
+        (Health, "serialization"), (TokenizeCompletionRequest, "validation"), (TokenizeChatRequest, "validation"),
+        (TokenizeResponse, "serialization"), (DetokenizeRequest, "validation"), (DetokenizeResponse, "serialization")]
     _, top = models_json_schema(models, ref_template=_REF)
     paths = {
         "/v1/completions": {"post": _generation("Create a completion", "CompletionRequest", "CompletionResponse",
                                                 "CompletionResponse")},
         "/v1/chat/completions": {"post": _generation("Create a chat completion", "ChatCompletionRequest",
                                                      "ChatCompletionResponse", "ChatCompletionChunk")},
+        "/tokenize": {"post": _tokenization(
+            "A prompt's tokens, or a chat's as its template renders it (vLLM's)", "tokenize",
+            {"anyOf": [{"$ref": _REF.format(model="TokenizeCompletionRequest")},
+                       {"$ref": _REF.format(model="TokenizeChatRequest")}]}, "TokenizeResponse")},
+        "/detokenize": {"post": _tokenization("Tokens' text (vLLM's)", "detokenize",
+                                              {"$ref": _REF.format(model="DetokenizeRequest")}, "DetokenizeResponse")},
         "/v1/models": {"get": {"summary": "The served model", "operationId": "listModels",
                                "responses": {"200": _json("the served model", "ModelList"),
                                              "401": _json(_ERRORS["401"], "ErrorResponse")}}},
@@ -83,6 +99,17 @@ def _generation(summary: str, request: str, response: str, chunk: str) -> dict[s
     return {"summary": summary, "operationId": request[0].lower() + request[1:].removesuffix("Request"),
             "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(
                 model=request)}}}},
+            "responses": responses}
+
+
+def _tokenization(summary: str, operation_id: str, request_schema: dict[str, Any], response: str) -> dict[str, Any]:
+    responses: dict[str, Any] = {"200": _json("the answer", response)}
+    for status in _TOKENIZATION_ERRORS:
+        responses[status] = _json(_ERRORS[status], "ErrorResponse")
+        if status == "429":  # the body budget (body_budget.py)
+            responses[status]["headers"] = _RETRY_AFTER
+    return {"summary": summary, "operationId": operation_id,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}},
             "responses": responses}
 
 

@@ -1,8 +1,11 @@
 """OpenAI-compatible request, response and error bodies (pydantic: the HTTP boundary only).
 
 Requests are parsed strictly (a string where a number belongs is a 400, not a silent
-conversion) and unknown fields are ignored, as vLLM does. Ranges that OpenAI documents
-are checked here; everything else is checked by `SamplingParams` behind the ingress.
+conversion). OpenAI's (and vLLM's) fields that tandem does not do are refused by name
+(request_fields.py); fields no API defines are ignored, as vLLM does, with a log line.
+Ranges that OpenAI documents are checked here; everything else is checked by
+`SamplingParams` behind the ingress. Structured outputs and logit_bias are
+output_constraints.py's.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tandem.router.output_constraints import OutputConstraints
 from tandem.workers.core.request import REPETITION_PENALTY_RANGE
 
 MAX_N = 128
@@ -46,9 +50,11 @@ StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 # ---- requests ------------------------------------------------------------------------------------
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # tandem pads no streamed chunk: false (or nothing) is what it does; true is refused.
+    include_obfuscation: Literal[False] | None = None
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(_Strict, OutputConstraints):
     """Fields both APIs share (OpenAI's plus the vLLM extensions tandem supports)."""
 
     model: str | None = None
@@ -65,6 +71,8 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -74,7 +82,10 @@ class _SamplingRequest(_Strict):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The `SamplingParams` keyword arguments this request sets (unset ones keep defaults)."""
-        kwargs: dict[str, Any] = {"n": self.n, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
+        kwargs: dict[str, Any] = {"n": self.n, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+                                  "skip_special_tokens": self.skip_special_tokens,
+                                  "include_stop_str_in_output": self.include_stop_str_in_output,
+                                  **self.constraint_kwargs()}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "seed", "stop", "stop_token_ids"):
             value = getattr(self, name)

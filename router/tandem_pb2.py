@@ -24,43 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/router/tandem.proto\x12\ttandem.v1\"\xf4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x11\n\x04seed\x18\t \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x04\n\x02_nB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc7\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x14\n\x07timeout\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06promptB\n\n\x08_timeout\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"{\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12+\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xba\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x42\r\n\x0bstop_reason\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"~\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.tandem.v1.Completion\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x96\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.tandem.v1.Completion\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"f\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\x12\n\x10ModelInfoRequest\"M\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t2\xec\x02\n\x06Tandem\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.tandem.v1.GenerateRequest\x1a!.tandem.v1.GenerateStreamResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12\x46\n\tModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x1c.tandem.v1.ModelInfoResponse\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/router/tandem.proto\x12\ttandem.v1\"\xea\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x06 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x11\n\x04seed\x18\t \x01(\x03H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x0b\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x12<\n\nlogit_bias\x18\x17 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x04\n\x02_nB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc7\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x14\n\x07timeout\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06promptB\n\n\x08_timeout\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"{\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12+\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xba\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x42\r\n\x0bstop_reason\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"~\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.tandem.v1.Completion\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x96\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.tandem.v1.Completion\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"f\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\x12\n\x10ModelInfoRequest\"M\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t2\xec\x02\n\x06Tandem\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.tandem.v1.GenerateRequest\x1a!.tandem.v1.GenerateStreamResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12\x46\n\tModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x1c.tandem.v1.ModelInfoResponse\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.router.tandem_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=670
-  _globals['_TOKENIDS']._serialized_start=672
-  _globals['_TOKENIDS']._serialized_end=695
-  _globals['_GENERATEREQUEST']._serialized_start=698
-  _globals['_GENERATEREQUEST']._serialized_end=897
-  _globals['_TOPLOGPROB']._serialized_start=899
-  _globals['_TOPLOGPROB']._serialized_end=961
-  _globals['_TOKENLOGPROB']._serialized_start=963
-  _globals['_TOKENLOGPROB']._serialized_end=1086
-  _globals['_COMPLETION']._serialized_start=1089
-  _globals['_COMPLETION']._serialized_end=1275
-  _globals['_USAGE']._serialized_start=1277
-  _globals['_USAGE']._serialized_end=1379
-  _globals['_GENERATERESPONSE']._serialized_start=1381
-  _globals['_GENERATERESPONSE']._serialized_end=1507
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1510
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1660
-  _globals['_TOKENIZEREQUEST']._serialized_start=1662
-  _globals['_TOKENIZEREQUEST']._serialized_end=1764
-  _globals['_TOKENIZERESPONSE']._serialized_start=1766
-  _globals['_TOKENIZERESPONSE']._serialized_end=1841
-  _globals['_MODELINFOREQUEST']._serialized_start=1843
-  _globals['_MODELINFOREQUEST']._serialized_end=1861
-  _globals['_MODELINFORESPONSE']._serialized_start=1863
-  _globals['_MODELINFORESPONSE']._serialized_end=1940
-  _globals['_HEALTHREQUEST']._serialized_start=1942
-  _globals['_HEALTHREQUEST']._serialized_end=1957
-  _globals['_HEALTHRESPONSE']._serialized_start=1959
-  _globals['_HEALTHRESPONSE']._serialized_end=1991
-  _globals['_TANDEM']._serialized_start=1994
-  _globals['_TANDEM']._serialized_end=2358
+  _globals['_SAMPLINGPARAMS']._serialized_end=916
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=660
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=708
+  _globals['_CHOICES']._serialized_start=918
+  _globals['_CHOICES']._serialized_end=944
+  _globals['_TOKENIDS']._serialized_start=946
+  _globals['_TOKENIDS']._serialized_end=969
+  _globals['_GENERATEREQUEST']._serialized_start=972
+  _globals['_GENERATEREQUEST']._serialized_end=1171
+  _globals['_TOPLOGPROB']._serialized_start=1173
+  _globals['_TOPLOGPROB']._serialized_end=1235
+  _globals['_TOKENLOGPROB']._serialized_start=1237
+  _globals['_TOKENLOGPROB']._serialized_end=1360
+  _globals['_COMPLETION']._serialized_start=1363
+  _globals['_COMPLETION']._serialized_end=1549
+  _globals['_USAGE']._serialized_start=1551
+  _globals['_USAGE']._serialized_end=1653
+  _globals['_GENERATERESPONSE']._serialized_start=1655
+  _globals['_GENERATERESPONSE']._serialized_end=1781
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1784
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1934
+  _globals['_TOKENIZEREQUEST']._serialized_start=1936
+  _globals['_TOKENIZEREQUEST']._serialized_end=2038
+  _globals['_TOKENIZERESPONSE']._serialized_start=2040
+  _globals['_TOKENIZERESPONSE']._serialized_end=2115
+  _globals['_MODELINFOREQUEST']._serialized_start=2117
+  _globals['_MODELINFOREQUEST']._serialized_end=2135
+  _globals['_MODELINFORESPONSE']._serialized_start=2137
+  _globals['_MODELINFORESPONSE']._serialized_end=2214
+  _globals['_HEALTHREQUEST']._serialized_start=2216
+  _globals['_HEALTHREQUEST']._serialized_end=2231
+  _globals['_HEALTHRESPONSE']._serialized_start=2233
+  _globals['_HEALTHRESPONSE']._serialized_end=2265
+  _globals['_TANDEM']._serialized_start=2268
+  _globals['_TANDEM']._serialized_end=2632
 # @@protoc_insertion_point(module_scope)

@@ -12,11 +12,13 @@ loop, where a thread hop would cost more than the work.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 INLINE_CHARS = 2048  # shorter texts: tokenized on the loop (tens of microseconds)
 _WORKERS = 2
+T = TypeVar("T")
 
 
 class TextWork:
@@ -25,7 +27,7 @@ class TextWork:
         self.max_model_len = max_model_len
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_chars = max(1, longest) * max_model_len  # a longer text has more tokens than fit
-        self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="tandem-text")
+        self._pool: ThreadPoolExecutor | None = None  # made at first use, again after a shutdown
 
     def check_length(self, num_chars: int, field: str) -> None:
         """ValueError naming `field` when a text of `num_chars` cannot fit the context."""
@@ -41,24 +43,41 @@ class TextWork:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(len(token_ids) * 4, lambda: self.tokenizer.decode(token_ids))
 
-    async def render_chat(self, messages: list[dict[str, Any]], field: str) -> list[int]:
-        """The chat template's text, tokenized (the template writes any special tokens itself)."""
+    async def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's vocabulary entry, as the tokenizer spells it (byte-level or SentencePiece)."""
+        return await self._run(len(token_ids) * 4, lambda: list(self.tokenizer.convert_ids_to_tokens(token_ids)))
+
+    async def render_chat(self, messages: list[dict[str, Any]], field: str, *, add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
+        """The chat template's text, tokenized (the template writes any special tokens itself,
+        so `add_special_tokens` adds the tokenizer's on top only when asked, as vLLM's /tokenize)."""
         from tandem.workers.text.tokenizer import apply_chat_template
 
         chars = sum(len(str(m.get("content") or "")) for m in messages)
         self.check_length(chars, field)
 
         def render() -> list[int]:
-            text = apply_chat_template(self.tokenizer, messages)
+            text = apply_chat_template(self.tokenizer, messages, add_generation_prompt)
             self.check_length(len(text), field)
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
         return await self._run(chars, render)
 
-    async def _run(self, size: int, work: Any) -> Any:
-        if size <= INLINE_CHARS:
-            return work()
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """`work` on the pool whatever its size: for C++ work whose time no size foretells (a
+        grammar's compile, router/grammar_check.py)."""
+        if self._pool is None:
+            # Again after a shutdown too: an app whose lifespan ends and starts again (a test
+            # client per request) serves on; a stopping replica gets no more requests.
+            self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="tandem-text")
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
+    async def _run(self, size: int, work: Callable[[], T]) -> T:
+        if size <= INLINE_CHARS:
+            return work()
+        return await self.off_loop(work)
+
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -29,6 +29,8 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 # Requests drawn per (operation, mode); the GETs take no input, one request each.
 BUDGET = {("POST /v1/completions", POSITIVE): 800, ("POST /v1/completions", NEGATIVE): 500,
           ("POST /v1/chat/completions", POSITIVE): 400, ("POST /v1/chat/completions", NEGATIVE): 300,
+          ("POST /tokenize", POSITIVE): 100, ("POST /tokenize", NEGATIVE): 60,
+          ("POST /detokenize", POSITIVE): 60, ("POST /detokenize", NEGATIVE): 40,
           ("GET /v1/models", POSITIVE): 1, ("GET /health", POSITIVE): 1,
           ("GET /live", POSITIVE): 1}
 SEED = 18  # the same requests every draw

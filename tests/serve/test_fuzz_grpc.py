@@ -21,6 +21,7 @@ from tests.serve.fake_group import MODEL, EchoGroup, FakeGrpcContext, ingress_se
 UINT32 = st.integers(0, 2**32 - 1)
 SMALL = st.integers(0, 70)  # around the test model's context (64) and n's bound
 FLOAT = st.floats(allow_nan=True, allow_infinity=True) | st.floats(-3.0, 3.0)
+FLOAT32 = st.floats(-101.0, 101.0, width=32)  # logit_bias: around its bounds, [-100, 100]
 CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 NUM_GENERATE, NUM_TOKENIZE = 600, 150
 
@@ -45,6 +46,21 @@ def sampling_params(draw) -> pb.SamplingParams:
     proto.stop_token_ids.extend(draw(st.lists(SMALL | UINT32, max_size=10)))
     proto.ignore_eos = draw(st.booleans())
     proto.include_stop_str_in_output = draw(st.booleans())
+    structured = draw(st.sampled_from(["none", "none", "json_schema", "json_object", "regex", "choice", "grammar"]))
+    if structured == "json_schema":
+        proto.json_schema = draw(st.sampled_from(['{"type": "object"}', '{"type": "nope"}', "[]"])
+                                 | st.text(max_size=30))
+    elif structured == "json_object":
+        proto.json_object = draw(st.booleans())
+    elif structured == "regex":
+        proto.regex = draw(st.sampled_from(["[ab]+", "(", "[^\\x00-\\U0010FFFF]"]) | st.text(max_size=20))
+    elif structured == "choice":
+        proto.choice.choices.extend(draw(st.lists(st.text(max_size=8), max_size=3)))
+    elif structured == "grammar":
+        proto.grammar = draw(st.sampled_from(['root ::= "a"', "root ::= foo"]) | st.text(max_size=30))
+    for token, bias in draw(st.dictionaries(st.integers(-2**31, 2**31 - 1) | SMALL, st.floats(width=32) | FLOAT32,
+                                            max_size=4)).items():
+        proto.logit_bias[token] = bias
     return proto
 
 

@@ -39,7 +39,8 @@ def schema(tiny_llama):
 
 def test_the_document_states_every_route_and_its_errors(schema):
     raw = schema.raw_schema
-    assert sorted(raw["paths"]) == ["/health", "/live", "/v1/chat/completions", "/v1/completions", "/v1/models"]
+    assert sorted(raw["paths"]) == ["/detokenize", "/health", "/live", "/tokenize", "/v1/chat/completions",
+                                    "/v1/completions", "/v1/models"]
     completions = raw["paths"]["/v1/completions"]["post"]
     assert sorted(completions["responses"]) == ["200", "400", "401", "404", "408", "413", "415", "429", "500", "503"]
     assert completions["responses"]["429"]["headers"]["Retry-After"]["required"] is True

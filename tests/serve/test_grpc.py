@@ -28,6 +28,7 @@ from tandem.router.text_work import TextWork
 from tandem.workers.core.request import CompletionOutput, Logprob, SamplingParams
 from tandem.workers.core.validation import PromptLimits, validate_prompt
 from tandem.workers.serving.messages import GroupDelta, GroupRequest
+from tandem.workers.structured.spec import StructuredSpec
 from tests.serve.conftest import wait_for
 from tests.serve.hostile_cases import GRPC_CASES
 
@@ -70,6 +71,15 @@ class FakeTokenizer:
         return {chr(i): i for i in range(300)}
 
 
+class FakeGrammarCheck:
+    """Refuses the regex "(" as router/grammar_check.py does (the fake tokenizer is no HF one)."""
+
+    async def check(self, spec: StructuredSpec, field: str) -> None:
+        if spec.kind == "regex" and spec.value == "(":
+            raise ValueError(f"{field}: the regex cannot be compiled: Regex parsing error at position 2: The "
+                             "parenthesis is not closed.")
+
+
 class FakeEngineClient:
     """Completion i's token at step s is 100 * i + 10 + s, its text "<i.s>".
 
@@ -84,6 +94,7 @@ class FakeEngineClient:
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
         self.text = TextWork(self.tokenizer, self.max_model_len)
+        self.grammar = FakeGrammarCheck()
         self.healthy = True
         self.num_endless = 0  # ENDLESS streams running now
 
@@ -285,6 +296,27 @@ def test_text_prompt_is_tokenized_and_sampling_fields_reach_the_client(stub) -> 
     # Unset fields stay unset: the engine's defaults apply.
     out = _generate(stub, pb.GenerateRequest(text="hi"))
     assert json.loads(out.choices[0].text)["sampling"] == dataclasses.asdict(SamplingParams())
+
+
+def test_structured_fields_and_logit_bias_cross_the_proxy(stub) -> None:
+    for sampling, expected in (
+            (pb.SamplingParams(regex="[ab]+", logit_bias={5: 1.5, 0: -100.0}),
+             SamplingParams(structured=StructuredSpec("regex", "[ab]+"), logit_bias={5: 1.5, 0: -100.0})),
+            (pb.SamplingParams(json_schema='{"type": "object"}'),
+             SamplingParams(structured=StructuredSpec("json", '{"type": "object"}'))),
+            (pb.SamplingParams(choice=pb.Choices(choices=["yes", "no"])),
+             SamplingParams(structured=StructuredSpec.choice(["yes", "no"]))),
+            (pb.SamplingParams(json_object=True), SamplingParams(structured=StructuredSpec("json_object"))),
+            (pb.SamplingParams(grammar='root ::= "a"'), SamplingParams(structured=StructuredSpec("grammar",
+                                                                                                'root ::= "a"')))):
+        out = _generate(stub, pb.GenerateRequest(text="hi", sampling=sampling))
+        # JSON's keys are strings: the expected side goes through JSON too.
+        assert json.loads(out.choices[0].text)["sampling"] == json.loads(json.dumps(dataclasses.asdict(expected)))
+    for call in (_generate, _stream):
+        err = _error(lambda call=call: call(stub, pb.GenerateRequest(token_ids=_ids(5),
+                                                                     sampling=pb.SamplingParams(regex="("))))
+        assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "regex: the regex cannot be compiled: "
+                                               "Regex parsing error at position 2: The parenthesis is not closed.")
 
 
 def test_generate_stream_sends_deltas_then_usage(stub) -> None:
