@@ -14,7 +14,8 @@ Admission (admission.py) runs before the prompt is tokenized: RESOURCE_EXHAUSTED
 groups are full, UNAVAILABLE when none is up, both with `retry-after` trailing metadata
 (seconds; Serve's proxy sends it for unary calls only, a failed stream's is dropped). A
 structured-output spec (SamplingParams' `structured` oneof) is compiled at the ingress before
-any group sees it, as over HTTP: one that cannot compile is INVALID_ARGUMENT naming the field.
+admission and any group, as over HTTP: one that cannot compile is INVALID_ARGUMENT naming the
+field.
 An unexpected error is INTERNAL with an id; its traceback goes to the log only.
 """
 
@@ -75,6 +76,7 @@ class GrpcMethods:
                        ) -> pb.GenerateResponse:
         try:
             self._authenticate(grpc_context)
+            await self._check_structure(request)
             async with admitted(getattr(self, "admission", None), *self._grpc_sequences(request)):
                 group_request = await self._prepare(request, final_only=True)
                 deadline = _deadline(request)
@@ -99,6 +101,7 @@ class GrpcMethods:
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             self._authenticate(grpc_context)
+            await self._check_structure(request)
             async with admitted(getattr(self, "admission", None), *self._grpc_sequences(request)):
                 group_request = await self._prepare(request)
                 request_id, num_top = request.request_id or group_request.request_id, group_request.sampling.logprobs
@@ -195,12 +198,14 @@ class GrpcMethods:
         # the responses, so two requests with the same one (or one like another's sample id,
         # "x#1") never touch each other.
         request_id = f"grpc-{uuid.uuid4().hex}"
-        group_request = self.client.request(request_id, token_ids, sampling_from_proto(request.sampling),
-                                            final_only=final_only)
-        spec = group_request.sampling.structured
-        if spec is not None:  # compiled before any group sees it, as over HTTP
+        return self.client.request(request_id, token_ids, sampling_from_proto(request.sampling), final_only=final_only)
+
+    async def _check_structure(self, request: pb.GenerateRequest) -> None:
+        """The request's spec compiled before admission and any group, as over HTTP; ValueError
+        names its field."""
+        spec = structured_from_proto(request.sampling)
+        if spec is not None:
             await self.client.grammar.check(spec, request.sampling.WhichOneof("structured"))
-        return group_request
 
 
 def _deadline(request: pb.GenerateRequest) -> float | None:

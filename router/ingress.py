@@ -269,12 +269,15 @@ class OpenAIIngress(GrpcMethods):
             raise _unavailable(exc) from None
 
     async def _respond(self, create, req, cost: int, one_group: int) -> Response:
+        source = req.structured_source
+        if source is not None:  # compiled before admission and any group: a bad spec is a 400 now
+            try:
+                await self.client.grammar.check(source.spec, source.field)
+            except ValueError as exc:
+                raise OpenAIError.bad_request(exc) from None
         ticket = await self._admit(cost, one_group)
         streaming = False
         try:
-            source = req.structured_source
-            if source is not None:  # compiled before any group sees it: a bad spec is a 400 now
-                await self.client.grammar.check(source.spec, source.field)
             reply = await create(req)
             streaming = not isinstance(reply.body, BaseModel)
         except ValueError as exc:

@@ -194,6 +194,23 @@ def test_a_spec_that_cannot_compile_is_a_400_with_xgrammars_reason(http, group, 
     assert len(group.calls) == before  # no group ever saw it
 
 
+def test_a_spec_is_compiled_before_admission(tiny_llama) -> None:
+    """A full server still says what is wrong with a spec (400), not "come back later" (429)."""
+    server = ingress_server(tiny_llama, EchoGroup(), admission={"max_requests_per_group": 1})
+    with serving(server) as http:
+        server.admission.in_flight = 1  # the one seat taken
+        assert error(post(http, COMPLETIONS, {}), 429)[2] == "overloaded"
+        assert error(post(http, COMPLETIONS, {"guided_regex": "("}))[:2] == (
+            "guided_regex", "guided_regex: the regex cannot be compiled: Regex parsing error at position 2: The "
+                            "parenthesis is not closed.")
+        context, _ = generate(server, pb.SamplingParams(regex="("))
+        assert (context.code, context.details) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "regex: the regex cannot be compiled: Regex parsing error at position "
+                                              "2: The parenthesis is not closed.")
+        assert server.admission.in_flight == 1
+        server.admission.in_flight = 0
+
+
 # ---- no silent drops --------------------------------------------------------------------------------
 # A value that asks each refused field for something tandem does not do.
 REFUSED = {
