@@ -101,7 +101,13 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_greedy_output_is_transformers_under_the_same_grammar(llama_dir, references, layout) -> None:
+def test_greedy_output_is_transformers_under_the_same_grammar(llama_dir, references, layout, monkeypatch) -> None:
+    from tandem.workers.structured.request_grammars import RequestGrammars
+
+    early: list[str] = []  # sequences whose step was scheduled ahead of their last token
+    accept_early = RequestGrammars.accept_early
+    monkeypatch.setattr(RequestGrammars, "accept_early",
+                        lambda self, seq, tokens: (early.append(seq), accept_early(self, seq, tokens)))
     llm = LLM(llama_dir, **LAYOUTS[layout])
     for kind, spec in SPECS.items():
         outs = _generate(llm, spec)
@@ -111,6 +117,8 @@ def test_greedy_output_is_transformers_under_the_same_grammar(llama_dir, referen
             assert o.finish_reason == "stop" and o.token_ids[-1] in eos, (kind, o)
             assert matches(spec, o.text), (kind, o.text)
     assert len(llm.engine.grammars) == 0
+    # Overlapped, grammar rows keep the overlap: their masks wait for the step in flight.
+    assert bool(early) == bool(LAYOUTS[layout].get("overlap_steps")), len(early)
     llm.engine.pool.check_all_free()
     llm.shutdown()
 

@@ -62,7 +62,16 @@ class SchedulerOutput:
     num_steps: int = 1
     # Structured outputs: per sequence with a grammar, [1 + drafts, words] int32 token bitmasks
     # (workers/structured/request_grammars.py); the sampling rank applies the rows it scores.
-    token_masks: dict[str, Any] = field(default_factory=dict)
+    # A step scheduled ahead of its grammar rows' last tokens carries a function instead (the
+    # model in this process only): the runner calls it once the forward pass is launched, and
+    # it waits for those tokens, advances the matchers and makes the masks while the device runs.
+    token_masks: dict[str, Any] | Callable[[], dict[str, Any]] = field(default_factory=dict)
+
+    def resolved_token_masks(self) -> dict[str, Any]:
+        """The masks, made now if they were deferred (once: the function advances matchers)."""
+        if callable(self.token_masks):
+            self.token_masks = self.token_masks()
+        return self.token_masks
 
     @property
     def total_num_scheduled_tokens(self) -> int:

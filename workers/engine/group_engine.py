@@ -21,7 +21,7 @@ from tandem.workers.config import EngineConfig
 from tandem.workers.core.block_pool import BlockPool, LocalCapacity
 from tandem.workers.core.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.workers.core.scheduler import Scheduler, StepUpdate
-from tandem.workers.core.scheduler_output import PendingOutput
+from tandem.workers.core.scheduler_output import PendingOutput, SchedulerOutput
 from tandem.workers.core.stats import EngineStats
 from tandem.workers.core.validation import PromptLimits, validate_prompt
 from tandem.workers.device_peaks import DevicePeaks
@@ -202,7 +202,7 @@ class GroupEngine:
         if not sched_out.has_work:
             return
         if self._grammars:
-            sched_out.token_masks = self._grammars.masks(sched_out.num_scheduled_tokens, sched_out.spec_token_ids)
+            self._attach_masks(sched_out, ahead)
         started = time.perf_counter()
         try:
             pending = self.executor.execute_async(sched_out)
@@ -241,6 +241,27 @@ class GroupEngine:
         if self._grammars:
             self._advance_grammars(updates)
         return updates
+
+    def _attach_masks(self, sched_out: SchedulerOutput, ahead: frozenset[str]) -> None:
+        """The step's grammar masks; deferred when a grammar row was scheduled ahead of its last
+        token: then the runner calls for them once this step's forward pass is launched, and
+        they wait for the step in flight, advance the matchers over its tokens and are made
+        while the device runs this step (the overlap holds for grammar rows too)."""
+        grammars = self._grammars
+        early = {seq for seq in sched_out.num_scheduled_tokens if seq in ahead and seq in grammars}
+        if not early:
+            sched_out.token_masks = grammars.masks(sched_out.num_scheduled_tokens, sched_out.spec_token_ids)
+            return
+        before = self._in_flight[0][1]  # the step whose tokens this one was scheduled on
+
+        def masks() -> dict[str, Any]:
+            result = before.result()
+            for seq, tokens in zip(result.req_ids, result.sampled_token_ids):
+                if seq in early:
+                    grammars.accept_early(seq, tokens)
+            return grammars.masks(sched_out.num_scheduled_tokens, sched_out.spec_token_ids)
+
+        sched_out.token_masks = masks
 
     def _advance_grammars(self, updates: list[StepUpdate]) -> None:
         """Each grammar sequence's matcher takes the tokens the scheduler kept, before the next

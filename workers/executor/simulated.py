@@ -173,7 +173,7 @@ class SimulatedExecutor(InProcess):
                 logprobs.append(None)
                 continue
             token = self.token(req.key, req.num_tokens - num_prompt)
-            mask = step.token_masks.get(req_id)
+            mask = step.resolved_token_masks().get(req_id)
             if mask is not None:  # a grammar's: the same hash, over the tokens it allows
                 allowed = allowed_tokens(mask[:1], self.vocab_size, torch.device("cpu"))[0].nonzero()[:, 0].tolist()
                 token = allowed[splitmix64(req.key + (req.num_tokens - num_prompt + 1) * _GOLDEN) % len(allowed)]

@@ -264,8 +264,9 @@ class ModelRunner:
         prompt_logprobs = self.prompt_logprobs(inputs, hidden)
         if self.ctx.tp_rank != 0:
             return None
+        # Deferred masks wait here for the last step's tokens: this step's forward is launched.
         pending = self.step_sampler.sample(inputs, logits, self.states, prompt_logprobs, plain_greedy,
-                                           out.token_masks)
+                                           out.resolved_token_masks())
         where: dict[str, int] = {}
         if pending.device_tokens is not None:  # a step may be scheduled ahead on them: where each is
             index = 0

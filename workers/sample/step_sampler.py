@@ -91,7 +91,8 @@ class StepSampler:
                 continue
             state = states[req_id]
             p = state.sampling_params
-            if not p.is_greedy or p.needs_penalties or p.logprobs is not None or p.shapes_logits or \
+            # A grammar row is plain greedy too: its mask is applied to the logits in place first.
+            if not p.is_greedy or p.needs_penalties or p.logprobs is not None or p.logit_bias or \
                     len(state.output_token_ids) < p.min_tokens:
                 return False
         return True

@@ -29,6 +29,8 @@ class RequestGrammars:
         self.max_rollback_tokens = max_rollback_tokens
         self._matchers: dict[str, Any] = {}  # sequence id -> xgrammar GrammarMatcher
         self._words = num_words(compiler.vocab_size)
+        # Tokens a matcher took before the scheduler kept them (`accept_early`), per sequence.
+        self._early: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -44,6 +46,14 @@ class RequestGrammars:
 
     def remove(self, seq_id: str) -> None:
         self._matchers.pop(seq_id, None)
+        self._early.pop(seq_id, None)
+
+    def accept_early(self, seq_id: str, token_ids: list[int]) -> None:
+        """Advance over a step's sampled tokens before the scheduler takes them (the next step,
+        scheduled ahead, needs its mask now); `accept` then skips them."""
+        if seq_id in self._matchers:
+            self.accept(seq_id, token_ids)
+            self._early[seq_id] = self._early.get(seq_id, 0) + len(token_ids)
 
     def accept(self, seq_id: str, token_ids: list[int]) -> bool:
         """Advance over tokens the scheduler kept; True when the grammar is complete (the
@@ -51,7 +61,8 @@ class RequestGrammars:
         matcher = self._matchers.get(seq_id)
         if matcher is None:
             return False
-        for token in token_ids:
+        skip = self._early.pop(seq_id, 0)
+        for token in token_ids[skip:]:
             if matcher.is_terminated():
                 return True
             if not matcher.accept_token(token):
@@ -86,6 +97,9 @@ class RequestGrammars:
                 continue
             drafts = spec_token_ids.get(seq_id, ())
             bitmask = torch.zeros((1 + len(drafts), self._words), dtype=torch.int32)
+            if matcher.is_terminated():  # ended by the token taken early: this row's token is dropped
+                out[seq_id] = bitmask.fill_(-1)
+                continue
             matcher.fill_next_token_bitmask(bitmask, 0)
             accepted = 0
             for j, token in enumerate(drafts, start=1):
