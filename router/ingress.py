@@ -60,7 +60,7 @@ from tandem.router.protocol import (
     ModelList,
     OpenAIError,
 )
-from tandem.router.request_fields import refuse_unsupported, unknown_fields
+from tandem.router.request_fields import log_names, refuse_unsupported, unknown_fields
 from tandem.router.streams import DONE, sse
 from tandem.router.tokenization import DetokenizeRequest, TokenizationServing, tokenize_request_model
 from tandem.router.tracing import TracingMiddleware
@@ -238,7 +238,7 @@ class OpenAIIngress(GrpcMethods):
         refuse_unsupported(body, model)
         unknown = unknown_fields(body, model)
         if unknown:
-            logger.warning("%s: ignored fields that no API defines: %s", request.url.path, ", ".join(unknown))
+            logger.warning("%s: ignored fields that no API defines: %s", request.url.path, log_names(unknown))
         try:
             req = model.model_validate(body)
         except ValidationError as exc:

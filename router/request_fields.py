@@ -35,6 +35,8 @@ class Unsupported:
         return not any(type(value) is type(ok) and value == ok for ok in self.accepts)
 
 
+MAX_LOGGED_NAMES = 16  # unknown fields named in one log line
+MAX_LOGGED_CHARS = 64
 _NO_STORE = "tandem stores no completions"
 UNSUPPORTED: dict[str, Unsupported] = {
     # OpenAI's Chat Completions
@@ -99,6 +101,20 @@ def refuse_unsupported(body: dict[str, Any], model: type[BaseModel]) -> None:
 def unknown_fields(body: dict[str, Any], model: type[BaseModel]) -> list[str]:
     """The fields of `body` that `model` neither reads nor refuses, sorted."""
     return sorted(body.keys() - _fields(model) - UNSUPPORTED.keys())
+
+
+def log_names(names: list[str]) -> str:
+    """`names` for one log line: a body's keys are the client's text, so one with a line break
+    or of a megabyte is quoted and cut, and past `MAX_LOGGED_NAMES` only their count is said."""
+    shown = [_log_name(n) for n in names[:MAX_LOGGED_NAMES]]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
+
+
+def _log_name(name: str) -> str:
+    if name.isprintable() and len(name) <= MAX_LOGGED_CHARS:
+        return name
+    return repr(name[:MAX_LOGGED_CHARS]) + ("..." if len(name) > MAX_LOGGED_CHARS else "")
 
 
 @functools.cache

@@ -269,8 +269,12 @@ def test_fields_no_api_defines_are_logged_once_per_request(http, caplog) -> None
     caplog.set_level(logging.WARNING, logger="tandem.router.ingress")
     assert post(http, COMPLETIONS, {"frobnicate": {"a": 1}, "zeal": 1}).status_code == 200
     assert post(http, CHAT, {"user": "u", "seed": 3}).status_code == 200  # honoured fields: no line
+    many = {f"x{i:02d}": i for i in range(20)} | {"line\nbreak": 1, "k" * 100: 2}
+    assert post(http, COMPLETIONS, many).status_code == 200
     lines = [r.getMessage() for r in caplog.records if r.name == "tandem.router.ingress"]
-    assert lines == ["/v1/completions: ignored fields that no API defines: frobnicate, zeal"]
+    assert lines == ["/v1/completions: ignored fields that no API defines: frobnicate, zeal",
+                     "/v1/completions: ignored fields that no API defines: " + "'" + "k" * 64 + "'..., "
+                     "'line\\nbreak', " + ", ".join(f"x{i:02d}" for i in range(14)) + " and 6 more"]
 
 
 # ---- /tokenize and /detokenize ----------------------------------------------------------------------
