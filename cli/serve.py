@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.cluster.direct_ingress import HAPROXY, PROXIES, default_proxy, use_proxy
+from tandem.router.tool_parsers.registry import TOOL_PARSERS
 
 APP_NAME = "tandem"
 SERVING_BODY_BYTES = 8 * 1024 * 1024  # router/app.py's max_request_body_bytes default
@@ -76,6 +77,12 @@ def register(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser
     p.add_argument("--accelerator-type", default=None, metavar="TYPE",
                    help="the GPU model the groups need (a Ray accelerator type: H100, A100, L4, ...): they reserve "
                    "such GPUs and wait for a node that has them")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the model family whose tool-call syntax is read out of its text for tool_choice \"auto\" "
+                   "(hermes: Hermes and Qwen's <tool_call>; llama3_json; mistral: [TOOL_CALLS])")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\" (needs --tool-call-parser); without it such requests get 400. "
+                   "Forced tool calls (\"required\", a named function) need neither flag")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false", help="start no Ray dashboard")
     p.set_defaults(func=lambda args: run(args, engine_options(positional_model(args))))
 
@@ -112,6 +119,10 @@ def app_args(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[s
                    channel_transport=args.channel_transport, accelerator_type=args.accelerator_type)
     if args.request_timeout is not None:
         options["request_timeout_s"] = args.request_timeout
+    if args.tool_call_parser is not None:
+        options["tool_call_parser"] = args.tool_call_parser
+    if args.enable_auto_tool_choice:
+        options["enable_auto_tool_choice"] = True
     return options if args.address else local_group_options(options)
 
 

@@ -23,6 +23,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from tandem.router.admission import AdmissionLimits
 from tandem.router.api_key import check_digest, key_digest, read_key_file
+from tandem.router.chat_tools import tool_call_options
 from tandem.router.ingress import OpenAIIngress
 from tandem.router.limits import RequestLimits
 from tandem.workers.config import EngineConfig
@@ -128,6 +129,13 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # The GPU model the groups need (a Ray accelerator type: "H100", "A100", "L4", ...): they
     # reserve GPUs of that type whatever `device` says, and wait for a node that has them.
     "accelerator_type": None,
+    # Tool calls with tool_choice "auto" (vLLM's --tool-call-parser and --enable-auto-tool-choice):
+    # the family whose call syntax is read out of the model's text (hermes, llama3_json, mistral;
+    # router/tool_parsers/), and whether "auto" is served at all (without it, a 400 says how to
+    # turn it on). Forced calls (required, a named function) need neither: the engine holds the
+    # output to the tools' schema (router/chat_tools.py).
+    "tool_call_parser": None,
+    "enable_auto_tool_choice": False,
 }
 
 ROUTING_POLICIES = ("prefix", "load")
@@ -197,7 +205,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                       "limits": limits,
                       "admission": admission, "stream_channels": serving["stream_channels"],
                       "max_chunks_per_s": serving["ingress_max_chunks_per_s"],
-                      "request_timeout_s": serving["request_timeout_s"]}
+                      "request_timeout_s": serving["request_timeout_s"], **tool_call_options(serving)}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
                                     max_ongoing_requests=serving["ingress_max_ongoing_requests"],
                                     ray_actor_options={"num_cpus": serving["ingress_num_cpus"],

@@ -1,4 +1,10 @@
-"""POST /v1/chat/completions: messages through the model's chat template, one group request."""
+"""POST /v1/chat/completions: messages through the model's chat template, one group request.
+
+With tools, chat_tools.py decides what the template shows, what the engine is held to and how
+each choice's text is read for calls; a choice's calls come back as OpenAI writes them: whole in
+`message.tool_calls`, or streamed as a first chunk with the call's index, id, type, name and
+empty arguments, then chunks with pieces of its arguments.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from tandem.router.chat_tools import ChoiceCalls, ToolCalling, ToolPlan, template_message
 from tandem.router.engine_client import EngineClient, sampling_params
 from tandem.router.protocol import (
     AssistantMessage,
@@ -24,13 +31,15 @@ from tandem.workers.core.request import PositionLogprobs
 
 
 class ChatServing:
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, *, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False) -> None:
         self.client = client
+        self.tools = ToolCalling(client.tokenizer, tool_call_parser, enable_auto_tool_choice)
 
-    async def prompt_token_ids(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    async def prompt_token_ids(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
+        messages = [template_message(m) for m in req.messages]
         # The template writes any special tokens itself (as LLM.chat does).
-        return await self.client.text.render_chat(messages, "messages")
+        return await self.client.text.render_chat(messages, "messages", tools=tools)
 
     def sampling(self, req: ChatCompletionRequest) -> dict:
         if req.top_logprobs is not None and not req.logprobs:
@@ -44,40 +53,55 @@ class ChatServing:
 
     async def create(self, req: ChatCompletionRequest) -> Reply:
         deadline = req.deadline()
-        token_ids = await self.prompt_token_ids(req)
-        params = sampling_params(self.sampling(req))
+        plan = self.tools.plan(req)
+        token_ids = await self.prompt_token_ids(req, plan.template_tools)
+        sampling = self.sampling(req)
+        plan.adjust(sampling)
+        if plan.structured is not None:  # compiled before any group sees it: a bad schema is a 400 now
+            await self.client.grammar.check(plan.structured, "tools")
+        params = sampling_params(sampling)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # The prompt is the rendered messages: its errors name them.
         request = self.client.request(request_id, token_ids, params, final_only=not req.stream, field="messages")
         [stream], group_ids = await open_streams([self.client.stream(request, deadline)])
         if req.stream:
-            return Reply(self._stream(req, request_id, stream), group_ids)
-        return Reply(await self._collect(req, request_id, stream), group_ids)
+            return Reply(self._stream(req, plan, request_id, stream), group_ids)
+        return Reply(await self._collect(req, plan, request_id, stream), group_ids)
 
-    async def _collect(self, req, request_id, stream) -> ChatCompletionResponse:
+    async def _collect(self, req, plan: ToolPlan, request_id, stream) -> ChatCompletionResponse:
         choices: dict[int, ChoiceState] = {}
         usage = UsageCounter()
         async for _, delta in merge([stream]):
             usage.add(0, delta)
             for out in delta.outputs:
                 choices.setdefault(out.index, ChoiceState(out.index)).add(out)
-        result = [ChatChoice(index=c.index, message=AssistantMessage(content="".join(c.text)),
-                             logprobs=_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
-                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                  for c in (choices[i] for i in sorted(choices))]
+        result = []
+        for c in (choices[i] for i in sorted(choices)):
+            message, finish_reason = AssistantMessage(content="".join(c.text)), c.finish_reason
+            if plan.reads_calls:
+                text = plan.output_text(message.content, c.token_ids, c.finish_reason, c.stop_reason)
+                content, calls = plan.choice().parse(text)
+                message = AssistantMessage(content=content, tool_calls=calls or None)
+                finish_reason = plan.finish_reason(finish_reason, bool(calls))
+            result.append(ChatChoice(index=c.index, message=message,
+                                     logprobs=_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
+                                     finish_reason=finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, created=int(time.time()), model=self.client.model_name,
                                       choices=result, usage=usage.usage())
 
-    async def _stream(self, req, request_id, stream) -> AsyncIterator[str]:
+    async def _stream(self, req, plan: ToolPlan, request_id, stream) -> AsyncIterator[str]:
         created, model = int(time.time()), self.client.model_name
         usage = UsageCounter()
         finished: set[int] = set()  # the group repeats a finished choice of n > 1 until all end
+        readers: dict[int, ChoiceCalls] = {i: plan.choice() for i in range(req.n)} if plan.reads_calls else {}
 
         def chunk(choice: ChatChunkChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
 
+        # A forced call's reply is calls only: content null from the first chunk, as OpenAI sends it.
+        first = DeltaMessage(role="assistant", content=None if plan.forced else "")
         for i in range(req.n):
-            yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            yield chunk(ChatChunkChoice(index=i, delta=first))
         async for _, delta in merge([stream]):
             usage.add(0, delta)
             for out in delta.outputs:
@@ -86,10 +110,23 @@ class ChatServing:
                 if out.finish_reason:
                     finished.add(out.index)
                 logprobs = _logprobs(out.token_ids, out.logprobs or [], req) if req.logprobs else None
-                if out.text or out.finish_reason or (logprobs and logprobs.content):
+                reader = readers.get(out.index)
+                if reader is None:
+                    if out.text or out.finish_reason or (logprobs and logprobs.content):
+                        yield chunk(ChatChunkChoice(
+                            index=out.index, delta=DeltaMessage(content=out.text or None), logprobs=logprobs,
+                            finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                    continue
+                text = plan.output_text(out.text, out.token_ids, out.finish_reason, out.stop_reason)
+                deltas = reader.deltas(text, last=out.finish_reason is not None)
+                finish_reason = plan.finish_reason(out.finish_reason, reader.num_calls > 0)
+                if not deltas and (out.finish_reason or (logprobs and logprobs.content)):
+                    deltas = [DeltaMessage()]
+                for k, message in enumerate(deltas):  # logprobs with the first, the finish with the last
+                    last = k == len(deltas) - 1
                     yield chunk(ChatChunkChoice(
-                        index=out.index, delta=DeltaMessage(content=out.text or None), logprobs=logprobs,
-                        finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                        index=out.index, delta=message, logprobs=logprobs if k == 0 else None,
+                        finish_reason=finish_reason if last else None, stop_reason=out.stop_reason if last else None))
         if req.include_usage:
             yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                           usage=usage.usage()))

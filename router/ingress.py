@@ -150,7 +150,8 @@ class OpenAIIngress(GrpcMethods):
                           if admission else None)
         self.created = int(time.time())
         self.completions = CompletionServing(self.client)
-        self.chat = ChatServing(self.client)
+        self.chat = ChatServing(self.client, tool_call_parser=config.get("tool_call_parser"),
+                                enable_auto_tool_choice=config.get("enable_auto_tool_choice", False))
         self.tokenization = TokenizationServing(self.client)
 
     def __del__(self) -> None:

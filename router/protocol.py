@@ -13,9 +13,18 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from tandem.router.output_constraints import OutputConstraints
+from tandem.router.tool_request import MessageToolCall, ToolRequest
 from tandem.workers.core.request import REPETITION_PENALTY_RANGE
 
 MAX_N = 128
@@ -34,6 +43,7 @@ _UNION_HINTS = {
     "prompt": "must be a string, an array of strings, an array of token ids or an array of token-id arrays",
     "stop": "must be a string or an array of strings",
     "messages": "each message needs a 'role' and a string (or text-part array) 'content'",
+    "tool_choice": "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
 }
 
 
@@ -132,8 +142,10 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None  # None: an assistant's message that only calls tools
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (tool_request.py checks them)
+    tool_call_id: str | None = None  # a tool's message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -141,7 +153,7 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, ToolRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
@@ -199,9 +211,31 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+def _without(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """`data` less those of `names` that are None: a client's stream accumulator takes a null
+    `type` or `name` in a later chunk for a new value (the openai client's does)."""
+    return {key: value for key, value in data.items() if value is not None or key not in names}
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # left out when there are none
+
+    @model_serializer(mode="wrap")
+    def _no_null_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without(handler(self), ("tool_calls",))
 
 
 class ChatChoice(BaseModel):
@@ -221,9 +255,37 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in a call's first chunk
+    arguments: str | None = None  # a piece of the JSON text
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without(handler(self), ("name", "arguments"))
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: the first has its id, type and name (arguments ""), the
+    rest pieces of its arguments; `index` says which call of the choice."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without(handler(self), ("id", "type", "function"))
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None  # left out when there are none
+
+    @model_serializer(mode="wrap")
+    def _no_null_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without(handler(self), ("tool_calls",))
 
 
 class ChatChunkChoice(BaseModel):

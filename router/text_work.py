@@ -12,6 +12,7 @@ loop, where a thread hop would cost more than the work.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -48,16 +49,15 @@ class TextWork:
         return await self._run(len(token_ids) * 4, lambda: list(self.tokenizer.convert_ids_to_tokens(token_ids)))
 
     async def render_chat(self, messages: list[dict[str, Any]], field: str, *, add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
+                          add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The chat template's text, tokenized (the template writes any special tokens itself,
-        so `add_special_tokens` adds the tokenizer's on top only when asked, as vLLM's /tokenize)."""
-        from tandem.workers.text.tokenizer import apply_chat_template
-
-        chars = sum(len(str(m.get("content") or "")) for m in messages)
+        so `add_special_tokens` adds the tokenizer's on top only when asked, as vLLM's /tokenize).
+        `tools`: OpenAI's tool definitions, which the template renders in its own way."""
+        chars = sum(len(str(m.get("content") or "")) for m in messages) + (len(json.dumps(tools)) if tools else 0)
         self.check_length(chars, field)
 
         def render() -> list[int]:
-            text = apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+            text = chat_text(self.tokenizer, messages, add_generation_prompt, tools)
             self.check_length(len(text), field)
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
@@ -81,3 +81,23 @@ class TextWork:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+              tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat template's text; ValueError naming `messages` when the template refuses them (a
+    template raises for a conversation it cannot write, such as roles out of order: the client's
+    mistake, a 400)."""
+    from jinja2 import TemplateError
+
+    from tandem.workers.text.tokenizer import apply_chat_template
+
+    try:
+        if not tools:
+            return apply_chat_template(tokenizer, messages, add_generation_prompt)
+        if getattr(tokenizer, "chat_template", None) is None:  # as apply_chat_template says it
+            raise ValueError("messages: this model's tokenizer has no chat template")
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except TemplateError as exc:
+        raise ValueError(f"messages: the model's chat template refused them: {exc}") from None
