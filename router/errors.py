@@ -26,7 +26,8 @@ from tandem.router.protocol import OpenAIError
 
 logger = logging.getLogger(__name__)
 
-_HTTP_MESSAGES = {404: "no such endpoint: see /v1/models, /v1/completions, /v1/chat/completions, /health",
+_HTTP_MESSAGES = {404: "no such endpoint: see /v1/models, /v1/completions, /v1/chat/completions, /tokenize, "
+                       "/detokenize, /health",
                   405: "method not allowed on this endpoint"}
 
 
