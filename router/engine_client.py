@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 _HEALTH_TTL_S = 1.0
 _HEALTH_MAX_AGE = 10  # in TTLs: older than this, a request waits for a fresh answer
+# ... but for this long at most after that refresh began: Serve's controller answers through the
+# GCS, and while the GCS is down (the head node failed) it does not answer at all, while the
+# groups serve on. Past it the last known answer stands.
+_STATUS_WAIT_S = 2.0
 _ATTEMPTS = 2  # a request its group failed before answering is sent once more
 _LAST_DELTA_GRACE_S = 10.0
 T = TypeVar("T")
@@ -123,8 +127,8 @@ class EngineClient:
         self._group_deployment = group_deployment
         # (checked at, every group healthy, some group running); refreshed at most every ~1 s
         self._status: tuple[float, bool, bool] = (-_HEALTH_TTL_S, True, True)
-        self._status_lock: asyncio.Lock | None = None
-        self._refresh: asyncio.Task | None = None
+        self._refresh: asyncio.Task | None = None  # the one status read in flight (serve.status())
+        self._refresh_began = 0.0
         self.num_running_groups = 1  # as last read from Serve (admission sizes its bound by it)
         self.group_states: dict[str, int] = {}  # the groups' count by Serve state, as last read
 
@@ -272,30 +276,47 @@ class EngineClient:
     async def _can_serve_now(self) -> bool:
         """The last known answer: a stale "yes" is refreshed in the background; a stale "no",
         or one with no refresh for `_HEALTH_MAX_AGE` TTLs (start-up, a stuck controller), is
-        waited for.
+        waited for, up to `_STATUS_WAIT_S` after its refresh began.
 
         (Waiting on every refresh put every request behind `serve.status()`, a controller
         round trip, once a second: under load that alone held time to first token above a
-        second.)
+        second. Waiting without a bound held every request 10 s into a GCS outage until the
+        GCS came back, and the raylets give up on it after 60 s.)
         """
         checked_at, _, can_serve = self._status
         age = time.monotonic() - checked_at
         if age >= _HEALTH_MAX_AGE * _HEALTH_TTL_S or (not can_serve and age >= _HEALTH_TTL_S):
             # Nothing recent, or a "no" that may be over: never refuse on a stale answer.
             _, can_serve = await self._group_status()
-        elif age >= _HEALTH_TTL_S and (self._refresh is None or self._refresh.done()):
-            self._refresh = asyncio.get_running_loop().create_task(self._group_status())
+        elif age >= _HEALTH_TTL_S:
+            self._refreshing()
         return can_serve
 
     async def _group_status(self) -> tuple[bool, bool]:
-        if self._status_lock is None:
-            self._status_lock = asyncio.Lock()
-        async with self._status_lock:
-            checked_at, all_healthy, can_serve = self._status
-            if time.monotonic() - checked_at >= _HEALTH_TTL_S:
-                # serve.status() asks the controller (a blocking call): a thread, never the loop.
-                all_healthy, can_serve = await asyncio.to_thread(self._read_group_status)
-                self._status = (time.monotonic(), all_healthy, can_serve)
+        """A fresh answer, or the last known one when the refresh has run `_STATUS_WAIT_S`."""
+        checked_at, all_healthy, can_serve = self._status
+        if time.monotonic() - checked_at < _HEALTH_TTL_S:
+            return all_healthy, can_serve
+        refresh = self._refreshing()
+        try:
+            # shield: a caller that stops waiting leaves the read running for the next one.
+            return await asyncio.wait_for(asyncio.shield(refresh),
+                                          max(0.0, self._refresh_began + _STATUS_WAIT_S - time.monotonic()))
+        except TimeoutError:
+            _, all_healthy, can_serve = self._status
+            return all_healthy, can_serve
+
+    def _refreshing(self) -> asyncio.Task:
+        """The status read in flight, started if none is: one serve.status() at a time."""
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.get_running_loop().create_task(self._read_status())
+            self._refresh_began = time.monotonic()
+        return self._refresh
+
+    async def _read_status(self) -> tuple[bool, bool]:
+        # serve.status() asks the controller (a blocking call): a thread, never the loop.
+        all_healthy, can_serve = await asyncio.to_thread(self._read_group_status)
+        self._status = (time.monotonic(), all_healthy, can_serve)
         return all_healthy, can_serve
 
     def _read_group_status(self) -> tuple[bool, bool]:

@@ -13,10 +13,11 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.cluster.net import free_port
@@ -202,3 +203,192 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ---- GCS fault tolerance: an external Redis, and a head whose GCS can die alone --------------------
+@dataclass
+class RedisServer:
+    """A redis-server of the test's own: on a free port, password-protected (as Ray's GCS fault
+    tolerance documents it), nothing written to disk (it lives only as long as the test)."""
+
+    proc: subprocess.Popen
+    port: int
+    password: str
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def command(self, *args: str, timeout_s: float = 5.0) -> bytes:
+        """One authenticated command's raw RESP reply (e.g. `command("DBSIZE")` -> b":42")."""
+        request = b"".join(_resp(("AUTH", self.password)) + _resp(args))
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout_s) as conn:
+            conn.sendall(request)
+            reply = b""
+            while reply.count(b"\r\n") < 2:  # "+OK" for AUTH, then the command's one-line reply
+                data = conn.recv(4096)
+                if not data:
+                    break
+                reply += data
+        auth, _, rest = reply.partition(b"\r\n")
+        if auth != b"+OK":
+            raise RuntimeError(f"redis refused the password: {auth!r}")
+        return rest.removesuffix(b"\r\n")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def _resp(args: tuple[str, ...]) -> list[bytes]:
+    return [f"*{len(args)}\r\n".encode()] + [f"${len(a.encode())}\r\n{a}\r\n".encode() for a in args]
+
+
+def start_redis(base: Path, timeout_s: float = 15.0) -> RedisServer:
+    """Start redis-server (Debian's package: `apt-get install redis-server`) and wait until it
+    answers. A free port can be taken by another process before Redis binds it: up to three ports."""
+    password = secrets.token_hex(16)
+    for attempt in range(3):
+        port = free_port()
+        log_path = base / f"redis{attempt}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--requirepass", password,
+                 "--save", "", "--appendonly", "no", "--dir", str(base)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        redis = RedisServer(proc, port, password, log_path)
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if redis.command("PING") == b"+PONG":
+                    return redis
+            except OSError:
+                time.sleep(0.1)
+        redis.stop()
+    raise RuntimeError(f"redis-server did not start:\n{log_path.read_text(errors='replace')[-2000:]}")
+
+
+@dataclass
+class DetachedHead:
+    """A head started by `ray start --head` without `--block`, with GCS fault tolerance (an
+    external Redis). Not `--block`: that `ray start` tears the whole node down once any of its
+    processes dies of a signal, as a head container does; here the GCS dies alone and starts
+    again with its own command line and environment, as Ray's GCS fault-tolerance tests do it
+    (`Node.kill_gcs_server` / `Node.start_gcs_server`: same arguments, same port). Every
+    process of the node is in the session of its `ray start` (its id: `session`); a GCS
+    started again is in a session of its own (`restarted`)."""
+
+    node: RayNode  # its `ray start` has exited; the logs and the temp dir are still there
+    session: int
+    restarted: list[subprocess.Popen] = field(default_factory=list)
+    _gcs: tuple[list[bytes], dict[bytes, bytes]] | None = None  # the GCS's argv and environment
+
+    def gcs_pid(self) -> int | None:
+        pids = _session_members(self.session) + [p.pid for p in self.restarted if p.poll() is None]
+        return next((pid for pid in pids if _argv(pid)[:1] and _argv(pid)[0].endswith(b"/gcs_server")), None)
+
+    def kill_gcs(self) -> float:
+        """SIGKILL the GCS (its command line kept for `restart_gcs`); returns the kill's
+        time.monotonic(), once the process is gone."""
+        pid = self.gcs_pid()
+        if pid is None:
+            raise RuntimeError("the head has no GCS process to kill")
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        self._gcs = (_argv(pid), environ)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for proc in self.restarted:
+            if proc.pid == pid:
+                proc.wait(timeout=10)  # reap it: a zombie of ours would look alive
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return killed
+
+    def restart_gcs(self) -> None:
+        """Start the GCS again, with the killed one's arguments (its port, its session, Redis)."""
+        if self._gcs is None:
+            raise RuntimeError("restart_gcs before kill_gcs")
+        argv, environ = self._gcs
+        self.restarted.append(subprocess.Popen(argv, env=environ, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL, start_new_session=True))
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """SIGTERM every process of the node, then SIGKILL what is left after `grace_s`."""
+        def members() -> list[int]:
+            return _session_members(self.session) + [p.pid for p in self.restarted if p.poll() is None]
+
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            for pid in members():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait_s
+            while members() and time.monotonic() < deadline:
+                for proc in self.restarted:
+                    proc.poll()  # reap our own
+                time.sleep(0.1)
+
+
+def start_ft_head(base: Path, env: dict[str, str], redis: RedisServer, *, num_cpus: int,
+                  resources: dict[str, float], timeout_s: float = 120.0) -> tuple[DetachedHead, str, str]:
+    """(head, GCS address, dashboard URL) of a head on free ports whose GCS keeps its tables in
+    `redis` (RAY_REDIS_ADDRESS and --redis-password, Ray 2.60's way for `ray start`)."""
+    temp_dir, log_path, dashboard_port = base / "head", base / "head.log", free_port()
+    temp_dir.mkdir(parents=True)
+    # The agent ports are given for the reason start_node gives them.
+    args = ["start", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+            f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
+            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+            "--head", f"--port={free_port()}", "--include-dashboard=true", f"--dashboard-port={dashboard_port}",
+            "--dashboard-host=127.0.0.1", f"--ray-client-server-port={free_port()}",
+            f"--redis-password={redis.password}"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(ray_cmd(*args), stdout=log, stderr=subprocess.STDOUT,
+                                env={**env, "RAY_REDIS_ADDRESS": redis.address}, start_new_session=True)
+    head = DetachedHead(RayNode(proc, temp_dir, log_path), session=proc.pid)
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and not head.node.raylet_crashed() and time.monotonic() < deadline:
+        time.sleep(0.3)
+    match = re.search(r"ray start --address='([^']+)'", head.node.log())
+    if proc.poll() != 0 or match is None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)  # its stacks, into its log
+            time.sleep(1.0)
+        report = f"ray start (head, GCS on Redis) failed or timed out:\n{head.node.log()[-6000:]}"
+        head.stop(grace_s=1.0)
+        raise RuntimeError(report + head.node.session_logs(
+            ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err")))
+    return head, match.group(1), f"http://127.0.0.1:{dashboard_port}"
+
+
+def _session_members(session: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+def _argv(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[:-1]
+    except OSError:
+        return []
