@@ -160,7 +160,7 @@ class EngineClient:
         carrier = tracer.inject()  # None when tracing is off
         if carrier is not None:
             request = replace(request, trace_context=carrier)
-            tracing.note_group_request(self.model_name, request.sampling)
+            tracing.note_group_request(self.model_name, request.sampling, response_id=request.request_id)
         yielded = False
         for attempt in range(_ATTEMPTS):
             try:
@@ -184,6 +184,7 @@ class EngineClient:
         else:
             deltas = self._over_call(request, deadline)
         num_output_tokens = 0
+        finish_reasons: dict[int, str] = {}  # by choice: a finished choice of n > 1 repeats until all end
         try:
             async with aclosing(deltas):
                 async for delta in deltas:
@@ -193,8 +194,11 @@ class EngineClient:
                         raise _GroupFailed(delta.error, delta.group_id)
                     if request.trace_context is not None:
                         num_output_tokens += delta.num_output_tokens
+                        finish_reasons.update((out.index, out.finish_reason) for out in delta.outputs
+                                              if out.finish_reason)
                         if delta.finished:
-                            tracing.note_usage(delta.num_prompt_tokens, num_output_tokens)
+                            tracing.note_usage(delta.num_prompt_tokens, num_output_tokens,
+                                               [finish_reasons[i] for i in sorted(finish_reasons)])
                     yield delta
                     if delta.finished:
                         return

@@ -183,6 +183,8 @@ def test_http_request_is_one_connected_trace(deployment: Deployment) -> None:
     assert attrs["gen_ai.usage.input_tokens"] == body["usage"]["prompt_tokens"]
     assert attrs["gen_ai.usage.output_tokens"] == body["usage"]["completion_tokens"] == 4
     assert attrs["http.response.status_code"] == 200
+    assert attrs["gen_ai.response.finish_reasons"] == ["length"]
+    assert attrs["gen_ai.response.id"] == body["id"] + "-0"  # the first prompt's group request
     group = spans["group_request"]
     assert group["attributes"]["gen_ai.usage.output_tokens"] == 4
     assert group["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
