@@ -93,6 +93,11 @@ def replicas(dashboard: str, deployment: str) -> dict[str, Any]:
     from ray.util.state import list_actors
 
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    # A test may have shut Serve down and started it again since this driver last asked: its
+    # cached handle then names a dead controller. Forget it, so the running one is looked up.
+    from ray.serve import context
+
+    context._set_global_client(None)
     status = serve.status().applications.get(APP)
     actors = list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
     return {"status": None if status is None else str(getattr(status.status, "value", status.status)),

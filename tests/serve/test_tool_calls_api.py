@@ -1,6 +1,7 @@
-"""Tool calls end to end: the official `openai` client against a running app on a random-weight
-model, whose tokens are arbitrary: only the engine's constraint makes a forced call's arguments
-parse, so they are checked against the tool's schema with jsonschema.
+"""Tool calls and structured outputs end to end: the official `openai` client against a running
+app on a random-weight model, whose tokens are arbitrary: only the engine's constraint makes a
+forced call's arguments (or a parsed response_format) parse, so they are checked against the
+schema with jsonschema (or the client's own model).
 
 Every value of the tools' schemas is bounded (an enum, an integer range, a string's length), so
 a forced call always ends within max_tokens. One application, a handful of requests.
@@ -107,3 +108,26 @@ def test_auto_without_a_parser_is_a_400_saying_how_to_enable_it(client):
         error = caught.value.body
         assert error["param"] == "tool_choice"
         assert "--enable-auto-tool-choice and --tool-call-parser" in error["message"]
+
+
+def test_parse_gives_the_clients_model_whole_and_streamed_for_two_choices(client):
+    """`client.chat.completions.parse(response_format=Model)`: OpenAI's strict json_schema, held
+    while decoding, so every choice parses into the model (the random weights alone never would)."""
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        city: Annotated[str, Field(max_length=6)]
+        unit: Literal["c", "f"]
+        days: Annotated[int, Field(ge=1, le=7)]
+
+    out = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Forecast, n=2,
+                                        temperature=1.0, max_tokens=MAX_TOKENS)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(isinstance(c.message.parsed, Forecast) and c.finish_reason == "stop" for c in out.choices)
+    with client.chat.completions.stream(model=MODEL, messages=MESSAGES, response_format=Forecast, n=2,
+                                        temperature=1.0, max_tokens=MAX_TOKENS) as stream:
+        final = stream.get_final_completion()
+    assert [c.index for c in final.choices] == [0, 1]
+    assert all(isinstance(c.message.parsed, Forecast) for c in final.choices)

@@ -13,11 +13,11 @@ import pytest
 from safetensors.torch import load_file, save
 
 from tandem.router.app import build_app
-from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
 from tandem.workers.model.source import check_model_source, resolve_model, tokenizer_dir
 from tandem.workers.text.tokenizer import load_tokenizer
 from tests.unit.model.fake_hub import FakeHub, files_of
+from tests.unit.model.served_tokens import greedy_tokens
 
 METADATA = ["chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
 # What a repo holds beside the model, which the engine never reads: never fetched.
@@ -100,18 +100,9 @@ def test_the_tokenizer_loads_from_its_own_repo_or_the_models(online: Hub, llama_
 
 
 def test_llm_serves_the_revision_it_is_given(online: Hub, llama_dir: str) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = [[11, 12, 13, 14], [200, 300]]
-
-    def tokens(llm: LLM) -> list[list[int]]:
-        try:
-            return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
-        finally:
-            llm.engine.shutdown()
-
-    v2 = tokens(LLM("acme/tiny", revision="v2", kv_cache_memory=8 << 20))
-    assert v2 == tokens(LLM(online.v2_dir, kv_cache_memory=8 << 20))
-    assert v2 != tokens(LLM(llama_dir, kv_cache_memory=8 << 20))
+    v2 = greedy_tokens(LLM("acme/tiny", revision="v2", kv_cache_memory=8 << 20))
+    assert v2 == greedy_tokens(LLM(online.v2_dir, kv_cache_memory=8 << 20))
+    assert v2 != greedy_tokens(LLM(llama_dir, kv_cache_memory=8 << 20))
 
 
 def test_build_app_refuses_what_the_hub_does_not_have_and_fetches_nothing(online: Hub, tmp_path) -> None:

@@ -17,10 +17,10 @@ from moto.server import ThreadedMotoServer
 
 from tandem.cluster.net import free_port
 from tandem.router.app import build_app
-from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
 from tandem.workers.model.source import check_model_source, resolve_model
 from tests.unit.model.fake_hub import files_of
+from tests.unit.model.served_tokens import greedy_tokens
 
 MODEL_FILES = ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json"]
@@ -112,21 +112,12 @@ def test_a_fetch_cut_short_is_finished_never_read_as_whole(cache: Path, llama_di
 
 
 def test_llm_serves_an_s3_model_and_draft_as_their_local_directory(cache: Path, llama_dir: str) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = [[11, 12, 13, 14], [200, 300]]
-
-    def tokens(llm: LLM) -> list[list[int]]:
-        try:
-            return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
-        finally:
-            llm.engine.shutdown()
-
-    local = tokens(LLM(llama_dir, kv_cache_memory=8 << 20))
-    assert tokens(LLM("s3://models/tiny", kv_cache_memory=8 << 20)) == local
+    local = greedy_tokens(LLM(llama_dir, kv_cache_memory=8 << 20))
+    assert greedy_tokens(LLM("s3://models/tiny", kv_cache_memory=8 << 20)) == local
     # A draft from S3 too: the target's own weights, so every draft token is the target's.
     drafted = LLM(llama_dir, speculative_model="s3://models/tiny", num_speculative_tokens=2, kv_cache_memory=8 << 20)
     proposer = drafted.engine.proposer
-    assert tokens(drafted) == local
+    assert greedy_tokens(drafted) == local
     assert proposer.core is not None and proposer.core.num_batches[""] > 0  # it drafted, and never failed
 
 
