@@ -26,7 +26,7 @@ from tandem.router.protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from tandem.router.streams import DONE, ChoiceState, Reply, UsageCounter, merge, open_streams, sse
+from tandem.router.streams import DONE, ChoiceState, Deltas, Reply, UsageCounter, merge, open_streams, sse
 from tandem.workers.core.request import PositionLogprobs
 
 
@@ -55,18 +55,25 @@ class ChatServing:
         deadline = req.deadline()
         plan = self.tools.plan(req)
         token_ids = await self.prompt_token_ids(req, plan.template_tools)
-        sampling = self.sampling(req)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream, group_ids = await self.start(plan, token_ids, self.sampling(req), request_id, deadline,
+                                             final_only=not req.stream)
+        if req.stream:
+            return Reply(self._stream(req, plan, request_id, stream), group_ids)
+        return Reply(await self._collect(req, plan, request_id, stream), group_ids)
+
+    async def start(self, plan: ToolPlan, token_ids: list[int], sampling: dict, request_id: str,
+                    deadline: float | None, *, final_only: bool) -> tuple[Deltas, list[str]]:
+        """The group request of a rendered chat, its sampling made to serve the tools, sent (the
+        gRPC Chat's path too): its deltas from the first on, and the groups serving it."""
         plan.adjust(sampling)
         if plan.structured is not None:  # compiled before any group sees it: a bad schema is a 400 now
             await self.client.grammar.check(plan.structured, "tools")
         params = sampling_params(sampling)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # The prompt is the rendered messages: its errors name them.
-        request = self.client.request(request_id, token_ids, params, final_only=not req.stream, field="messages")
+        request = self.client.request(request_id, token_ids, params, final_only=final_only, field="messages")
         [stream], group_ids = await open_streams([self.client.stream(request, deadline)])
-        if req.stream:
-            return Reply(self._stream(req, plan, request_id, stream), group_ids)
-        return Reply(await self._collect(req, plan, request_id, stream), group_ids)
+        return stream, group_ids
 
     async def _collect(self, req, plan: ToolPlan, request_id, stream) -> ChatCompletionResponse:
         choices: dict[int, ChoiceState] = {}
@@ -77,12 +84,8 @@ class ChatServing:
                 choices.setdefault(out.index, ChoiceState(out.index)).add(out)
         result = []
         for c in (choices[i] for i in sorted(choices)):
-            message, finish_reason = AssistantMessage(content="".join(c.text)), c.finish_reason
-            if plan.reads_calls:
-                text = plan.output_text(message.content, c.token_ids, c.finish_reason, c.stop_reason)
-                content, calls = plan.choice().parse(text)
-                message = AssistantMessage(content=content, tool_calls=calls or None)
-                finish_reason = plan.finish_reason(finish_reason, bool(calls))
+            content, calls, finish_reason = plan.reply("".join(c.text), c.token_ids, c.finish_reason, c.stop_reason)
+            message = AssistantMessage(content=content, tool_calls=calls or None)
             result.append(ChatChoice(index=c.index, message=message,
                                      logprobs=_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
@@ -117,9 +120,7 @@ class ChatServing:
                             index=out.index, delta=DeltaMessage(content=out.text or None), logprobs=logprobs,
                             finish_reason=out.finish_reason, stop_reason=out.stop_reason))
                     continue
-                text = plan.output_text(out.text, out.token_ids, out.finish_reason, out.stop_reason)
-                deltas = reader.deltas(text, last=out.finish_reason is not None)
-                finish_reason = plan.finish_reason(out.finish_reason, reader.num_calls > 0)
+                deltas, finish_reason = reader.step(out.text, out.token_ids, out.finish_reason, out.stop_reason)
                 if not deltas and (out.finish_reason or (logprobs and logprobs.content)):
                     deltas = [DeltaMessage()]
                 for k, message in enumerate(deltas):  # logprobs with the first, the finish with the last

@@ -174,6 +174,14 @@ class ToolPlan:
     def finish_reason(self, reason: str | None, has_calls: bool) -> str | None:
         return "tool_calls" if has_calls and reason == "stop" else reason
 
+    def reply(self, text: str, token_ids: list[int], finish_reason: str | None,
+              stop_reason: int | str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """A whole choice read for calls: its content, calls and finish reason (both APIs' replies)."""
+        if not self.reads_calls:
+            return text, [], finish_reason
+        content, calls = self.choice().parse(self.output_text(text, token_ids, finish_reason, stop_reason))
+        return content, calls, self.finish_reason(finish_reason, bool(calls))
+
 
 class ChoiceCalls:
     """One choice's output read for calls, whole (`parse`) or as it streams (`deltas`)."""
@@ -196,6 +204,14 @@ class ChoiceCalls:
         """The chunks' deltas for the output's next `text` (`last`: the output ends with it)."""
         events = self._stream.finish(text) if last else self._stream.feed(text)
         return self._to_deltas(events)
+
+    def step(self, text: str, token_ids: list[int], finish_reason: str | None,
+             stop_reason: int | str | None) -> tuple[list[DeltaMessage], str | None]:
+        """One delta of the choice's output: the deltas it lets out and the choice's finish
+        reason so far (both APIs' streams)."""
+        text = self.plan.output_text(text, token_ids, finish_reason, stop_reason)
+        deltas = self.deltas(text, last=finish_reason is not None)
+        return deltas, self.plan.finish_reason(finish_reason, self.num_calls > 0)
 
     def _to_deltas(self, events: list[Event]) -> list[DeltaMessage]:
         out: list[DeltaMessage] = []

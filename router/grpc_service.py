@@ -16,6 +16,9 @@ groups are full, UNAVAILABLE when none is up, both with `retry-after` trailing m
 structured-output spec (SamplingParams' `structured` oneof) is compiled at the ingress before
 admission and any group, as over HTTP: one that cannot compile is INVALID_ARGUMENT naming the
 field.
+Chat and ChatStream run the chat route's own path (ChatServing, `self.chat`): the same
+validation of messages and tools (grpc_chat.py maps the proto onto the route's request), tool
+plan, chat template, forced-call schema and family parser, with Generate's admission and errors.
 An unexpected error is INTERNAL with an id; its traceback goes to the log only.
 """
 
@@ -35,7 +38,10 @@ from tandem.router import tandem_pb2 as pb
 from tandem.router.admission import Overloaded, admitted
 from tandem.router.api_key import key_matches
 from tandem.router.engine_client import RequestTimeout, ServiceUnavailable, sampling_params
+from tandem.router.grpc_chat import add_deltas, chat_request, tool_calls
 from tandem.router.limits import RequestLimits, check_stop_counts
+from tandem.router.output_constraints import SpecSource
+from tandem.router.streams import ChoiceState, Deltas
 from tandem.router.tracing import traced_rpc
 from tandem.workers.core.request import CompletionOutput, Logprob, PositionLogprobs, SamplingParams
 from tandem.workers.serving.messages import GroupDelta, GroupRequest
@@ -43,6 +49,9 @@ from tandem.workers.structured.spec import StructuredSpec
 
 if TYPE_CHECKING:
     from ray.serve.grpc_util import RayServegRPCContext
+
+    from tandem.router.chat_tools import ChoiceCalls, ToolPlan
+    from tandem.router.protocol import ChatCompletionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +77,7 @@ class GrpcMethods:
     """The Tandem service's RPCs; mixed into the ingress deployment class."""
 
     client: Any  # tandem.router.engine_client.EngineClient
+    chat: Any  # tandem.router.chat.ChatServing (Chat, ChatStream)
     api_key: str | None
     limits: RequestLimits
 
@@ -115,6 +125,61 @@ class GrpcMethods:
                         for output in delta.outputs:
                             _merge(message.choices.add(index=output.index), output, num_top)
                             num_output_tokens += len(output.token_ids)
+                        if message.finished:
+                            message.usage.CopyFrom(_usage(delta, num_output_tokens))
+                        yield message
+        except Exception as exc:
+            raise RpcError(*_set_status(grpc_context, exc)) from None
+
+    @traced_rpc("Chat")
+    async def Chat(self, request: pb.ChatRequest, grpc_context: RayServegRPCContext) -> pb.ChatResponse:
+        try:
+            self._authenticate(grpc_context)
+            chat = await self._check_chat(request)
+            async with admitted(getattr(self, "admission", None), *self._grpc_sequences(request)):
+                plan, request_id, stream = await self._open_chat(request, chat, final_only=True)
+                choices: dict[int, ChoiceState] = {}
+                last: GroupDelta | None = None
+                async with aclosing(stream) as deltas:
+                    async for last in deltas:
+                        _raise_on_error(last)
+                        for output in last.outputs:
+                            choices.setdefault(output.index, ChoiceState(output.index)).add(output)
+            num_top = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
+            replies = [_chat_choice(plan, choices[i], num_top) for i in sorted(choices)]
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            return pb.ChatResponse()
+        usage = _usage(last, sum(len(c.token_ids) for c in replies))
+        return pb.ChatResponse(request_id=request.request_id or request_id, model=self.client.model_name,
+                               choices=replies, usage=usage)
+
+    @traced_rpc("ChatStream")
+    async def ChatStream(self, request: pb.ChatRequest, grpc_context: RayServegRPCContext
+                         ) -> AsyncIterator[pb.ChatStreamResponse]:
+        try:
+            self._authenticate(grpc_context)
+            chat = await self._check_chat(request)
+            async with admitted(getattr(self, "admission", None), *self._grpc_sequences(request)):
+                plan, request_id, stream = await self._open_chat(request, chat, final_only=False)
+                request_id = request.request_id or request_id
+                num_top = request.sampling.logprobs if request.sampling.HasField("logprobs") else 0
+                n = request.sampling.n if request.sampling.HasField("n") else 1
+                # Each choice's own reader of calls, when the plan reads them.
+                readers = {i: plan.choice() for i in range(n)} if plan.reads_calls else {}
+                finished: set[int] = set()  # the group repeats a finished choice of n > 1 until all end
+                num_output_tokens = 0
+                async with aclosing(stream) as deltas:
+                    async for delta in deltas:
+                        _raise_on_error(delta)
+                        message = pb.ChatStreamResponse(request_id=request_id, model=self.client.model_name,
+                                                        finished=delta.finished)
+                        for output in delta.outputs:
+                            num_output_tokens += len(output.token_ids)
+                            if output.index not in finished:
+                                message.choices.append(_chat_delta(output, readers.get(output.index), num_top))
+                            if output.finish_reason:
+                                finished.add(output.index)
                         if message.finished:
                             message.usage.CopyFrom(_usage(delta, num_output_tokens))
                         yield message
@@ -172,7 +237,7 @@ class GrpcMethods:
         if not key_matches(key, self.api_key):
             raise RpcError(grpc.StatusCode.UNAUTHENTICATED, "authorization: invalid API key")
 
-    def _grpc_sequences(self, request: pb.GenerateRequest) -> tuple[int, int]:
+    def _grpc_sequences(self, request: pb.GenerateRequest | pb.ChatRequest) -> tuple[int, int]:
         """What admission charges the request (its sequences, all on one group); ValueError
         past this server's bounds, before any ticket or tokenizing (the proto's n is a uint32)."""
         sampling = request.sampling
@@ -200,7 +265,29 @@ class GrpcMethods:
         request_id = f"grpc-{uuid.uuid4().hex}"
         return self.client.request(request_id, token_ids, sampling_from_proto(request.sampling), final_only=final_only)
 
-    async def _check_structure(self, request: pb.GenerateRequest) -> None:
+    async def _check_chat(self, request: pb.ChatRequest) -> ChatCompletionRequest:
+        """The chat route's request for `request`, checked as the route checks its body, before
+        admission: ValueError names the field."""
+        spec = structured_from_proto(request.sampling)
+        source = SpecSource(request.sampling.WhichOneof("structured"), spec) if spec is not None else None
+        chat = chat_request(request, source, self.limits.max_json_depth)
+        self._check_model(request.model)
+        await self._check_structure(request)
+        return chat
+
+    async def _open_chat(self, request: pb.ChatRequest, chat: ChatCompletionRequest, *, final_only: bool
+                         ) -> tuple[ToolPlan, str, Deltas]:
+        """The chat's tool plan, the server's id of its group request, and that request's deltas."""
+        deadline = _deadline(request)
+        plan = self.chat.tools.plan(chat)
+        token_ids = await self.chat.prompt_token_ids(chat, plan.template_tools)
+        sampling = sampling_fields(request.sampling)
+        sampling.setdefault("max_tokens", None)  # unset: up to the context length, as the chat route has it
+        request_id = f"grpc-{uuid.uuid4().hex}"  # the server's own, as Generate's
+        stream, _ = await self.chat.start(plan, token_ids, sampling, request_id, deadline, final_only=final_only)
+        return plan, request_id, stream
+
+    async def _check_structure(self, request: pb.GenerateRequest | pb.ChatRequest) -> None:
         """The request's spec compiled before admission and any group, as over HTTP; ValueError
         names its field."""
         spec = structured_from_proto(request.sampling)
@@ -208,7 +295,7 @@ class GrpcMethods:
             await self.client.grammar.check(spec, request.sampling.WhichOneof("structured"))
 
 
-def _deadline(request: pb.GenerateRequest) -> float | None:
+def _deadline(request: pb.GenerateRequest | pb.ChatRequest) -> float | None:
     """When (time.monotonic()) the request's `timeout` runs out; ValueError for a bad one."""
     if not request.HasField("timeout"):
         return None
@@ -219,6 +306,12 @@ def _deadline(request: pb.GenerateRequest) -> float | None:
 
 def sampling_from_proto(proto: pb.SamplingParams) -> SamplingParams:
     """SamplingParams from the set fields of a proto SamplingParams; ValueError names a bad field."""
+    return sampling_params(sampling_fields(proto))
+
+
+def sampling_fields(proto: pb.SamplingParams) -> dict[str, Any]:
+    """SamplingParams' keyword arguments from the set fields of a proto SamplingParams (the
+    engine's defaults for the rest); ValueError names a bad field."""
     sampling: dict[str, Any] = {name: getattr(proto, name) for name in _OPTIONAL_SAMPLING if proto.HasField(name)}
     check_stop_counts(list(proto.stop), len(proto.stop_token_ids))
     if proto.stop:
@@ -234,7 +327,7 @@ def sampling_from_proto(proto: pb.SamplingParams) -> SamplingParams:
         sampling["structured"] = structured
     if proto.logit_bias:
         sampling["logit_bias"] = dict(proto.logit_bias)
-    return sampling_params(sampling)
+    return sampling
 
 
 def structured_from_proto(proto: pb.SamplingParams) -> StructuredSpec | None:
@@ -268,6 +361,31 @@ def _merge(choice: pb.Completion, output: CompletionOutput, num_top: int | None)
         choice.stop_token_id = stop_reason
     elif isinstance(stop_reason, str):
         choice.stop_str = stop_reason
+
+
+def _chat_choice(plan: ToolPlan, state: ChoiceState, num_top: int | None) -> pb.ChatChoice:
+    """A whole choice, read for calls as the chat route reads it."""
+    content, calls, finish_reason = plan.reply("".join(state.text), state.token_ids, state.finish_reason,
+                                               state.stop_reason)
+    choice = pb.ChatChoice(index=state.index, content=content, tool_calls=tool_calls(calls),
+                           finish_reason=finish_reason or "", token_ids=state.token_ids)
+    if num_top is not None:
+        choice.logprobs.extend(_token_logprobs(state.token_ids, state.logprobs, num_top))
+    return choice
+
+
+def _chat_delta(output: CompletionOutput, reader: ChoiceCalls | None, num_top: int) -> pb.ChatChoiceDelta:
+    """One streamed delta of a choice: read for calls by its reader, as the chat route streams it."""
+    choice = pb.ChatChoiceDelta(index=output.index, token_ids=output.token_ids)
+    if output.logprobs:
+        choice.logprobs.extend(_token_logprobs(output.token_ids, output.logprobs, num_top))
+    if reader is None:
+        choice.content, finish_reason = output.text, output.finish_reason
+    else:
+        pieces, finish_reason = reader.step(output.text, output.token_ids, output.finish_reason, output.stop_reason)
+        add_deltas(choice, pieces)
+    choice.finish_reason = finish_reason or ""
+    return choice
 
 
 def _token_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_top: int) -> list[pb.TokenLogprob]:

@@ -59,6 +59,16 @@ class TandemStub:
                 request_serializer=tandem_dot_router_dot_tandem__pb2.HealthRequest.SerializeToString,
                 response_deserializer=tandem_dot_router_dot_tandem__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_unary(
+                '/tandem.v1.Tandem/Chat',
+                request_serializer=tandem_dot_router_dot_tandem__pb2.ChatRequest.SerializeToString,
+                response_deserializer=tandem_dot_router_dot_tandem__pb2.ChatResponse.FromString,
+                _registered_method=True)
+        self.ChatStream = channel.unary_stream(
+                '/tandem.v1.Tandem/ChatStream',
+                request_serializer=tandem_dot_router_dot_tandem__pb2.ChatRequest.SerializeToString,
+                response_deserializer=tandem_dot_router_dot_tandem__pb2.ChatStreamResponse.FromString,
+                _registered_method=True)
 
 
 class TandemServicer:
@@ -99,6 +109,21 @@ class TandemServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chat(self, request, context):
+        """A conversation through the model's chat template, answered whole: POST /v1/chat/completions,
+        tools included (a forced call held to the tools' schemas, "auto" read with the server's parser).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChatStream(self, request, context):
+        """The same, streamed: content and tool calls as they come; the last message carries usage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TandemServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +151,16 @@ def add_TandemServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=tandem_dot_router_dot_tandem__pb2.HealthRequest.FromString,
                     response_serializer=tandem_dot_router_dot_tandem__pb2.HealthResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=tandem_dot_router_dot_tandem__pb2.ChatRequest.FromString,
+                    response_serializer=tandem_dot_router_dot_tandem__pb2.ChatResponse.SerializeToString,
+            ),
+            'ChatStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.ChatStream,
+                    request_deserializer=tandem_dot_router_dot_tandem__pb2.ChatRequest.FromString,
+                    response_serializer=tandem_dot_router_dot_tandem__pb2.ChatStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +298,60 @@ class Tandem:
             '/tandem.v1.Tandem/Health',
             tandem_dot_router_dot_tandem__pb2.HealthRequest.SerializeToString,
             tandem_dot_router_dot_tandem__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tandem/Chat',
+            tandem_dot_router_dot_tandem__pb2.ChatRequest.SerializeToString,
+            tandem_dot_router_dot_tandem__pb2.ChatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChatStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Tandem/ChatStream',
+            tandem_dot_router_dot_tandem__pb2.ChatRequest.SerializeToString,
+            tandem_dot_router_dot_tandem__pb2.ChatStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,6 +4,7 @@ hostile-input battery and the fuzzers run thousands of requests in seconds.
 `EchoGroup` stands in for the GroupServer DeploymentHandle: every request gets, per
 choice, `min(max_tokens, 2)` tokens (ids 10 + step), with logprobs and prompt logprobs
 when asked for, and finishes with "length": the `GroupDelta`s a group would send.
+`TextGroup` answers with a chosen text instead (a tool call's, over HTTP and gRPC).
 
 A streamed request that names its ingress's channel is answered as a group answers it:
 `Accepted`, then its deltas through the group's real outboxes (workers/serving/outbox.py)
@@ -134,6 +135,32 @@ class EchoGroup:
             error, self.fail_with = self.fail_with, None
             return scripted_response([error], self.outboxes, request)
         return scripted_response(answer(request), self.outboxes, request)
+
+
+class TextGroup(EchoGroup):
+    """A group whose every choice writes `pieces`, one delta each, then stops ("stop"): what a
+    real model would write for a tool call, which the random-weight test models never do on demand."""
+
+    num_prompt_tokens = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[str] = []
+
+    def remote(self, request: GroupRequest) -> FakeResponse:
+        self.calls.append(request)
+        n, pieces = request.sampling.n, self.pieces
+        if request.final_only:
+            pieces = ["".join(pieces)]
+        deltas = []
+        first_id = 10
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            ids = list(range(first_id, first_id + (len(self.pieces) if request.final_only else 1)))
+            first_id += len(ids)
+            outputs = [CompletionOutput(i, piece, ids, None, finish_reason="stop" if last else None) for i in range(n)]
+            deltas.append(GroupDelta(request.request_id, "g0", outputs, last, num_prompt_tokens=self.num_prompt_tokens))
+        return scripted_response(deltas, self.outboxes, request)
 
 
 def _position(token_id: int, num_top: int) -> PositionLogprobs:

@@ -10,38 +10,13 @@ import json
 
 import pytest
 
-from tandem.workers.core.request import CompletionOutput
-from tandem.workers.serving.messages import GroupDelta
-from tests.serve.fake_group import EchoGroup, ingress_server, scripted_response, serving
+from tests.serve.fake_group import TextGroup, ingress_server, serving
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time"}}]
 MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
-PROMPT_TOKENS = 5
-
-
-class TextGroup(EchoGroup):
-    """A group whose every choice writes `pieces`, one delta each, then stops ("stop")."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pieces: list[str] = []
-
-    def remote(self, request):
-        self.calls.append(request)
-        n, pieces = request.sampling.n, self.pieces
-        if request.final_only:
-            pieces = ["".join(pieces)]
-        deltas = []
-        first_id = 10
-        for k, piece in enumerate(pieces):
-            last = k == len(pieces) - 1
-            ids = list(range(first_id, first_id + (len(self.pieces) if request.final_only else 1)))
-            first_id += len(ids)
-            outputs = [CompletionOutput(i, piece, ids, None, finish_reason="stop" if last else None) for i in range(n)]
-            deltas.append(GroupDelta(request.request_id, "g0", outputs, last, num_prompt_tokens=PROMPT_TOKENS))
-        return scripted_response(deltas, self.outboxes, request)
+PROMPT_TOKENS = TextGroup.num_prompt_tokens
 
 
 @pytest.fixture(scope="module")

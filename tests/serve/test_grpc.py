@@ -457,6 +457,8 @@ def test_reflection_lists_describes_and_calls_the_service(channel) -> None:
         "Tokenize": ("tandem.v1.TokenizeRequest", "tandem.v1.TokenizeResponse", False),
         "ModelInfo": ("tandem.v1.ModelInfoRequest", "tandem.v1.ModelInfoResponse", False),
         "Health": ("tandem.v1.HealthRequest", "tandem.v1.HealthResponse", False),
+        "Chat": ("tandem.v1.ChatRequest", "tandem.v1.ChatResponse", False),
+        "ChatStream": ("tandem.v1.ChatRequest", "tandem.v1.ChatStreamResponse", True),
     }
     method = service.methods_by_name["Tokenize"]
     request_class, response_class = GetMessageClass(method.input_type), GetMessageClass(method.output_type)
@@ -486,6 +488,15 @@ def test_real_app_greedy_generate_matches_offline(grpc_address: str, stub) -> No
                             timeout=60)
         streamed = list(stub.GenerateStream(pb.GenerateRequest(text=prompt, sampling=sampling),
                                             metadata=_md(auth=None, app="tandem"), timeout=60))
+        # A forced tool call: any model's output is held to the tool's schema (xgrammar, strict).
+        rain = {"type": "object", "properties": {"rain": {"type": "boolean"}}, "required": ["rain"],
+                "additionalProperties": False}
+        chat = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Rain in Oslo?")],
+                              tools=[pb.Tool(name="get_rain", parameters=json.dumps(rain))],
+                              tool_choice=pb.ToolChoice(function="get_rain"),
+                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=32))
+        called = stub.Chat(chat, metadata=_md(auth=None, app="tandem"), timeout=60)
+        called_stream = list(stub.ChatStream(chat, metadata=_md(auth=None, app="tandem"), timeout=60))
         # The hostile-input battery's gRPC cases that hold whatever the context and key.
         hostile = [c for c in GRPC_CASES if not any(w in c.name for w in ("context", "too long", "key"))]
         assert len(hostile) == 26
@@ -511,3 +522,13 @@ def test_real_app_greedy_generate_matches_offline(grpc_address: str, stub) -> No
     assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert "".join(m.choices[0].text for m in streamed if m.choices) == completion.text
     assert streamed[-1].finished and streamed[-1].usage.completion_tokens == len(completion.token_ids)
+
+    [choice] = called.choices
+    [call] = choice.tool_calls
+    assert (call.name, call.id[:5], choice.finish_reason, choice.HasField("content")) == (
+        "get_rain", "call_", "tool_calls", False)
+    assert json.loads(call.arguments) in ({"rain": True}, {"rain": False})
+    pieces = [c for m in called_stream for delta in m.choices for c in delta.tool_calls]
+    assert (pieces[0].name, pieces[0].id[:5], pieces[0].arguments) == ("get_rain", "call_", "")
+    assert "".join(p.arguments for p in pieces) == call.arguments  # greedy: the same call, in pieces
+    assert [c.finish_reason for m in called_stream for c in m.choices if c.finish_reason] == ["tool_calls"]
