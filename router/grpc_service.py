@@ -131,7 +131,7 @@ class GrpcMethods:
         except Exception as exc:
             raise RpcError(*_set_status(grpc_context, exc)) from None
 
-    @traced_rpc("Chat")
+    @traced_rpc("Chat", "chat")
     async def Chat(self, request: pb.ChatRequest, grpc_context: RayServegRPCContext) -> pb.ChatResponse:
         try:
             self._authenticate(grpc_context)
@@ -154,7 +154,7 @@ class GrpcMethods:
         return pb.ChatResponse(request_id=request.request_id or request_id, model=self.client.model_name,
                                choices=replies, usage=usage)
 
-    @traced_rpc("ChatStream")
+    @traced_rpc("ChatStream", "chat")
     async def ChatStream(self, request: pb.ChatRequest, grpc_context: RayServegRPCContext
                          ) -> AsyncIterator[pb.ChatStreamResponse]:
         try:

@@ -154,9 +154,10 @@ class TracingMiddleware:
             await self.app(scope, receive, send_status)
 
 
-def traced_rpc(method: str) -> Callable[[Callable], Callable]:
+def traced_rpc(method: str, operation: str = "text_completion") -> Callable[[Callable], Callable]:
     """Decorate a gRPC method of the ingress: its span (parent: the client's `traceparent`
-    metadata) and the request id as `x-request-id` trailing metadata."""
+    metadata; `operation`: its gen_ai.operation.name) and the request id as `x-request-id`
+    trailing metadata."""
 
     def decorate(fn: Callable) -> Callable:
         name = f"tandem.v1.Tandem/{method}"
@@ -166,7 +167,7 @@ def traced_rpc(method: str) -> Callable[[Callable], Callable]:
             if request_id:
                 grpc_context.set_trailing_metadata([(REQUEST_ID_HEADER, request_id)])
             attrs = {"rpc.system": "grpc", "rpc.service": "tandem.v1.Tandem", "rpc.method": method,
-                     "gen_ai.operation.name": "text_completion", "gen_ai.provider.name": PROVIDER_NAME,
+                     "gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER_NAME,
                      "gen_ai.request.id": request_id or ""}
             return ingress_span(name, grpc_context.invocation_metadata(), attrs), attrs
 

@@ -150,3 +150,26 @@ def test_a_finalizer_flushing_during_an_export_on_its_thread_does_not_deadlock()
         assert [span.name for span in exporter.get_finished_spans()] == ["a"]
     finally:
         tracer.configure(None)
+
+
+def test_a_chat_rpc_span_says_chat(exporter: InMemorySpanExporter) -> None:
+    class Context:
+        def invocation_metadata(self) -> list:
+            return []
+
+        def set_trailing_metadata(self, metadata) -> None:
+            pass
+
+    class Servicer:
+        @tracing.traced_rpc("Chat", "chat")
+        async def chat(self, request, grpc_context):
+            tracing.note_group_request("tandem-demo", SamplingParams(max_tokens=2))
+            return "reply"
+
+    import asyncio
+
+    assert asyncio.run(Servicer().chat(None, Context())) == "reply"
+    tracer.force_flush()
+    [span] = exporter.get_finished_spans()
+    assert (span.name, span.attributes["gen_ai.operation.name"], span.attributes["rpc.method"]) == (
+        "chat tandem-demo", "chat", "Chat")
