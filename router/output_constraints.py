@@ -36,8 +36,10 @@ GUIDED_BACKENDS = ("xgrammar", "auto")  # what tandem compiles with, and "the se
 TOKEN_ID_KEY = r"^[0-9]{1,10}$"
 
 JsonSchema = dict[str, Any]
+# Its size is checked by `_one_spec`, in words of ours (pydantic's own message changes between
+# versions); the document still states the bound.
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)], Annotated[float, Field(ge=-100, le=100)]],
-                      Field(max_length=MAX_LOGIT_BIAS)]
+                      Field(json_schema_extra={"maxProperties": MAX_LOGIT_BIAS})]
 
 
 class JsonSchemaFormat(BaseModel):
@@ -101,6 +103,8 @@ class OutputConstraints(BaseModel):
 
     @model_validator(mode="after")
     def _one_spec(self) -> OutputConstraints:
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} token ids, got {len(self.logit_bias)}")
         if self.guided_decoding_backend is not None and self.guided_decoding_backend not in GUIDED_BACKENDS:
             raise ValueError(f"guided_decoding_backend: tandem compiles structured outputs with xgrammar; send "
                              f"'xgrammar' or 'auto' (or nothing), got {self.guided_decoding_backend!r}")
