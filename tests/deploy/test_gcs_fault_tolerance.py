@@ -11,7 +11,9 @@ the same group.
 The ingress asks Serve's controller for the groups' status (router/engine_client.py), and the
 controller answers through the GCS: before that wait was bounded, /health hung from the first
 second of an outage and every request from its tenth (`_HEALTH_MAX_AGE` TTLs) until the GCS
-came back. The second test's outage lasts past those ten seconds.
+came back. tests/serve/test_status_without_controller.py holds that bound against a controller
+that never answers; `python3 -m tests.deploy.gcs_outage` measures outages past those ten
+seconds for bench/RESULTS.md (a second, 13-second kill here cost the suite 16 s).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import shutil
 
 import pytest
 
-from tandem.router import engine_client
 from tests.conftest import wait_for
 from tests.deploy.gcs_outage import (
     PROBE_PROMPT,
@@ -29,7 +30,6 @@ from tests.deploy.gcs_outage import (
     complete,
     ft_cluster,
     healthy,
-    measure_outage,
     running_replicas,
     start_stream,
 )
@@ -43,7 +43,6 @@ pytestmark = [
 STREAM_PROMPT = "a stream across the kill"
 STREAM_TOKENS = 400  # 1-7 s of streaming here (three at once, by load); the kill comes within their first 0.2 s
 NUM_STREAMS = 3
-DOWN_S = engine_client._HEALTH_MAX_AGE * engine_client._HEALTH_TTL_S + 3.0
 
 
 @pytest.fixture(scope="module")
@@ -97,17 +96,3 @@ def test_streams_running_when_the_gcs_dies_finish_and_it_recovers_from_redis(clu
                     interval_s=0.5), running_replicas(cluster)
     reply = complete(cluster, PROBE_PROMPT, PROBE_TOKENS)
     assert (reply.status, reply.text, reply.group) == (200, before["probe"], before["group"])
-
-
-def test_the_time_without_service_is_recorded(cluster: FtCluster, before, record_property) -> None:
-    """A second kill, measured (python3 -m tests.deploy.gcs_outage repeats it for bench/RESULTS.md),
-    down for longer than the ingress's groups' status may age before requests wait for it."""
-    outage = measure_outage(cluster, before["probe"], down_s=DOWN_S)
-    for name, value in vars(outage).items():
-        record_property(name, value)
-    print(f"GCS outage: {outage}")
-    # Every completion sent while the GCS was down was served, with the greedy text from before.
-    assert (outage.failed_while_down, outage.wrong_while_down) == (0, 0), outage.failures
-    assert outage.served_while_down >= 1 and outage.gap_s < outage.down_s, outage
-    # measure_outage returned: a completion was served and the application is RUNNING again.
-    assert (running_replicas(cluster), cluster.head.gcs_pid() is not None) == (before["replicas"], True)

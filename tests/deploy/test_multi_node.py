@@ -469,7 +469,11 @@ def test_gpu_groups_wait_for_a_gpu_node_that_joins_after_the_deploy(cluster: Clu
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     cluster.run(*serve_cmd("deploy", str(path), "--address", cluster.dashboard))
 
-    time.sleep(10.0)  # time enough for a wrong placement to happen
+    # The ingress starts (the application is being deployed, its CPU nodes are there): a group
+    # that did not wait for its GPU would have been placed by then too.
+    assert wait_for(lambda: cluster.ask({"replicas": "OpenAIIngress"}, timeout_s=60)["replicas"], timeout_s=120,
+                    interval_s=1.0)
+    time.sleep(2.0)
     seen = cluster.ask({"replicas": "GroupServer"}, timeout_s=60)
     assert seen["replicas"] == [] and seen["status"] != "RUNNING", seen
 
