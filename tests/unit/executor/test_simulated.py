@@ -273,3 +273,14 @@ def test_preempted_requests_resume_their_tokens() -> None:
         llm.engine.pool.check_all_free()
     finally:
         llm.shutdown()
+
+
+def test_a_grammar_row_gets_a_token_its_grammar_allows(llm) -> None:
+    import re
+
+    from tandem.workers.structured.spec import StructuredSpec
+
+    spec = StructuredSpec("regex", "[a-c]{3}-[0-9]{2}")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, structured=spec), use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "stop" and re.fullmatch(spec.value, o.outputs[0].text) for o in outs)
+    assert len(llm.engine.grammars) == 0
