@@ -88,8 +88,7 @@ def references(llama_dir: str) -> dict[str, list[list[int]]]:
 
 
 def _generate(llm: LLM, spec: StructuredSpec, **params) -> list:
-    sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured=spec, **params)
-    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sampling, use_tqdm=False)]
+    return _generate_with(llm, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured=spec, **params))
 
 
 LAYOUTS = {
@@ -182,3 +181,36 @@ def test_logit_bias_moves_the_logits_it_names(llama_dir) -> None:
                             SamplingParams(temperature=0.0, max_tokens=1, logit_bias={plain: -100}), use_tqdm=False)
     assert banned.outputs[0].token_ids[0] != plain
     llm.shutdown()
+
+
+def test_sampled_grammar_rows_keep_the_overlap_and_sample_as_the_host_does(llama_dir, monkeypatch) -> None:
+    """Overlapped, a step of sampled decodes is sampled on the device (PassSampler) with the
+    grammar's masks, so the next step is scheduled ahead of it; seeded, its tokens are the host
+    sampler's."""
+    from tandem.workers.structured.request_grammars import RequestGrammars
+    from tests.conftest import host_sampler
+
+    early: list[str] = []
+    accept_early = RequestGrammars.accept_early
+    monkeypatch.setattr(RequestGrammars, "accept_early",
+                        lambda self, seq, tokens: (early.append(seq), accept_early(self, seq, tokens)))
+
+    def run() -> list[list[int]]:
+        llm = LLM(llama_dir, overlap_steps=True)
+        outs = []
+        for kind, spec in SPECS.items():
+            params = SamplingParams(temperature=1.0, seed=11, max_tokens=MAX_TOKENS, structured=spec, min_tokens=2)
+            for o in _generate_with(llm, params):
+                assert o.finish_reason == "stop" and matches(spec, o.text), (kind, o.text)
+                outs.append(list(o.token_ids))
+        llm.shutdown()
+        return outs
+
+    on_device = run()
+    assert early  # sampled grammar rows were scheduled ahead of
+    with host_sampler():
+        assert run() == on_device
+
+
+def _generate_with(llm: LLM, params: SamplingParams) -> list:
+    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]

@@ -35,6 +35,7 @@ from tandem.workers.runner.step_inputs import InputBuilder, StepInputs, advance_
 from tandem.workers.sample.pass_sampler import PassSampler
 from tandem.workers.sample.sampler import Sampler, compute_logprobs
 from tandem.workers.sample.step_sampler import StepSampler
+from tandem.workers.structured.bitmask import apply_token_masks
 
 # Prompt positions scored at once: their logits and log-softmax are vocabulary-wide float32
 # rows (128k vocabulary: 0.5 MiB each), so a step's whole prefill chunk at once (thousands of
@@ -284,12 +285,12 @@ class ModelRunner:
         device and the tokens stay there, so the next step can be scheduled ahead of them
         rather than after the host sampler's synchronous copy. In one process only (TP and PP
         groups sample on the host)."""
-        if inputs.meta.prefills or out.spec_token_ids or out.token_masks:
-            return False  # grammar rows (token_masks) and logit biases are the host sampler's work
+        if inputs.meta.prefills or out.spec_token_ids:
+            return False
         for group in (out.cached_requests, out.new_requests):
             for r in group:
                 if self.states[r.req_id].sampling_params.logit_bias:
-                    return False
+                    return False  # the host sampler's work
                 if r.num_computed_tokens < len(self.states[r.req_id].prompt_token_ids):
                     return False  # the prompt's last token (it may score prompt logprobs)
         return True
@@ -332,7 +333,13 @@ class ModelRunner:
                     inputs = self.builder.build(out, self.states, self.block_table, graph, where, advance,
                                                 num_steps - 1 - advance)
                     copy_pending(inputs, sampled[-1])
-            sampled.append(sample(self.forward(inputs), advance))
+            logits = self.forward(inputs)
+            if out.token_masks:  # grammar rows: a step of one pass (the scheduler grants them no more)
+                assert num_steps == 1, "a multi-step step carries no grammar rows"
+                masks = out.resolved_token_masks()  # deferred ones wait here, the forward launched
+                rows = [where[req_id] for req_id in masks]
+                apply_token_masks(logits, rows, torch.cat([masks[req_id][:1] for req_id in masks]))
+            sampled.append(sample(logits, advance))
         if num_placeholders:
             for tokens in outputs:  # the scheduler's next diff sends the tokens (or placeholders)
                 del tokens[len(tokens) - num_placeholders:]
