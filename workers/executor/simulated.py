@@ -188,7 +188,9 @@ class SimulatedExecutor(InProcess):
         with no prompt logprobs, or all decodes without penalties; otherwise none."""
         scored = [req_id for req_id, tokens in zip(output.req_ids, output.sampled_token_ids) if tokens]
         if not scored or step.token_masks or any(self.requests[r].params.logit_bias for r in scored):
-            return None  # grammars and logit biases are sampled on the host
+            # Logit biases are the host sampler's; grammar rows' tokens a GPU runner may keep on the
+            # device, but this device keeps them on the host: the step after them is collected first.
+            return None
         params = {req_id: self.requests[req_id].params for req_id in scored}
         greedy = not output.prompt_logprobs and all(
             p.is_greedy and not p.needs_penalties and p.logprobs is None

@@ -66,10 +66,8 @@ class PassSampler:
 
         # min_tokens: (passes it lasts, row, id) for each id a row may not end with yet, most
         # passes first, so that a pass's pairs are a prefix of them (sliced, no upload a pass).
-        # A grammar row has none: its grammar decides where it ends (as StepSampler's rows).
         self._suppressed = sorted(((p.min_tokens - n, i, t) for i, (p, n) in enumerate(zip(params, num_outputs))
-                                   if p.structured is None for t in suppressed_ids(p, n, eos_token_ids)),
-                                  key=lambda q: -q[0])
+                                   for t in suppressed_ids(p, n, eos_token_ids)), key=lambda q: -q[0])
         self._suppressed_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids), at the first pass
         self._as_device = as_device
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]

@@ -84,8 +84,9 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
 
 def suppressed_ids(params: SamplingParams, num_outputs: int, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
     """The ids a row may not end with after `num_outputs` tokens: EOS (unless ignored) and its
-    stop ids while it is below min_tokens, else none."""
-    if num_outputs >= params.min_tokens:
+    stop ids while it is below min_tokens, else none. A grammar row has none: its grammar
+    decides where it ends (a complete grammar allows only EOS; suppressing it would leave nothing)."""
+    if num_outputs >= params.min_tokens or params.structured is not None:
         return ()
     return (() if params.ignore_eos else tuple(eos_token_ids)) + tuple(params.stop_token_ids)
 

@@ -73,12 +73,10 @@ class StepSampler:
         rows: list[SamplingRow] = []
         for req_id, idx, draft in zip(inputs.req_ids, inputs.logits_rows, inputs.drafts):
             state = states[req_id]
-            # A grammar decides where its output ends: min_tokens never holds it open.
-            grammar = req_id in (token_masks or ())
             for j in range(len(idx)):
                 outputs = state.output_token_ids + draft[:j]
-                suppress = () if grammar else suppressed_ids(state.sampling_params, len(outputs), self.eos_token_ids)
-                rows.append(SamplingRow(state.sampling_params, state.prompt_token_ids, outputs, suppress))
+                rows.append(SamplingRow(state.sampling_params, state.prompt_token_ids, outputs,
+                                        suppressed_ids(state.sampling_params, len(outputs), self.eos_token_ids)))
         result = self.sampler(logits, rows)
         return PendingOutput.done(self._assemble(inputs, result.token_ids, result.logprobs, logits, rows,
                                                  prompt_logprobs))
