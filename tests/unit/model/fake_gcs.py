@@ -9,14 +9,15 @@ google-cloud-storage's list_blobs and download_to_filename use.
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from tests.unit.model.local_http import LocalHTTPServer
 
 
 @dataclass
-class FakeGCS:
+class FakeGCS(LocalHTTPServer):
     buckets: dict[str, dict[str, bytes]] = field(default_factory=dict)  # bucket -> object name -> bytes
     url: str = ""
 
@@ -59,11 +60,5 @@ class FakeGCS:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, name="fake-gcs", daemon=True).start()
+        self.serve(Handler, "fake-gcs")
         return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()

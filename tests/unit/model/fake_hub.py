@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from tests.unit.model.local_http import LocalHTTPServer
+
 
 @dataclass
-class FakeHub:
+class FakeHub(LocalHTTPServer):
     # repo id -> revision (a branch, tag or commit) -> (commit, {file path: bytes})
     repos: dict[str, dict[str, tuple[str, dict[str, bytes]]]] = field(default_factory=dict)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, path, Authorization)
@@ -103,14 +104,8 @@ class FakeHub:
                 if body:
                     self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, name="fake-hub", daemon=True).start()
+        self.serve(Handler, "fake-hub")
         return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def files_of(model_dir: str) -> dict[str, bytes]:
