@@ -31,6 +31,9 @@ DRAINING_PERIOD_S = "2"
 # image, the launcher's start commands, the KubeRay pods; a test holds them to this).
 NODE_ENV = {**{name: "1" for name in SWITCHES}, DRAINING_PERIOD: DRAINING_PERIOD_S}
 LOCAL_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# The process whose local Ray the ports above were picked for: a child (`tandem serve` started
+# by a test or a script) inherits the variables, and must pick its own.
+LOCAL_OWNER = "TANDEM_HAPROXY_OWNER_PID"
 
 
 def haproxy_binary() -> str | None:
@@ -70,8 +73,21 @@ def use_proxy(proxy: str) -> None:
     # within a second, and 30 s would hold every shutdown and rolling update that long.
     os.environ.setdefault(DRAINING_PERIOD, DRAINING_PERIOD_S)
     if proxy == HAPROXY:
-        # HAProxy's stats page and metrics endpoint have fixed ports by default (8404, 9101):
-        # a second Ray on this machine would fail to start its HAProxy. A Ray started here
-        # takes free ones; a cluster's nodes keep the defaults (one HAProxy per node).
+        _pick_local_haproxy()
+
+
+def _pick_local_haproxy() -> None:
+    """HAProxy's stats page and metrics endpoint have fixed ports by default (8404, 9101): a
+    second Ray on this machine would fail to start its HAProxy (its files are per node already).
+    A Ray started here takes free ports; a cluster's nodes keep the defaults (one HAProxy per
+    node). What a user set stays; what a parent process picked for its own Ray, and a child
+    inherited, is picked again."""
+    owner = os.environ.get(LOCAL_OWNER)
+    if owner == str(os.getpid()):
+        return
+    if owner is not None:  # inherited: the parent's Ray's ports
         for name in LOCAL_PORTS:
-            os.environ.setdefault(name, str(free_port()))
+            os.environ.pop(name, None)
+    os.environ[LOCAL_OWNER] = str(os.getpid())
+    for name in LOCAL_PORTS:
+        os.environ.setdefault(name, str(free_port()))

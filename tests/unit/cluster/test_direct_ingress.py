@@ -6,7 +6,7 @@ from tandem.cluster import direct_ingress
 from tandem.cluster.direct_ingress import HAPROXY, SERVE_PROXY, use_proxy
 
 NAMES = (*direct_ingress.SWITCHES, direct_ingress.DRAINING_PERIOD, *direct_ingress.LOCAL_PORTS,
-         "RAY_SERVE_HAPROXY_BINARY_PATH")
+         direct_ingress.LOCAL_OWNER, "RAY_SERVE_HAPROXY_BINARY_PATH")
 
 
 @pytest.fixture
@@ -22,6 +22,25 @@ def test_haproxy_turns_both_switches_on_with_a_short_drain_and_free_local_ports(
     assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
     stats, metrics = (int(os.environ[name]) for name in direct_ingress.LOCAL_PORTS)
     assert stats not in (8404, 9101) and metrics not in (8404, 9101) and stats > 0 and metrics > 0
+
+
+def test_the_same_process_keeps_its_ports(clean_env):
+    use_proxy(HAPROXY)
+    ports = [os.environ[name] for name in direct_ingress.LOCAL_PORTS]
+    use_proxy(HAPROXY)
+    assert [os.environ[name] for name in direct_ingress.LOCAL_PORTS] == ports
+
+
+def test_a_child_process_picks_its_own_ports(clean_env, monkeypatch):
+    """`tandem serve` started from a process whose Ray runs HAProxy inherits that Ray's ports in
+    its environment; its own Ray must not bind the same ones."""
+    use_proxy(HAPROXY)
+    parent = {name: os.environ[name] for name in direct_ingress.LOCAL_PORTS}
+    monkeypatch.setenv(direct_ingress.LOCAL_OWNER, str(os.getpid() + 1))  # as the child sees it
+    use_proxy(HAPROXY)
+    for name, value in parent.items():
+        assert os.environ[name] != value, name
+    assert os.environ[direct_ingress.LOCAL_OWNER] == str(os.getpid())
 
 
 def test_serve_proxy_turns_both_switches_off(clean_env):
