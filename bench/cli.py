@@ -27,6 +27,8 @@ HELP = {
     "serve": "load test an OpenAI-compatible server (TTFT, TPOT, goodput)",
     "spec": "speculative decoding: per-token speedup, cost at saturation",
     "structured": "structured outputs: time per output token with a JSON schema enforced vs without",
+    "quantization": "quantized weights / FP8 KV cache vs unquantized: batch-1 TPOT, batch decode, KV capacity",
+    "quality": "quantization's accuracy: top-1 agreement and KL of next-token distributions vs unquantized",
     "prefix": "prefix-aware vs load-only routing: TTFT, cache hits, overhead",
     "soak": "overload and faults while serving: nothing lost, nothing leaked, goodput and recovery",
     "observability": "what metrics and tracing cost a server: throughput and CPU per token, both on vs both off",
@@ -114,6 +116,28 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
     _add_idle_wait(p)
     p.set_defaults(func=partial(commands.bench_structured, hooks))
 
+    p = _parser(sub, "quantization", hooks, model="local model directory (default: built-in benchmark model)",
+                dtype="auto = float32 on CPU, bfloat16 on CUDA")
+    p.set_defaults(device="auto")
+    _add_repeats(p, "default 5; --quick 3")
+    _add_idle_wait(p)
+    p.add_argument("--offline-requests", type=int, default=0,
+                   help="also run an offline set of this many requests (the offline bench's lengths) on each")
+    p.add_argument("--gemm-sweep", action="store_true",
+                   help="only the 8-bit linear kernels against the dense one per row count, on Llama-3-8B's layer "
+                        "shapes (CPU: a quarter of each side): what decides W8A8 against the weight-only kernel")
+    p.set_defaults(temperature=0.0, func=partial(commands.bench_quantization, hooks))
+
+    p = _parser(sub, "quality", hooks, model="local model directory (default: a small model trained here on "
+                                             "Python's own sources, bench/quality_model.py)",
+                quantization="the quantized run's weights (the reference runs without); none: the reference "
+                "again (a determinism check, unless --kv-cache-dtype is given)",
+                kv_cache_dtype="the quantized run's KV cache (the reference's is auto)")
+    _allow_choice(p, "quantization", "none")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts in the set (default 64; --quick 8)")
+    p.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 256; --quick 64)")
+    p.set_defaults(func=partial(commands.bench_quality, hooks))
+
     p = _parser(sub, "prefix", hooks, model="local model directory to serve (default: built-in benchmark model)",
                 kv_cache_memory="bytes of KV cache per group (default: --cache-requests whole requests)")
     _add_prefix_args(p)
@@ -131,6 +155,13 @@ def register(subparsers: Any, hooks: RouterHooks) -> None:
     p.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 8)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per pass (default 32; --quick 8)")
     p.set_defaults(func=partial(commands.bench_observability, hooks))
+
+
+def _allow_choice(parser: argparse.ArgumentParser, dest: str, choice: str) -> None:
+    """One more value the argument `dest` takes on this parser (a value only this command knows)."""
+    for action in parser._actions:
+        if action.dest == dest:
+            action.choices = [choice, *action.choices]
 
 
 def _parser(sub: Any, name: str, hooks: RouterHooks | None, **helps: str) -> argparse.ArgumentParser:

@@ -172,6 +172,42 @@ def bench_structured(hooks: RouterHooks, args: argparse.Namespace) -> int:
     return _finish(args, figures, None)
 
 
+def bench_quantization(hooks: RouterHooks, args: argparse.Namespace) -> int:
+    from tandem.bench import quantization, report
+
+    opts = _bench_options(hooks, args)
+    figures = _measured(lambda: quantization.run_quantization_bench(opts, args.offline_requests, args.gemm_sweep),
+                        args.device, in_process=True)
+    rows = [(k, v, "us") for k, v in figures.items() if k.startswith("gemm_us_")] if args.gemm_sweep else \
+        quantization.table_rows(figures)
+    report.print_table("tandem bench quantization", rows)
+    return _finish(args, figures, None)
+
+
+def bench_quality(hooks: RouterHooks, args: argparse.Namespace) -> int:
+    from tandem.bench import quality, report
+    from tandem.bench.quality_model import quality_model_path
+    from tandem.bench.systems import pick_model_dir
+
+    options = hooks.engine_options(args)
+    quantization, kv_cache_dtype = options.pop("quantization", None), options.pop("kv_cache_dtype", None)
+    if quantization is None and kv_cache_dtype is None:
+        raise ValueError("bench quality compares a quantized run with the reference: give --quantization and/or "
+                         "--kv-cache-dtype (--quantization none: the reference against itself)")
+    model = options.pop("model", None)
+    # Default: the trained model, whose distributions are peaked as a real model's are (quality.py).
+    model = pick_model_dir(model, args.bench_model) if model or args.bench_model else quality_model_path()
+    overrides = {k: v for k, v in (("num_prompts", args.num_prompts), ("prompt_len", args.prompt_len))
+                 if v is not None}
+    qset = replace(quality.QUALITY_QUICK if args.quick else quality.QUALITY_FULL, **overrides)
+    figures = _measured(lambda: quality.run_quality_bench(
+        model, qset, None if quantization == "none" else quantization, kv_cache_dtype or "auto",
+        engine_options=options), options.get("device", "auto"), in_process=True)
+    figures["quick"] = args.quick
+    report.print_table("tandem bench quality", quality.table_rows(figures))
+    return _finish(args, figures, None, warn=False)  # the models' numbers: CPU contention cannot change them
+
+
 def bench_prefix(hooks: RouterHooks, args: argparse.Namespace) -> int:
     from tandem.bench import report
     from tandem.bench.prefix import run_prefix_bench

@@ -237,9 +237,23 @@ part_serve_gil() {
   ray_errors serve_1b_gil
 }
 
+# Quantization on Llama-3-8B's shape: FP8 weights against bf16 side by side (batch-1 TPOT, batch
+# 128 decode, the 1,000-request offline set), the FP8 KV cache's capacity, the 8-bit kernels per
+# row count (what decides W8A8 against the weight-only kernel), and the quantized GPU tests.
+part_quant_tests() {
+  GPU_TESTS="tests/gpu/test_quantized_gpu.py tests/kernels/test_triton_w8.py" part_tests
+  mv "$OUT/tests.log" "$OUT/quant_tests.log"
+}
+part_quant_8b() {
+  on llama-8b quant_fp8_8b 240 quantization --quantization fp8 --repeats 2 --offline-requests 1000
+}
+part_quant_kv_8b() { on llama-8b quant_kv_fp8_8b 120 quantization --kv-cache-dtype fp8 --quick --repeats 1; }
+part_quant_gemm() { on llama-8b quant_gemm 60 quantization --gemm-sweep; }
+part_quant_quality() { on llama-1b quality_fp8_1b 90 quality --quantization fp8 --quick; }
+
 # Multi-step 8 last: the H100's full-shape sweep found it no faster than one pass a step.
 # The served path first: it is the one figure never measured on a GPU.
-DEFAULT_PARTS="serve serve_serve_channel serve_gil serve_python_proxy serve_per_call tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
+DEFAULT_PARTS="quant_tests quant_gemm quant_8b quant_kv_8b quant_quality serve serve_serve_channel serve_gil serve_python_proxy serve_per_call tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
 PARTS="$DEFAULT_PARTS breakdown"
 parts=("$@")
 # shellcheck disable=SC2206

@@ -39,6 +39,16 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                                "help": "auto: GPUs where the application is built sees them, else CPU"}),
     EngineFlag(("--dtype",), {"default": "auto", "choices": DTYPES,
                               "help": "auto: the checkpoint's dtype on CUDA, float32 on CPU"}),
+    EngineFlag(("--quantization", "-q"), {
+        "choices": ["fp8", "fp8_weight_only", "int8", "compressed-tensors", "fbgemm_fp8"],
+        "help": "quantized linear weights: fp8 (W8A8: weights and activations in FP8 e4m3, on FP8 tensor cores "
+                "where the GPU has them), fp8_weight_only, int8 (weight-only, W8A16); a full-precision checkpoint is "
+                "quantized at load, a pre-quantized one is read as it is (default: the checkpoint's "
+                "quantization_config, or none)"}),
+    EngineFlag(("--kv-cache-dtype",), {
+        "choices": ["auto", "fp8", "fp8_e4m3"],
+        "help": "auto: the model's dtype; fp8: e4m3 blocks with per-layer K and V scales (the checkpoint's "
+                "k_scale / v_scale, else 1.0), twice the tokens in the same memory"}),
     EngineFlag(("--max-model-len",), {"type": int, "help": "tokens of prompt and output (default: the model's)"}),
     EngineFlag(("--max-num-seqs",), {"type": int, "help": "requests running at once per group"}),
     EngineFlag(("--max-num-batched-tokens",), {"type": int, "help": "tokens one step computes"}),

@@ -73,6 +73,11 @@ class ModelConfig:
     # detokenizer and outputs stay real, so the serving path runs anywhere at a GPU's step
     # rate. Options may give "5.9,0.01" or a list; it is kept as a tuple of two floats.
     simulated_step_ms: tuple[float, float] | None = None
+    # Quantized linear weights (workers/quant/): "fp8" (W8A8 e4m3 where the device multiplies
+    # FP8, weights only elsewhere), "fp8_weight_only", "int8" (W8A16); a bf16/fp16/fp32
+    # checkpoint is quantized at load. A pre-quantized checkpoint's `quantization_config` is
+    # read without this option; given, it must name that checkpoint's method (vLLM's rule).
+    quantization: str | None = None
 
     def freezes_startup_heap(self, device_type: str) -> bool:
         if self.freeze_startup_heap is not None:
@@ -92,6 +97,8 @@ class ModelConfig:
                       f"must be >= 16 (the smallest bucket), got {self.max_mixed_graph_tokens}")
         require_field(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
                       f"must be auto, torch or triton, got {self.attention_backend!r}")
+        require_field(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
+                      f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         require_field(self.device in ("auto", "cpu", "cuda"), "device",
                  f"must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None:
@@ -106,6 +113,12 @@ class ModelConfig:
             require_field(self.model.partition("://")[0] not in MODEL_URI_SCHEMES, "revision",
                           f"{self.model.partition(':')[0]}:// models have no revisions (a new version goes under "
                           "a new prefix)")
+
+
+# `quantization` values: online methods, then the pre-quantized formats' own names.
+QUANTIZATION_METHODS = ("fp8", "fp8_weight_only", "int8", "compressed-tensors", "fbgemm_fp8")
+# `kv_cache_dtype` values (vLLM's names; "fp8" is e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 # The bucket URIs a model reference may be (workers/model/source.py downloads them).
@@ -181,8 +194,15 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Host memory for evicted prefix blocks (bytes, the whole group); 0 = no host tier.
     host_kv_cache_memory: int = 0
+    # "auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 blocks with per-layer K and V scales
+    # (1.0, or the checkpoint's k_scale / v_scale), half a bf16 cache's bytes.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        require_field(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                      f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+                      + (" (e5m2 is not supported: its scales are not in the checkpoints people ship)"
+                         if self.kv_cache_dtype == "fp8_e5m2" else ""))
         require_field(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                  f"must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_memory is not None:

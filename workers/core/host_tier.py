@@ -88,6 +88,13 @@ class HostKVTier:
         self.num_saved -= 1
         return slot, dropped
 
+    def discard(self, block_hashes: list[int]) -> None:
+        """Forget reserved blocks whose data never arrived (an import refused): their slots are free."""
+        for block_hash in block_hashes:
+            slot = self._slot_of.pop(block_hash, None)
+            if slot is not None:
+                self._free.append(slot)
+
     def drain(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The pending step's copies; their slots stop being pinned."""
         saves, loads = self.saves, self.loads

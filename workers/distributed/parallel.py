@@ -66,6 +66,13 @@ class ParallelContext:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max over TP ranks, in place (once at load: online quantization's
+        row-parallel scales see the whole row)."""
+        if self.tp_size > 1 and not self.skip_collectives:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return x
+
     def all_reduce_async(self, x: torch.Tensor) -> Any:
         """Start an all-reduce; returns a handle whose wait() returns the sum (None when trivial)."""
         if self.tp_size == 1 or self.skip_collectives:

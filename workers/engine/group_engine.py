@@ -65,6 +65,7 @@ class GroupEngine:
             raise ValueError(f"max_num_batched_tokens: must be >= max_model_len ({self.max_model_len}) "
                              "when chunked prefill is off")
         self.pool = BlockPool(LocalCapacity(executor.num_kv_blocks), executor.num_kv_blocks)
+        self._log_kv_cache()
         self.scheduler = Scheduler(sched, config.cache, self.pool)
         self.prompt_limits = PromptLimits(
             vocab_size=hf_config.vocab_size, max_model_len=self.max_model_len,
@@ -371,6 +372,17 @@ class GroupEngine:
     def worker_pids(self) -> list[int]:
         """The process ids of the group's Ray workers ([] with the model in this process)."""
         return self.executor.worker_pids()
+
+    def _log_kv_cache(self) -> None:
+        """One start-up line: the group's KV blocks, tokens, bytes and dtype (an FP8 cache: twice the tokens)."""
+        import torch
+
+        device = torch.device("cpu" if self.executor.device_type == "cpu" else "cuda")  # "sim" stands for a GPU
+        dtype = kv_quant.cache_dtype(self.config.cache.kv_cache_dtype,
+                                     self.hf_config.resolve_dtype(self.config.model.dtype, device))
+        num = self.pool.num_blocks
+        logger.info("KV cache: %d blocks, %d tokens, %.2f GB (%s)", num, num * self.config.cache.block_size,
+                    num * self.executor.kv_bytes_per_block() / 1e9, str(dtype).removeprefix("torch."))
 
     # ---- the host KV tier ----------------------------------------------------------------------
     def enable_host_tier(self, num_bytes: int) -> int:

@@ -6,8 +6,10 @@ where admission finds them as host hits and copies them to the device at the sta
 of the step, exactly as for blocks it had evicted itself. Both run on their engine's
 thread between steps (`AsyncEngine.export_prefix`, `AsyncEngine.import_prefix`), so no
 step reads or writes the blocks meanwhile. Only groups with the same KV layout (model,
-dtype, block size, TP, PP; see `kv_layout`) exchange blocks: a rank's shard has the same
-shape on both.
+dtype, KV cache dtype, block size, TP, PP; see `kv_layout`) exchange blocks: a rank's shard
+has the same shape and the same bytes per value on both. Each rank's export carries its dtype
+and per-layer K/V scales (`ExportedKV`), and a rank refuses blocks of another dtype or other
+scales before writing any; the slots reserved for them are given back.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from tandem.workers.engine.group_engine import GroupEngine
 def kv_layout(config: EngineConfig) -> str:
     """Groups with equal layouts hold KV blocks of the same shape on each rank."""
     par, model = config.parallel, config.model
-    return (f"{model.model or 'tandem-demo'}|{model.dtype}|bs{config.cache.block_size}"
+    # "fp8" and "fp8_e4m3" are one dtype; "auto" is the model's.
+    kv = "" if config.cache.kv_cache_dtype == "auto" else "|kv-fp8e4m3"
+    # Quantized weights make other K and V than the full-precision ones (a pre-quantized
+    # checkpoint is its own `model`), and a revision is other weights.
+    weights = f"|q-{model.quantization}" if model.quantization else ""
+    revision = f"@{model.revision}" if model.revision else ""
+    return (f"{model.model or 'tandem-demo'}{revision}|{model.dtype}{weights}{kv}|bs{config.cache.block_size}"
             f"|tp{par.tensor_parallel_size}|pp{par.pipeline_parallel_size}")
 
 
@@ -77,7 +85,11 @@ def import_prefix(engine: GroupEngine, block_hashes: list[int], per_rank: list[A
         return 0
     if len(positions) < len(block_hashes):
         per_rank = [_select_blocks(data, positions) for data in per_rank]
-    engine.executor.import_host_blocks(slots, per_rank)
+    try:
+        engine.executor.import_host_blocks(slots, per_rank)
+    except Exception:  # refused (another KV dtype or scales) or failed: the slots hold nothing
+        kv.host.discard([block_hashes[i] for i in positions])
+        raise
     for i in positions:
         engine.pool.record_stored(block_hashes[i], block_hashes[i - 1] if i else None)
     return len(slots)
@@ -90,4 +102,4 @@ def _select_blocks(data: Any, positions: list[int]) -> Any:
         import ray
 
         data = ray.get(data)
-    return data[:, :, positions]
+    return data.select(positions)

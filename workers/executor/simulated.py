@@ -31,8 +31,10 @@ from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import Logprob, PositionLogprobs, SamplingParams
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
 from tandem.workers.executor.abstract import InProcess
+from tandem.workers.kernels import kv_quant
 from tandem.workers.model.cost import ModelCost
 from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.runner.kv_cache import ExportedKV
 from tandem.workers.structured.bitmask import allowed_tokens
 
 _MASK = (1 << 64) - 1
@@ -84,8 +86,9 @@ class SimulatedExecutor(InProcess):
         self.allowed = array("q", (i for i in range(self.vocab_size) if i not in excluded))
         if not self.allowed:
             raise ValueError("simulated_step_ms: the vocabulary has nothing but special tokens")
-        # KV sized as a runner sizes it, in the dtype the model would have on the GPU it stands for.
-        itemsize = hf_config.resolve_dtype(config.model.dtype, torch.device("cuda")).itemsize
+        # KV sized as a runner sizes it, in the dtype the cache would have on the GPU it stands for.
+        itemsize = kv_quant.cache_dtype(config.cache.kv_cache_dtype,
+                                        hf_config.resolve_dtype(config.model.dtype, torch.device("cuda"))).itemsize
         self._block_bytes = ModelCost.from_hf_config(hf_config, itemsize).kv_bytes_per_token * config.cache.block_size
         self.num_kv_blocks = config.cache.num_kv_blocks or self._default_blocks(config, hf_config)
         if self.num_kv_blocks < 1:
@@ -211,7 +214,7 @@ class SimulatedExecutor(InProcess):
 
     def export_blocks(self, block_ids: list[int]) -> list[Any]:
         """No KV to read: one rank's export in the runner's layout [layers, 2, blocks, ...], of no layers."""
-        return [torch.empty((0, 2, len(block_ids)))]
+        return [ExportedKV(torch.empty((0, 2, len(block_ids))), ())]
 
     def import_host_blocks(self, slots: list[int], per_rank: list[Any]) -> None:
         """Nothing to write: the importing group's host tier records the blocks' hashes."""

@@ -28,6 +28,7 @@ from tandem.workers.config import EngineConfig
 from tandem.workers.core.scheduler_output import Park, RunnerOutput, SchedulerOutput
 from tandem.workers.distributed.parallel import ParallelContext, init_groups
 from tandem.workers.model.hf_config import HFModelConfig
+from tandem.workers.runner.kv_cache import ExportedKV
 from tandem.workers.runner.model_runner import ModelRunner
 from tandem.workers.startup_heap import StartupHeap
 
@@ -116,11 +117,11 @@ class Worker:
     def init_host_cache(self, num_slots: int) -> None:
         self.runner.init_host_cache(num_slots)
 
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def export_blocks(self, block_ids: list[int]) -> ExportedKV:
         return self.runner.export_blocks(block_ids)
 
-    def import_host_blocks(self, slots: list[int], data: torch.Tensor) -> None:
-        self.runner.import_host_blocks(slots, data)
+    def import_host_blocks(self, slots: list[int], blocks: ExportedKV) -> None:
+        self.runner.import_host_blocks(slots, blocks)
 
     # ---- steps -----------------------------------------------------------------------------------
     def execute_step(self, step: SchedulerOutput | Park) -> RunnerOutput | None:

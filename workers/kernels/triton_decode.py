@@ -15,6 +15,10 @@ the cache get the same bits as the two launches give (`_rotate_and_write_new_kv`
 agrees to the last bit of its dtype, not always to the bit: on a GPU the two are different
 programs, whose FMA contractions and dot layouts round the softmax differently.
 
+An FP8 cache (float8_e4m3fn) is read through `load_kv`: each K/V tile is dequantized in
+registers (float(x) * scale, rounded to the query's dtype) before its dot, and the fused KV write
+quantizes (`quantize_kv`); the scales are launch arguments.
+
 Scores live in the log2 domain (scale * log2(e) folded into the exp2 argument, one FMA per
 score) so the softmax uses exp2, a single MUFU instruction on NVIDIA GPUs.
 """
@@ -29,7 +33,7 @@ import triton
 import triton.language as tl
 
 from tandem.workers.kernels.decode_splits import default_num_splits
-from tandem.workers.kernels.triton_ops import head_tile, rope_row, rope_write_kv, rotated_heads
+from tandem.workers.kernels.triton_ops import head_tile, load_kv, quantize_kv, rope_row, rope_write_kv, rotated_heads
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima: exp2(-inf - NEG_BIG) is 0 and
@@ -86,17 +90,17 @@ def decode_tile(block_d: int, elem_size: int, row_heads: int) -> tuple[int, int,
 
 
 @triton.jit
-def online_softmax_step(acc, l_i, m_i, s, v_ptrs, v_mask, qk_scale, DOT_PREC: tl.constexpr,
-                        UPCAST: tl.constexpr):
+def online_softmax_step(acc, l_i, m_i, s, v_ptrs, v_mask, qk_scale, v_scale, dtype: tl.constexpr,
+                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr):
     """Fold one tile into the running (acc [M, D], l [M], m [M]): s [M, N] are its raw scores
-    (-inf where masked), v_ptrs [N, D] its values. The scale is folded into the exp2 argument
-    (one FMA per score); m stays finite (NEG_BIG start), so a row seeing no key of the tile
-    gets p = 0 and alpha = 1 rather than NaN."""
+    (-inf where masked), v_ptrs [N, D] its values (an FP8 cache's dequantized to `dtype`, the
+    query's). The scale is folded into the exp2 argument (one FMA per score); m stays finite
+    (NEG_BIG start), so a row seeing no key of the tile gets p = 0 and alpha = 1 rather than NaN."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptrs, mask=v_mask, other=0.0)                  # [N, D]
+    v = load_kv(v_ptrs, v_mask, v_scale, dtype, KV_FP8)          # [N, D]
     if UPCAST:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -106,8 +110,8 @@ def online_softmax_step(acc, l_i, m_i, s, v_ptrs, v_mask, qk_scale, DOT_PREC: tl
 @triton.jit
 def _rotate_and_write_new_kv(q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
                              v_cache_ptr, b64, kvh, seq_len, start, end, head_off, stride_qb, stride_qh,
-                             stride_kb, stride_kh, stride_vb, stride_vh, stride_rope, stride_cs,
-                             G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+                             stride_kb, stride_kh, stride_vb, stride_vh, stride_rope, stride_cs, k_scale, v_scale,
+                             G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, KV_FP8: tl.constexpr):
     """RoPE and the KV write of a decode row, inside the attention launch: this program's G query
     heads rotated (returned as the [BLOCK_G, BLOCK_D] q tile), and, by the one split whose keys
     hold the row's new position (seq_len - 1), the rotated key and the value of its KV head
@@ -130,11 +134,11 @@ def _rotate_and_write_new_kv(q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_
         heads, dims = head_tile(2, HALF)
         cache_dtype = k_cache_ptr.dtype.element_ty
         dst = slot * stride_cs + head_off + heads * 0 + dims
-        tl.store(k_cache_ptr + dst, k_lo.to(cache_dtype), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k_hi.to(cache_dtype), mask=mask)
+        tl.store(k_cache_ptr + dst, quantize_kv(k_lo, k_scale, cache_dtype, KV_FP8), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, quantize_kv(k_hi, k_scale, cache_dtype, KV_FP8), mask=mask)
         cols = tl.arange(0, BLOCK_D)
         v = tl.load(v_new_ptr + b64 * stride_vb + kvh * stride_vh + cols)
-        tl.store(v_cache_ptr + slot * stride_cs + head_off + cols, v.to(cache_dtype))
+        tl.store(v_cache_ptr + slot * stride_cs + head_off + cols, quantize_kv(v, v_scale, cache_dtype, KV_FP8))
     # The key tiles below read the slot just written: every thread's store lands first.
     tl.debug_barrier()
     return q
@@ -150,7 +154,7 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,   # ROPE only
-    qk_scale, window, num_splits,
+    qk_scale, window, num_splits, k_scale, v_scale,
     stride_qb, stride_qh,          # query [B, H, D], last dim contiguous
     stride_cs, stride_ch,          # caches [slots, kv_heads, D], last dim contiguous
     stride_bt,                     # block_tables [B, max_blocks]
@@ -158,7 +162,7 @@ def _decode_split_kernel(
     stride_kb, stride_kh, stride_vb, stride_vh, stride_rope,   # ROPE: new k, v [B, kv_heads, D]; cos/sin rows
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, ROPE: tl.constexpr,
+    UPCAST: tl.constexpr, ROPE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -187,8 +191,8 @@ def _decode_split_kernel(
     if ROPE:
         q = _rotate_and_write_new_kv(q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
                                      v_cache_ptr, b64, kvh, seq_len, start, end, head_off, stride_qb, stride_qh,
-                                     stride_kb, stride_kh, stride_vb, stride_vh, stride_rope, stride_cs, G,
-                                     BLOCK_D, BLOCK_G)
+                                     stride_kb, stride_kh, stride_vb, stride_vh, stride_rope, stride_cs, k_scale,
+                                     v_scale, G, BLOCK_D, BLOCK_G, KV_FP8)
     else:
         q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)   # [BLOCK_G, BLOCK_D]
@@ -208,13 +212,13 @@ def _decode_split_kernel(
         slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_off = slot[:, None] * stride_cs + head_off + offs_d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)   # [BLOCK_N, BLOCK_D]
+        k = load_kv(k_cache_ptr + kv_off, kv_mask, k_scale, q_ptr.dtype.element_ty, KV_FP8)  # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)     # [BLOCK_G, BLOCK_N] raw scores
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v_cache_ptr + kv_off, kv_mask, qk_scale,
-                                            DOT_PREC, UPCAST)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v_cache_ptr + kv_off, kv_mask, qk_scale, v_scale,
+                                            q_ptr.dtype.element_ty, DOT_PREC, UPCAST, KV_FP8)
 
     # An empty range (padding row with seq_len 0, or a trailing split) has l_i == 0.
     has_keys = l_i > 0.0
@@ -277,7 +281,8 @@ def rope_fuses(head_dim: int) -> bool:
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
-                     window: int, out: torch.Tensor, num_splits: int, rope: DecodeRope | None = None) -> None:
+                     window: int, out: torch.Tensor, num_splits: int, rope: DecodeRope | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Paged decode attention, written into `out` [B, num_heads, head_dim].
 
     query [B, num_heads, head_dim]; key_cache/value_cache [num_slots, num_kv_heads, head_dim];
@@ -285,16 +290,18 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     window 0 = full context, else the last `window` keys. With `rope`, query is not rotated yet
     and this step's K/V are not in the cache: the launch rotates q and writes the rotated key
     and the value first (`rope_write_kv` then a plain decode, in one launch, where
-    `rope_fuses(head_dim)`; the two launches elsewhere). No host syncs: CUDA-graph safe.
+    `rope_fuses(head_dim)`; the two launches elsewhere). An FP8 cache is read (and written) with
+    `k_scale` / `v_scale`. No host syncs: CUDA-graph safe.
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.shape[2] == head_dim and key_cache.stride(2) == 1
-    # tl.dot takes one dtype on a GPU (the interpreter does not check): the engine's cache is
-    # always in the model's dtype.
-    assert key_cache.dtype == query.dtype, f"cache dtype {key_cache.dtype} is not the query's {query.dtype}"
+    # tl.dot takes one dtype on a GPU (the interpreter does not check): the cache is in the
+    # model's dtype, or FP8, whose tiles are dequantized to the query's dtype first.
+    kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    assert key_cache.dtype == query.dtype or kv_fp8, f"cache dtype {key_cache.dtype} is not the query's {query.dtype}"
     assert out.shape == query.shape and out.stride(2) == 1
     assert block_size >= 1 and block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert num_splits >= 1
@@ -302,7 +309,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         return
     if rope is not None and not rope_fuses(head_dim):
         rope_write_kv(query, rope.key, rope.value, rope.cos, rope.sin, rope.positions, key_cache, value_cache,
-                      rope.slot_mapping)
+                      rope.slot_mapping, k_scale, v_scale)
         rope = None
     if query.stride(2) != 1:
         query = query.contiguous()
@@ -320,7 +327,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         positions = slots = seq_lens
     group = num_heads // num_kv_heads
     block_d = head_dim_block(head_dim)
-    block_n, warps, stages = decode_tile(block_d, key_cache.element_size(), batch * num_kv_heads)
+    # Tiles sized by the query's element: an FP8 tile is widened to it in registers before its dot.
+    block_n, warps, stages = decode_tile(block_d, query.element_size(), batch * num_kv_heads)
     direct = num_splits == 1
     if direct:
         part_out = part_lse = out  # unused placeholders
@@ -332,7 +340,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         query, key_cache, value_cache, block_tables, seq_lens,
         out, part_out, part_lse,
         k_new, v_new, cos, sin, positions, slots,
-        scale * LOG2E, window, num_splits,
+        scale * LOG2E, window, num_splits, k_scale, v_scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1),
         block_tables.stride(0),
@@ -340,7 +348,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
         G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, DIRECT=direct, DOT_PREC=dot_precision(query.dtype),
-        UPCAST=interpreter_upcast(query.dtype), ROPE=fused,
+        UPCAST=interpreter_upcast(query.dtype), ROPE=fused, KV_FP8=kv_fp8,
         num_warps=warps, num_stages=stages,
     )
     if not direct:

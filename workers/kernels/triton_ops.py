@@ -107,6 +107,43 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _launch_rms_norm(x, residual, x, weight, eps)
 
 
+# ----------------------------------------------------------------------------- the KV cache's values
+
+@triton.jit
+def quantize_kv(x, scale, dtype: tl.constexpr, FP8: tl.constexpr):
+    # x as the cache of `dtype` stores it: fp8(clamp(x * (1 / scale), +-448)) for an FP8 cache (the
+    # clamp saturates an outlier rather than turning it into NaN), else x cast (kv_quant.quantize,
+    # whose torch division by a scalar is this multiplication by its reciprocal).
+    if FP8:
+        x = tl.clamp(x.to(tl.float32) * (1.0 / scale), -448.0, 448.0)
+        if _INTERPRET:
+            x = _round_e4m3(x)
+    return x.to(dtype)
+
+
+@triton.jit
+def _round_e4m3(x):
+    # Under TRITON_INTERPRET=1 (triton 3.9) float32 -> e4m3 loses the carry into the next binade
+    # (0.4946 -> 0.25) and rounds subnormals wrongly, so x is first rounded to nearest even onto
+    # e4m3's grid in float32 (3 mantissa bits; below 2^-6 multiples of 2^-9, rounded by adding
+    # 2^14, whose float32 ulp is 2^-9), which the cast then takes exactly. |x| <= 448.
+    a = tl.abs(x)
+    bits = a.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    r = tl.where(a < 0.015625, (a + 16384.0) - 16384.0, bits.to(tl.float32, bitcast=True))
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def load_kv(ptrs, mask, scale, dtype: tl.constexpr, FP8: tl.constexpr):
+    # A K or V tile in the compute `dtype`: an FP8 cache's values dequantized in registers,
+    # float(x) * scale rounded once (kv_quant.dequantize).
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if FP8:
+        x = (x.to(tl.float32) * scale).to(dtype)
+    return x
+
+
 # ----------------------------------------------------------------------------- RoPE
 
 @triton.jit
@@ -179,9 +216,10 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, pos_stride,
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                           q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride, v_head_stride,
-                          cs_stride, c_slot_stride, c_head_stride, n_q_heads, n_kv_heads,
+                          cs_stride, c_slot_stride, c_head_stride, n_q_heads, n_kv_heads, k_scale, v_scale,
                           HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                          BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                          KV_FP8: tl.constexpr):
     # One program per token: q rotated in place; k rotated straight into its cache slot (by
     # `rotated_heads`, as RoPE alone rotates, so the cache holds exactly the keys that RoPE
     # then `write_kv` would write); v copied into its slot. slot < 0 (a padding row)
@@ -198,12 +236,13 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_p
         heads, dims = head_tile(BLOCK_HK, BLOCK_HALF)
         cache_dtype = k_cache_ptr.dtype.element_ty
         dst = k_cache_ptr + slot * c_slot_stride + heads * c_head_stride + dims
-        tl.store(dst, k_lo.to(cache_dtype), mask=mask)
-        tl.store(dst + HALF, k_hi.to(cache_dtype), mask=mask)
+        tl.store(dst, quantize_kv(k_lo, k_scale, cache_dtype, KV_FP8), mask=mask)
+        tl.store(dst + HALF, quantize_kv(k_hi, k_scale, cache_dtype, KV_FP8), mask=mask)
         cols = tl.arange(0, BLOCK_D)[None, :]
         v_mask = (heads < n_kv_heads) & (cols < HEAD_DIM)
         v = tl.load(v_ptr + token * v_tok_stride + heads * v_head_stride + cols, mask=v_mask)
-        tl.store(v_cache_ptr + slot * c_slot_stride + heads * c_head_stride + cols, v.to(cache_dtype), mask=v_mask)
+        tl.store(v_cache_ptr + slot * c_slot_stride + heads * c_head_stride + cols,
+                 quantize_kv(v, v_scale, cache_dtype, KV_FP8), mask=v_mask)
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
@@ -235,14 +274,15 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   positions: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """`rope_(q, k, ...)` then `write_kv(k, v, ...)` (triton_attention.py) in one launch: q is
     rotated in place, the rotated k and v go into their cache slots (slot < 0 skipped). k itself
     is left as it was: on the kernels' path attention reads keys from the cache only.
 
     q [num_tokens, num_heads, head_dim], k / v [num_tokens, num_kv_heads, head_dim] (strided
     views of a fused qkv output; last dim contiguous); caches [slots, num_kv_heads, head_dim];
-    positions, slot_mapping int32/int64 [num_tokens] (contiguous)."""
+    positions, slot_mapping int32/int64 [num_tokens] (contiguous). An FP8 cache (float8_e4m3fn)
+    stores k and v quantized with `k_scale` / `v_scale` (workers/kernels/kv_quant.py)."""
     num_tokens, n_q, head_dim = q.shape
     n_k = k.shape[1]
     assert k.shape == (num_tokens, n_k, head_dim) and v.shape == k.shape and head_dim % 2 == 0
@@ -264,9 +304,10 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     _rope_write_kv_kernel[(num_tokens,)](
         q, k, v, cos, sin, positions, slot_mapping, key_cache, value_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), key_cache.stride(0), key_cache.stride(1), n_q, n_k,
+        cos.stride(0), key_cache.stride(0), key_cache.stride(1), n_q, n_k, k_scale, v_scale,
         HALF=half, HEAD_DIM=head_dim, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=num_warps)
+        BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=key_cache.dtype == torch.float8_e4m3fn,
+        num_warps=num_warps)
 
 
 # ----------------------------------------------------------------------------- SiLU and mul

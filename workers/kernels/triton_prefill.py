@@ -4,7 +4,8 @@ One launch per step covers fresh prompts, chunked prefill (the chunk attends to 
 read through the block table, plus itself) and multi-token verification rows. A program owns
 BLOCK_Q query tokens x the G query heads of one KV head (BLOCK_M = BLOCK_Q * G rows of the
 tl.dot M side), so each K/V tile is gathered once per KV head. Key tiles wholly after the
-block's last query or before its sliding window are never visited.
+block's last query or before its sliding window are never visited. An FP8 cache's tiles are
+dequantized in registers (`load_kv`, triton_ops.py) to the query's dtype before their dots.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tandem.workers.kernels.triton_decode import (
     interpreter_upcast,
     online_softmax_step,
 )
+from tandem.workers.kernels.triton_ops import load_kv
 
 
 def prefill_tile(block_d: int, elem_size: int, group: int) -> tuple[int, int, int, int]:
@@ -46,13 +48,14 @@ def prefill_tile(block_d: int, elem_size: int, group: int) -> tuple[int, int, in
 
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_cs,
-                  qk_scale, lo, hi,
+                  qk_scale, lo, hi, k_scale, v_scale, dtype: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                  MASKED: tl.constexpr):
+                  KV_FP8: tl.constexpr, MASKED: tl.constexpr):
     """Online-softmax update over keys [lo, hi). MASKED=False is for tiles every row of the
     block sees whole (below the causal diagonal, inside the window, hi - lo a multiple of
-    BLOCK_N): no per-element mask, no partial-tile load masks."""
+    BLOCK_N): no per-element mask, no partial-tile load masks. An FP8 cache's tiles are
+    dequantized to `dtype`, the query's."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -67,15 +70,15 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_
             kv_mask = d_mask[None, :]
         slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # gathered through the block table
         kv_off = slot[:, None] * stride_cs + head_off + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)   # [BLOCK_N, BLOCK_D]
+        k = load_kv(k_cache_ptr + kv_off, kv_mask, k_scale, dtype, KV_FP8)   # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)     # [BLOCK_M, BLOCK_N] raw scores
         if MASKED:
             visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= win_lo[:, None]) & n_mask[None, :]
             s = tl.where(visible, s, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v_cache_ptr + kv_off, kv_mask, qk_scale,
-                                            DOT_PREC, UPCAST)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v_cache_ptr + kv_off, kv_mask, qk_scale, v_scale,
+                                            dtype, DOT_PREC, UPCAST, KV_FP8)
     return acc, l_i, m_i
 
 
@@ -83,13 +86,13 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "q_start_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, q_start_ptr, out_ptr,
-    qk_scale, window,
+    qk_scale, window, k_scale, v_scale,
     # Strides (every last dim is contiguous): query [T, H, D], caches [slots, kv_heads, D],
     # block_tables [S, max_blocks], out [T, H, D].
     stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Reversed so the last query blocks (the most keys under a causal mask) start first.
     qb = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -133,15 +136,16 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kvh * stride_ch
+    q_dtype = q_ptr.dtype.element_ty  # what an FP8 cache's tiles are dequantized to
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_row,
-                                  head_off, stride_cs, qk_scale, kv_lo, full_lo, HEAD_DIM, BLOCK_D,
-                                  BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST, MASKED=True)
+                                  head_off, stride_cs, qk_scale, kv_lo, full_lo, k_scale, v_scale, q_dtype,
+                                  HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST, KV_FP8, MASKED=True)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_row,
-                                  head_off, stride_cs, qk_scale, full_lo, full_hi, HEAD_DIM, BLOCK_D,
-                                  BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST, MASKED=False)
+                                  head_off, stride_cs, qk_scale, full_lo, full_hi, k_scale, v_scale, q_dtype,
+                                  HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST, KV_FP8, MASKED=False)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_row,
-                                  head_off, stride_cs, qk_scale, full_hi, kv_hi, HEAD_DIM, BLOCK_D,
-                                  BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST, MASKED=True)
+                                  head_off, stride_cs, qk_scale, full_hi, kv_hi, k_scale, v_scale, q_dtype,
+                                  HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST, KV_FP8, MASKED=True)
 
     # Every real row sees at least its own key, so l_i > 0 there; padded rows are not stored.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -152,13 +156,14 @@ def _prefill_kernel(
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       max_query_len: int, block_size: int, scale: float, window: int,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Causal varlen attention for the packed query tokens of S sequences, into `out`.
 
     query/out [num_tokens, num_heads, head_dim]; key_cache/value_cache [num_slots, num_kv_heads,
     head_dim] (this step's K/V already written); block_tables int32 [S, max_blocks]; seq_lens
     int32 [S] (context after this step); query_start_loc int32 [S + 1]; max_query_len a host
-    int bounding every q_len (sizes the grid). No host syncs: CUDA-graph safe.
+    int bounding every q_len (sizes the grid). An FP8 cache is read with `k_scale` / `v_scale`.
+    No host syncs: CUDA-graph safe.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
@@ -166,8 +171,9 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.shape[2] == head_dim and key_cache.stride(2) == 1
-    # tl.dot takes one dtype on a GPU (the interpreter does not check).
-    assert key_cache.dtype == query.dtype, f"cache dtype {key_cache.dtype} is not the query's {query.dtype}"
+    # tl.dot takes one dtype on a GPU (the interpreter does not check); FP8 tiles are dequantized first.
+    kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    assert key_cache.dtype == query.dtype or kv_fp8, f"cache dtype {key_cache.dtype} is not the query's {query.dtype}"
     assert out.shape == query.shape and out.stride(2) == 1
     assert query_start_loc.shape[0] == num_seqs + 1
     assert block_size >= 1 and block_size & (block_size - 1) == 0, "block_size must be a power of two"
@@ -177,19 +183,19 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         query = query.contiguous()
     group = num_heads // num_kv_heads
     block_d = head_dim_block(head_dim)
-    block_m, block_n, warps, stages = prefill_tile(block_d, key_cache.element_size(), group)
+    block_m, block_n, warps, stages = prefill_tile(block_d, query.element_size(), group)  # FP8: widened tiles
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2E, window,
+        scale * LOG2E, window, k_scale, v_scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, DOT_PREC=dot_precision(query.dtype),
-        UPCAST=interpreter_upcast(query.dtype), num_warps=warps, num_stages=stages,
+        UPCAST=interpreter_upcast(query.dtype), KV_FP8=kv_fp8, num_warps=warps, num_stages=stages,
     )
 
 

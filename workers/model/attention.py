@@ -30,6 +30,12 @@ one `rope_write_kv` launch does the other rows', so a decode step's attention is
 (plus flash-decoding's combine) and a mixed step's three. Nothing is gathered, no mask is
 built and no per-sequence loop runs on the host, so the step is CUDA-graph capturable.
 The torch path stays for every other device and dtype, and wherever Triton is missing.
+
+An FP8 cache (`kv_cache_dtype` fp8) holds fp8(k / k_scale) and fp8(v / v_scale), the layer's
+scales read through the cache tensor (workers/kernels/kv_quant.py). The torch path quantizes as
+it writes and dequantizes what it gathers; a fresh prompt attends to its K/V rounded as the cache
+holds them, so a prefix hit and a recompute see the same keys. The CPU decode kernel reads float
+caches only: FP8 decodes take the torch path. The Triton kernels dequantize in registers.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tandem.workers.kernels import cpu_kernels
+from tandem.workers.kernels import cpu_kernels, kv_quant
 
 # Most bytes one group's gathered K (and again V) may take. On CPU the copies must still be
 # in cache (L2, or L3 at worst) when SDPA reads them; 1-4 MiB measured alike, 16 MiB was as
@@ -191,15 +197,17 @@ def prefill_mask(seq: PrefillSeq, window: int | None, device: torch.device) -> t
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
+    """This step's K/V into their slots; an FP8 cache stores them quantized with its layer's scales."""
     slot_mapping = slot_mapping.long()  # a no-op for int64; the runner's staging buffer is int32
-    key_cache.index_copy_(0, slot_mapping, key)
-    value_cache.index_copy_(0, slot_mapping, value)
+    k_scale, v_scale = kv_quant.scales_of(key_cache)
+    for cache, x, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
+        kv_quant.storage(cache).index_copy_(0, slot_mapping, kv_quant.storage(kv_quant.quantize(x, scale, cache.dtype)))
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor) -> None:
     """Attention of the step's decodes (query rows [0, num_decodes)), written into out's rows."""
-    kernel = cpu_kernels.active_for(query)
+    kernel = cpu_kernels.active_for(query) if key_cache.dtype == query.dtype else None  # float caches only
     if kernel is not None:
         n = meta.num_decodes
         tables, lens = meta.kernel_tables()
@@ -208,12 +216,14 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         return
     _, kv_heads, head_dim = key_cache.shape
     bs = meta.block_size
-    block_bytes = bs * kv_heads * head_dim * key_cache.element_size()
+    block_bytes = bs * kv_heads * head_dim * query.element_size()  # as SDPA reads it (FP8: dequantized)
     max_group_blocks = GROUP_BYTES.get(query.device.type, DEFAULT_GROUP_BYTES) // block_bytes
+    k_scale, v_scale = kv_quant.scales_of(key_cache)
     for group in meta.decode_groups(window, max_group_blocks, query.device):
         n = group.num_rows
-        k = gather_blocks(key_cache, group.block_ids, bs).view(n, -1, kv_heads, head_dim)[:, :group.num_keys]
-        v = gather_blocks(value_cache, group.block_ids, bs).view(n, -1, kv_heads, head_dim)[:, :group.num_keys]
+        k = _gather(key_cache, group.block_ids, bs, k_scale, query.dtype).view(n, -1, kv_heads, head_dim)
+        v = _gather(value_cache, group.block_ids, bs, v_scale, query.dtype).view(n, -1, kv_heads, head_dim)
+        k, v = k[:, :group.num_keys], v[:, :group.num_keys]
         # GQA without repeating K/V: a KV head's query heads act as its queries. Every query
         # of a row sees the same keys, so the per-row mask holds for all of them.
         q = query.index_select(0, group.rows).view(n, kv_heads, -1, head_dim)  # [n, kvh, heads/kvh, hd]
@@ -238,17 +248,19 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     bs = meta.block_size
     if meta.num_decodes:
         decode_attention(query, key_cache, value_cache, meta, scale, window, out)
+    k_scale, v_scale = kv_quant.scales_of(key_cache)
     for seq in meta.prefills:
         q = query[seq.q_start:seq.q_start + seq.q_len].transpose(0, 1)  # [h, q_len, hd]
         mask = prefill_mask(seq, window, query.device)
         if seq.ctx_len == seq.q_len:
-            # Fresh prompt: this step's K/V are the whole context; no gather needed.
-            k = key[seq.q_start:seq.q_start + seq.q_len]
-            v = value[seq.q_start:seq.q_start + seq.q_len]
+            # Fresh prompt: this step's K/V are the whole context; no gather needed (an FP8
+            # cache's rounding applied, so the keys are those a later prefix hit reads).
+            k = _as_cached(key[seq.q_start:seq.q_start + seq.q_len], key_cache.dtype, k_scale)
+            v = _as_cached(value[seq.q_start:seq.q_start + seq.q_len], value_cache.dtype, v_scale)
         else:
             blocks = seq.block_tensor(query.device)
-            k = gather_blocks(key_cache, blocks, bs)[:seq.ctx_len]
-            v = gather_blocks(value_cache, blocks, bs)[:seq.ctx_len]
+            k = _gather(key_cache, blocks, bs, k_scale, query.dtype)[:seq.ctx_len]
+            v = _gather(value_cache, blocks, bs, v_scale, query.dtype)[:seq.ctx_len]
         # 4-D (a batch of one): torch's CPU flash kernel only takes batched inputs; 3-D ones
         # fall to the math path, which materialises the scores.
         with _sdpa_backends(query.device):
@@ -257,6 +269,20 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                enable_gqa=True)
         out[seq.q_start:seq.q_start + seq.q_len] = o[0].transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, scale: float,
+            dtype: torch.dtype) -> torch.Tensor:
+    """`gather_blocks` in the compute dtype (an FP8 cache's blocks copied as bytes, then dequantized)."""
+    blocks = gather_blocks(kv_quant.storage(cache), block_ids, block_size).view(cache.dtype)
+    return kv_quant.dequantize(blocks, scale, dtype)
+
+
+def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as a cache of `cache_dtype` gives it back: itself, or quantized and dequantized for FP8."""
+    if not kv_quant.is_fp8(cache_dtype):
+        return x
+    return kv_quant.dequantize(kv_quant.quantize(x, scale, cache_dtype), scale, x.dtype)
 
 
 class KernelRope(NamedTuple):
@@ -284,24 +310,25 @@ def kernel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if tables.fixed_layout:
         return _fixed_layout_attention(query, key, value, key_cache, value_cache, meta, scale, window, rope)
     n = meta.num_decodes
+    scales = kv_quant.scales_of(key_cache)  # (1.0, 1.0) unless FP8; read every step: the loader may set them
     if rope is None:
-        kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping, *scales)
     elif num_tokens > n:
         from tandem.workers.kernels.triton_ops import rope_write_kv
 
         rope_write_kv(query[n:], key[n:], value[n:], rope.cos, rope.sin, rope.positions[n:], key_cache, value_cache,
-                      meta.slot_mapping[n:])
+                      meta.slot_mapping[n:], *scales)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if n:
         decode_rope = None if rope is None else kernels.DecodeRope(key[:n], value[:n], rope.cos, rope.sin,
                                                                    rope.positions[:n], meta.slot_mapping[:n])
         kernels.decode_attention(query[:n], key_cache, value_cache, tables.decode_block_tables,
                                  tables.decode_seq_lens, meta.block_size, scale, window or 0, out[:n],
-                                 tables.num_splits, decode_rope)
+                                 tables.num_splits, decode_rope, *scales)
     if num_tokens > n:
         kernels.prefill_attention(query[n:], key_cache, value_cache, tables.prefill_block_tables,
                                   tables.prefill_seq_lens, tables.prefill_query_start, tables.prefill_max_query_len,
-                                  meta.block_size, scale, window or 0, out[n:])
+                                  meta.block_size, scale, window or 0, out[n:], *scales)
     return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -318,18 +345,19 @@ def _fixed_layout_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
     tables = meta.gpu
     num_tokens, num_heads, head_dim = query.shape
+    scales = kv_quant.scales_of(key_cache)
     if rope is None:
-        kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping, *scales)
     else:
         rope_write_kv(query, key, value, rope.cos, rope.sin, rope.positions, key_cache, value_cache,
-                      meta.slot_mapping)
+                      meta.slot_mapping, *scales)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     d = tables.decode_seq_lens.shape[0]
     kernels.decode_attention(query[:d], key_cache, value_cache, tables.decode_block_tables, tables.decode_seq_lens,
-                             meta.block_size, scale, window or 0, out[:d], tables.num_splits)
+                             meta.block_size, scale, window or 0, out[:d], tables.num_splits, None, *scales)
     kernels.prefill_attention(query, key_cache, value_cache, tables.prefill_block_tables, tables.prefill_seq_lens,
                               tables.prefill_query_start, tables.prefill_max_query_len, meta.block_size, scale,
-                              window or 0, out)
+                              window or 0, out, *scales)
     return out.view(num_tokens, num_heads * head_dim)
 
 

@@ -41,6 +41,9 @@ class HFModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # The checkpoint's `quantization_config` (a pre-quantized checkpoint), as written; what tandem
+    # reads of it is workers/quant/scheme.py's.
+    quantization_config: dict | None = None
 
     @staticmethod
     def from_dir(path: str, revision: str | None = None) -> HFModelConfig:
@@ -90,6 +93,7 @@ class HFModelConfig:
             torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=cfg.get("bos_token_id"),
+            quantization_config=cfg.get("quantization_config"),
         )
 
     def resolve_dtype(self, option: str, device: torch.device) -> torch.dtype:

@@ -21,6 +21,8 @@ from torch import nn
 from tandem.workers.distributed.parallel import ParallelContext, shard_range
 from tandem.workers.kernels import cpu_kernels, gpu_kernels
 from tandem.workers.kernels.cpu_gemm import PackedWeight, pack_linear_weights
+from tandem.workers.quant import linear as qlinear
+from tandem.workers.quant.scheme import QuantScheme
 
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -33,26 +35,42 @@ class ColumnParallelLinear(nn.Module):
     merged into one GEMM (q|k|v, gate|up), each split separately."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, ctx: ParallelContext,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant_scheme: QuantScheme | None = None) -> None:
         super().__init__()
         self.ctx = ctx
         self.out_sizes = [s // ctx.tp_size for s in out_sizes]  # per-rank size of each part
         for s in out_sizes:
             assert s % ctx.tp_size == 0, f"output size {s} does not split over {ctx.tp_size} ranks"
-        self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features, dtype=dtype), requires_grad=False)
+        self.quant: QuantScheme | None = None  # quantized weights and their scales (workers/quant/linear.py)
+        self.weight_scale: nn.Parameter | None = None
+        self.input_scale: nn.Parameter | None = None
+        if quant_scheme is not None and not quant_scheme.online:
+            qlinear.init_params(self, sum(self.out_sizes), in_features, quant_scheme)
+        else:
+            self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features, dtype=dtype),
+                                       requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(sum(self.out_sizes), dtype=dtype), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None  # MKL's layout of the weight (cpu_gemm.py)
 
     def part_offset(self, part: int) -> int:
         return sum(self.out_sizes[:part])
 
+    def part_start(self, part: int) -> int:
+        """The first checkpoint row of this rank's slice of `part`."""
+        return self.ctx.tp_rank * self.out_sizes[part]
+
     def weight_loader(self, param: torch.Tensor, source: Any, part: int = 0) -> None:
-        size = self.out_sizes[part]
-        start = self.ctx.tp_rank * size
-        offset = self.part_offset(part)
-        _copy(param.data[offset:offset + size], source[start:start + size])
+        size, start, offset = self.out_sizes[part], self.part_start(part), self.part_offset(part)
+        if param is self.weight_scale:
+            qlinear.load_row_scales(param, source, start, size, offset, self.quant.block)
+        elif param is self.input_scale:
+            qlinear.load_input_scale(param, source)
+        else:
+            _copy(param.data[offset:offset + size], source[start:start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return qlinear.quant_linear(self, x, self.bias)
         if self.packed is not None and self.packed.takes(x):
             return self.packed.linear(x, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -75,7 +93,7 @@ def use_fast_gemm_layout(model: nn.Module) -> int:
     num = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and \
-                module.weight.device.type == "cpu":
+                module.weight.device.type == "cpu" and getattr(module, "quant", None) is None:
             module.weight.data = module.weight.data.t().contiguous().t()
             num += 1
     return num
@@ -86,7 +104,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     than ranks, each KV head is replicated on tp_size / num_kv_heads ranks."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 ctx: ParallelContext, dtype: torch.dtype) -> None:
+                 ctx: ParallelContext, dtype: torch.dtype, quant_scheme: QuantScheme | None = None) -> None:
         tp = ctx.tp_size
         assert num_heads % tp == 0, f"num_attention_heads={num_heads} does not split over tp={tp}"
         assert num_kv_heads % tp == 0 or tp % num_kv_heads == 0, (
@@ -96,15 +114,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = max(1, num_kv_heads // tp)
         # Pass per-rank sizes scaled back up so the parent splits them to exactly these.
         super().__init__(hidden_size, [self.num_heads * head_dim * tp, self.num_kv_heads * head_dim * tp,
-                                       self.num_kv_heads * head_dim * tp], bias, ctx, dtype)
+                                       self.num_kv_heads * head_dim * tp], bias, ctx, dtype, quant_scheme)
         self.kv_replicas = max(1, tp // num_kv_heads)
 
-    def weight_loader(self, param: torch.Tensor, source: Any, part: int = 0) -> None:
-        size = self.out_sizes[part]
+    def part_start(self, part: int) -> int:
         head_group = self.ctx.tp_rank if part == 0 else self.ctx.tp_rank // self.kv_replicas
-        start = head_group * size
-        offset = self.part_offset(part)
-        _copy(param.data[offset:offset + size], source[start:start + size])
+        return head_group * self.out_sizes[part]
 
 
 class RowParallelLinear(nn.Module):
@@ -112,12 +127,18 @@ class RowParallelLinear(nn.Module):
     sum; the caller all-reduces it. The bias is added by rank 0 only."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant_scheme: QuantScheme | None = None) -> None:
         super().__init__()
         self.ctx = ctx
         self.in_per_rank = in_features // ctx.tp_size
         assert in_features % ctx.tp_size == 0, f"{in_features} does not split over {ctx.tp_size} ranks"
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
+        self.quant: QuantScheme | None = None  # quantized weights and their scales (workers/quant/linear.py)
+        self.weight_scale: nn.Parameter | None = None
+        self.input_scale: nn.Parameter | None = None
+        if quant_scheme is not None and not quant_scheme.online:
+            qlinear.init_params(self, out_features, self.in_per_rank, quant_scheme)
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None  # MKL's layout of the weight (cpu_gemm.py)
 
@@ -126,11 +147,18 @@ class RowParallelLinear(nn.Module):
             _copy(param, source[:])
             return
         start, end = shard_range(self.in_per_rank * self.ctx.tp_size, self.ctx.tp_rank, self.ctx.tp_size)
-        _copy(param, source[:, start:end])
+        if param is self.weight_scale:
+            qlinear.load_col_scales(param, source, start, end, self.quant.block)
+        elif param is self.input_scale:
+            qlinear.load_input_scale(param, source)
+        else:
+            _copy(param, source[:, start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.ctx.tp_rank == 0 else None
         out = self.ctx.partial_sum_buffer(x.shape[0], self.weight.shape[0], x.dtype) if x.dim() == 2 else None
+        if self.quant is not None:
+            return qlinear.quant_linear(self, x, bias, out)
         if self.packed is not None and self.packed.takes(x):
             return self.packed.linear(x, bias, out)
         if out is None:

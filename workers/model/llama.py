@@ -33,16 +33,22 @@ from tandem.workers.model.layers import (
     rope_inv_freq,
 )
 from tandem.workers.model.overlap import Pending, chunk_bounds, settle, split_metadata
+from tandem.workers.model.stages import stage_layers
+from tandem.workers.quant.linear import quantize_module
+from tandem.workers.quant.scheme import QuantScheme, ignored_modules
+from tandem.workers.quant.targets import LayerQuant, layer_quant, scale_targets
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: HFModelConfig, ctx: ParallelContext, rope: RotaryEmbedding, window: int | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant: LayerQuant) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, cfg.attention_bias, ctx, dtype)
+                                          cfg.num_key_value_heads, cfg.attention_bias, ctx, dtype,
+                                          quant("self_attn.qkv_proj"))
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM", ctx, dtype)
+                                        cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM", ctx, dtype,
+                                        quant("self_attn.o_proj"))
         self.rope = rope
         self.window = window
         self.head_dim = cfg.head_dim
@@ -51,6 +57,9 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.key_cache: torch.Tensor | None = None  # bound by the runner once sized
         self.value_cache: torch.Tensor | None = None
+        # FP8 KV cache scales (python floats; the loader sets a checkpoint's k_scale / v_scale)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(x), meta))  # partial sum when TP > 1
@@ -71,11 +80,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: HFModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: HFModelConfig, ctx: ParallelContext, dtype: torch.dtype, quant: LayerQuant) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
-                                                 ctx, dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, ctx, dtype)
+                                                 ctx, dtype, quant("mlp.gate_up_proj"))
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, ctx, dtype,
+                                           quant("mlp.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -88,13 +98,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: HFModelConfig, ctx: ParallelContext, rope: RotaryEmbedding, window: int | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant: LayerQuant) -> None:
         super().__init__()
         self.ctx = ctx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, ctx, rope, window, dtype)
+        self.self_attn = LlamaAttention(cfg, ctx, rope, window, dtype, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, ctx, dtype)
+        self.mlp = LlamaMLP(cfg, ctx, dtype, quant)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,18 +134,26 @@ LAYER_WEIGHTS: tuple[tuple[str, str, int], ...] = (
 )
 
 
+def _set_kv_scale(attn: LlamaAttention, kind: str, _param: None, source: Any, _part: int) -> None:
+    setattr(attn, kind, float(source[...].reshape(-1)[0]))
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: HFModelConfig, ctx: ParallelContext, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, cfg: HFModelConfig, ctx: ParallelContext, dtype: torch.dtype, max_positions: int,
+                 quant_scheme: QuantScheme | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.ctx = ctx
-        self.start_layer, self.end_layer = stage_layers(cfg.num_hidden_layers, ctx.pp_rank, ctx.pp_size)
+        self.quant_scheme = quant_scheme
+        self.start_layer, self.end_layer = stage_layers(cfg, ctx.pp_rank, ctx.pp_size, ctx.layer_partition)
         inv_freq, scaling = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         rope = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, scaling, dtype)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype) \
             if ctx.is_first_stage else None
+        ignore = ignored_modules(cfg.quantization_config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, ctx, rope, cfg.layer_sliding_windows[i], dtype)
+            LlamaDecoderLayer(cfg, ctx, rope, cfg.layer_sliding_windows[i], dtype,
+                              layer_quant(quant_scheme, ignore, f"model.layers.{i}.", LAYER_WEIGHTS))
             for i in range(self.start_layer, self.end_layer))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if ctx.is_last_stage else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype) if ctx.is_last_stage else None
@@ -199,6 +217,36 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def kv_scale_targets(self) -> dict[str, tuple[None, Callable[..., None], int]]:
+        """An FP8 KV cache's per-layer scales (`self_attn.k_scale` / `v_scale`), read from a
+        checkpoint that has them: tensor name -> (None, setter, 0)."""
+        targets: dict[str, tuple[None, Callable[..., None], int]] = {}
+        for offset, attn in enumerate(self.attention_layers):
+            prefix = f"model.layers.{self.start_layer + offset}.self_attn."
+            for kind in ("k_scale", "v_scale"):
+                targets[prefix + kind] = (None, partial(_set_kv_scale, attn, kind), 0)
+        return targets
+
+    def quantize_loaded(self) -> int:
+        """An online scheme: quantize every decoder linear layer's loaded weight, per output row
+        (a row-parallel layer's rows span every TP rank: their largest magnitudes are reduced
+        over the ranks first, so the scales do not depend on the layout); returns how many."""
+        scheme = self.quant_scheme
+        if scheme is None or not scheme.online:
+            return 0
+        num = 0
+        for layer in self.layers:
+            for path in dict.fromkeys(path for _, path, _ in LAYER_WEIGHTS):
+                module = layer.get_submodule(path)
+                if not hasattr(module, "quant"):  # a norm
+                    continue
+                row_amax = None
+                if isinstance(module, RowParallelLinear):
+                    row_amax = self.ctx.all_reduce_max(module.weight.data.float().abs().amax(dim=1))
+                quantize_module(module, scheme, row_amax)
+                num += 1
+        return num
+
     def weight_targets(self) -> dict[str, tuple[torch.Tensor, Callable[..., None], int]]:
         """Checkpoint tensor name -> (parameter, loader, part) for this stage and rank only."""
         targets: dict[str, tuple[torch.Tensor, Callable[..., None], int]] = {}
@@ -212,10 +260,12 @@ class LlamaForCausalLM(nn.Module):
             prefix = f"model.layers.{self.start_layer + offset}."
             for suffix, path, part in LAYER_WEIGHTS:
                 module = layer.get_submodule(path)
-                for kind in ("weight", "bias"):
-                    param = getattr(module, kind, None)
-                    if param is not None:
-                        add(f"{prefix}{suffix}.{kind}", module, param, part)
+                if getattr(module, "quant", None) is not None:
+                    targets.update(scale_targets(module, prefix + suffix, part))
+                elif module.weight is not None:
+                    add(f"{prefix}{suffix}.weight", module, module.weight, part)
+                if getattr(module, "bias", None) is not None:
+                    add(f"{prefix}{suffix}.bias", module, module.bias, part)
         if self.norm is not None:
             add("model.norm.weight", self.norm, self.norm.weight)
             head_name = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"

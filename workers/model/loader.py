@@ -24,11 +24,46 @@ class _LazyTensor:
     """A checkpoint tensor that reads only the slice it is indexed with, in a given dtype."""
 
     def __init__(self, handle: Any, name: str, dtype: torch.dtype) -> None:
+        self._handle, self._name = handle, name
         self._slice = handle.get_slice(name)
         self.dtype = dtype
+        stored = self._slice.get_dtype()
+        if _STORED_8BIT.get(dtype, stored) != stored:  # casting would drop the scales
+            raise ValueError(f"model: {name} is {stored} in the checkpoint, and its layer is quantized to {dtype} "
+                             "(a checkpoint's quantization_config must describe its tensors)")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
 
     def __getitem__(self, index: Any) -> torch.Tensor:
+        if index is Ellipsis:
+            if not self.shape:  # a 0-d scale: no slice to take
+                return self._handle.get_tensor(self._name).to(self.dtype)
+            index = slice(None)  # safetensors slices take slices, not `...`
         return self._slice[index].to(self.dtype)
+
+
+# A quantized parameter's dtype -> how safetensors names it: read as stored, never cast.
+_STORED_8BIT = {torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+class _PackedInt8:
+    """compressed-tensors' pack-quantized 8-bit weight: [out, in / 4] int32, four values a word
+    (value j of a row in word j // 4 at bits 8 * (j % 4), stored as value + 128), read back as
+    int8 [out, in] and indexed like the weight it packs."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        rows, words = self._slice.get_shape()
+        self.shape = (rows, words * 4)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, cols = (index if isinstance(index, tuple) else (index, slice(None)))
+        words = self._slice[rows].to(torch.int32)
+        shifts = torch.arange(4, dtype=torch.int32) * 8
+        values = ((words.unsqueeze(-1) >> shifts) & 0xFF) - 128  # [rows, words, 4]
+        return values.reshape(words.shape[0], -1)[:, cols].to(torch.int8)
 
 
 def checkpoint_files(model_dir: str) -> dict[str, str]:
@@ -46,12 +81,16 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: str, *, revision: str | None = None,
-                 show_progress: bool = True) -> int:
+                 show_progress: bool = True, kv_scales: bool = False) -> int:
     """Fill the model's parameters from the checkpoint of a model reference (at `revision` for a
-    Hub repo); returns the number of tensors read."""
+    Hub repo); returns the number of tensors read. Each tensor is read in its parameter's dtype:
+    quantized weights as stored, scales in float32, the rest in the model's dtype. With
+    `kv_scales` (an FP8 KV cache), the checkpoint's k_scale / v_scale are read where it has them."""
     targets = model.weight_targets()
     model_dir = resolve_model(model_dir, revision)
     files = checkpoint_files(model_dir)
+    if kv_scales:
+        targets.update({name: target for name, target in model.kv_scale_targets().items() if name in files})
     by_file: dict[str, list[str]] = {}
     for target in targets:
         name = target.removesuffix("@tied")
@@ -60,7 +99,6 @@ def load_weights(model: LlamaForCausalLM, model_dir: str, *, revision: str | Non
         if name not in files:
             raise ValueError(f"model: checkpoint in {model_dir!r} has no tensor {name!r}")
         by_file.setdefault(files[name], []).append(target)
-    dtype = next(model.parameters()).dtype
     bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not show_progress, leave=False)
     for path, names in sorted(by_file.items()):
         with safe_open(path, framework="pt") as handle:
@@ -69,7 +107,11 @@ def load_weights(model: LlamaForCausalLM, model_dir: str, *, revision: str | Non
                 if name == "lm_head.weight" and name not in files:
                     name = "model.embed_tokens.weight"
                 param, loader, part = targets[target]
-                loader(param, _LazyTensor(handle, name, dtype), part)
+                if name.endswith(".weight_packed"):
+                    source: Any = _PackedInt8(handle, name)
+                else:
+                    source = _LazyTensor(handle, name, param.dtype if param is not None else torch.float32)
+                loader(param, source, part)
                 bar.update(1)
     bar.close()
     return len(targets)

@@ -43,10 +43,10 @@ def profile_steps(runner: ModelRunner, sched: SchedulerConfig) -> tuple[int, int
 
     device = runner.device
     saved = [(a.key_cache, a.value_cache) for a in runner.model.attention_layers]
-    for attn in runner.model.attention_layers:  # one block plus the scratch block
+    for attn in runner.model.attention_layers:  # one block plus the scratch block, in the cache's dtype
         shape = (2 * runner.block_size, attn.num_kv_heads, attn.head_dim)
-        attn.key_cache = torch.zeros(shape, dtype=runner.dtype, device=device)
-        attn.value_cache = torch.zeros(shape, dtype=runner.dtype, device=device)
+        attn.key_cache = torch.zeros(shape, dtype=runner.kv_dtype, device=device)
+        attn.value_cache = torch.zeros(shape, dtype=runner.kv_dtype, device=device)
     builder = InputBuilder(runner.block_size, device, 1, runner.use_gpu_kernels, lambda b, c: 1)
     table = BlockTable(runner._max_blocks_per_seq())  # all zeros: every block is block 0
     try:

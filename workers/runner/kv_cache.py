@@ -6,14 +6,36 @@ The device cache holds one block more than the pool hands out: the scratch block
 holds. The host tier (workers/core/host_tier.py decides what goes there) keeps evicted blocks
 in host memory, per layer K and V of this rank's shard; blocks are exported and imported in
 one layout, [layers, 2, blocks, block_size, heads, head_dim], so another group can take them.
+
+The cache's dtype is the model's, or float8_e4m3fn (`kv_cache_dtype` fp8): then each layer's
+K and V scales (`k_scale` / `v_scale` of its attention module) say what the bytes mean, and
+the kernels read them through the key cache (workers/kernels/kv_quant.py `bind_scales`).
+Blocks, host slots and exports are all in the cache's dtype, so an FP8 cache holds twice the
+tokens of a bf16 one in the same bytes; an export carries its dtype and scales, and a cache
+takes only blocks of its own dtype and scales.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from tandem.workers.kernels import kv_quant
 from tandem.workers.kernels.huge_pages import zeros_huge
 from tandem.workers.model.llama import LlamaForCausalLM
+
+
+@dataclass
+class ExportedKV:
+    """One rank's KV of some blocks, as another group imports it."""
+
+    data: torch.Tensor  # [layers, 2, blocks, block_size, heads, head_dim], on the CPU, in the cache's dtype
+    scales: tuple[tuple[float, float], ...]  # per layer (k_scale, v_scale); 1.0 for a float cache
+
+    def select(self, positions: list[int]) -> ExportedKV:
+        """Only the blocks at `positions` (in the exported order)."""
+        return ExportedKV(self.data[:, :, positions], self.scales)
 
 
 class KVCache:
@@ -28,6 +50,7 @@ class KVCache:
         self.host_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def bytes_per_block(self) -> int:
+        """K and V of one block over this rank's layers, in the cache's dtype (FP8: one byte a value)."""
         attn = self.model.attention_layers[0]
         per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
         return per_layer * len(self.model.layers)
@@ -38,6 +61,12 @@ class KVCache:
         for attn in self.model.attention_layers:
             shape = ((num_blocks + 1) * self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.key_cache, attn.value_cache = (self._zeros(shape) for _ in range(2))
+            kv_quant.bind_scales(attn.key_cache, attn)
+
+    def scales(self) -> tuple[tuple[float, float], ...]:
+        """Per layer (k_scale, v_scale), as the kernels read them now (1.0 for a float cache)."""
+        return tuple(kv_quant.scales_of(attn.key_cache) if attn.key_cache is not None else (1.0, 1.0)
+                     for attn in self.model.attention_layers)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":  # decode reads blocks scattered over the cache: huge pages
@@ -71,6 +100,8 @@ class KVCache:
             src, dst = zip(*pairs)
             for device_kv, host_kv in zip(self._block_views(), self.host_cache):
                 for dev, host in zip(device_kv, host_kv):
+                    # FP8 goes as uint8: torch has no float8 index_copy_ on CPU.
+                    dev, host = kv_quant.storage(dev), kv_quant.storage(host)
                     if to_host:
                         blocks = torch.tensor(src, device=self.device)
                         host.index_copy_(0, torch.tensor(dst), dev.index_select(0, blocks).to("cpu"))
@@ -79,16 +110,28 @@ class KVCache:
                         dev.index_copy_(0, torch.tensor(dst, device=self.device), rows)
 
     @torch.inference_mode()
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """This rank's KV of some device blocks, on the CPU: [layers, 2, blocks, block_size, heads, dim]."""
+    def export_blocks(self, block_ids: list[int]) -> ExportedKV:
+        """This rank's KV of some device blocks, on the CPU, with the scales that give them meaning."""
         index = torch.tensor(block_ids, device=self.device)
-        return torch.stack([torch.stack([kv.index_select(0, index) for kv in layer])
-                            for layer in self._block_views()]).to("cpu")
+        data = torch.stack([torch.stack([kv_quant.storage(kv).index_select(0, index) for kv in layer])
+                            for layer in self._block_views()]).to("cpu").view(self.dtype)
+        return ExportedKV(data, self.scales())
 
     @torch.inference_mode()
-    def import_host_blocks(self, slots: list[int], data: torch.Tensor) -> None:
-        """Write blocks exported by another group (same layout) into host slots."""
+    def import_host_blocks(self, slots: list[int], blocks: ExportedKV) -> None:
+        """Write blocks exported by another group (same layout, dtype and scales) into host slots.
+        Blocks of another KV dtype or other scales are refused before anything is written."""
+        if blocks.data.dtype != self.dtype or tuple(blocks.scales) != self.scales():
+            raise ValueError(
+                f"KV blocks in {blocks.data.dtype} (scales {_short(blocks.scales)}) cannot go into this "
+                f"group's {self.dtype} cache (scales {_short(self.scales())}): groups whose KV cache dtypes "
+                "or scales differ never exchange blocks")
         index = torch.tensor(slots)
-        for layer, host_kv in zip(data, self.host_cache):
+        for layer, host_kv in zip(blocks.data, self.host_cache):
             for part, host in zip(layer, host_kv):
-                host.index_copy_(0, index, part.to(host.dtype))
+                kv_quant.storage(host).index_copy_(0, index, kv_quant.storage(part))
+
+
+def _short(scales: tuple[tuple[float, float], ...]) -> str:
+    """Scales for an error message: one pair when every layer has it."""
+    return str(scales[0]) if len(set(scales)) == 1 else str(scales)

@@ -12,23 +12,27 @@ which padding rows of a graph batch read and write, and which no request ever ho
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import PENDING_TOKEN, PositionLogprobs
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
 from tandem.workers.distributed.parallel import ParallelContext
-from tandem.workers.kernels import cpu_kernels, gpu_kernels
+from tandem.workers.kernels import cpu_kernels, gpu_kernels, kv_quant
 from tandem.workers.kernels.decode_splits import default_num_splits
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.model.layers import pack_cpu_weights, use_fast_gemm_layout
 from tandem.workers.model.llama import LlamaForCausalLM
 from tandem.workers.model.loader import load_weights
+from tandem.workers.quant.memory import log_weights
+from tandem.workers.quant.scheme import resolve_scheme
 from tandem.workers.runner import gpu_memory
 from tandem.workers.runner.block_table import BlockTable
 from tandem.workers.runner.cuda_graphs import DecodeGraphs, GraphLayout
 from tandem.workers.runner.graph_steps import graph_logits, graph_target
-from tandem.workers.runner.kv_cache import KVCache
+from tandem.workers.runner.kv_cache import ExportedKV, KVCache
 from tandem.workers.runner.mixed_graphs import MixedGraphs
 from tandem.workers.runner.request_state import CachedRequestState, apply_step_diffs, fill_placeholders
 from tandem.workers.runner.step_inputs import InputBuilder, StepInputs, advance_decodes, copy_pending
@@ -43,6 +47,8 @@ from tandem.workers.structured.bitmask import apply_token_masks
 # such slice in the profiled peak (gpu_memory.profile_steps).
 PROMPT_LOGPROB_ROWS = 256
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str, ctx: ParallelContext,
@@ -53,6 +59,7 @@ class ModelRunner:
         self.ctx = ctx
         self.device = device
         self.dtype = hf_config.resolve_dtype(config.model.dtype, device)
+        self.kv_dtype = kv_quant.cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # the model's, or FP8
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
         self.states: dict[str, CachedRequestState] = {}
@@ -61,7 +68,8 @@ class ModelRunner:
         self.step_sampler = StepSampler(self.sampler, hf_config.eos_token_ids)
         self.model: LlamaForCausalLM | None = None
         self.kv_cache: KVCache | None = None  # made with the model (it lives in the attention layers)
-        self.use_gpu_kernels = gpu_kernels.wanted(config.model.attention_backend, device)
+        self.use_gpu_kernels = (gpu_kernels.wanted(config.model.attention_backend, device)
+                                and self._kernels_take_kv_dtype(config.model.attention_backend))
         self.block_table = BlockTable(self._max_blocks_per_seq())
         self.builder: InputBuilder | None = None  # made with the KV cache (it knows the scratch block)
         self.graphs: DecodeGraphs | None = None
@@ -78,9 +86,13 @@ class ModelRunner:
         torch.manual_seed(self.config.model.seed)
         # Positions up to max_model_len plus room for draft tokens past the last one.
         max_positions = self.max_model_len + self.config.scheduler.num_lookahead_slots + 1
+        scheme = resolve_scheme(self.config.model.quantization, self.hf_config.quantization_config)
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(self.hf_config, self.ctx, self.dtype, max_positions)
-        load_weights(self.model, self.model_dir, revision=self.config.model.revision, show_progress=show_progress)
+            self.model = LlamaForCausalLM(self.hf_config, self.ctx, self.dtype, max_positions, scheme)
+        load_weights(self.model, self.model_dir, revision=self.config.model.revision, show_progress=show_progress,
+                     kv_scales=self.config.cache.kv_cache_dtype != "auto")
+        self.model.quantize_loaded()
+        log_weights(self.model, scheme, self.device)
         use_fast_gemm_layout(self.model)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             cpu_kernels.activate()
@@ -88,7 +100,9 @@ class ModelRunner:
                 pack_cpu_weights(self.model)
         gpu_kernels.configure(self.use_gpu_kernels, self.device)
         self.model.eval()
-        self.kv_cache = KVCache(self.model, self.block_size, self.dtype, self.device)
+        for attn in self.model.attention_layers:  # the kernels take python floats (a loader may set tensors)
+            attn.k_scale, attn.v_scale = kv_quant.as_float_scale(attn.k_scale), kv_quant.as_float_scale(attn.v_scale)
+        self.kv_cache = KVCache(self.model, self.block_size, self.kv_dtype, self.device)
 
     def kv_bytes_per_block(self) -> int:
         return self.kv_cache.bytes_per_block()
@@ -142,6 +156,18 @@ class ModelRunner:
                         self.mixed_graphs.capture(pool, show_progress)
                     self.graphs.capture(pool, show_progress)
 
+    def _kernels_take_kv_dtype(self, backend: str) -> bool:
+        """Triton's float8e4nv needs sm_89 or later (Ada, Hopper): on an older GPU an FP8 cache
+        goes to the torch path (dequantized as it is gathered), or a ValueError if Triton was asked."""
+        if (not kv_quant.is_fp8(self.kv_dtype) or self.device.type != "cuda"
+                or torch.cuda.get_device_capability(self.device) >= (8, 9)):
+            return True
+        if backend == "triton":
+            raise ValueError("attention_backend: triton reads an FP8 KV cache on sm_89 or later GPUs only "
+                             "(use kv_cache_dtype auto, or attention_backend torch)")
+        logger.warning("kv_cache_dtype fp8 on a GPU before sm_89: attention takes the torch path")
+        return False
+
     def _graph_mode(self) -> str | None:
         """"capture" (CUDA, the Triton kernels, one stage, not enforce_eager): decode steps replay
         CUDA graphs; None: no bucketing. "eager" pads decode steps to the same buckets and runs
@@ -187,11 +213,11 @@ class ModelRunner:
     def init_host_cache(self, num_slots: int) -> None:
         self.kv_cache.init_host_cache(num_slots)
 
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def export_blocks(self, block_ids: list[int]) -> ExportedKV:
         return self.kv_cache.export_blocks(block_ids)
 
-    def import_host_blocks(self, slots: list[int], data: torch.Tensor) -> None:
-        self.kv_cache.import_host_blocks(slots, data)
+    def import_host_blocks(self, slots: list[int], blocks: ExportedKV) -> None:
+        self.kv_cache.import_host_blocks(slots, blocks)
 
     # ---- one step ----------------------------------------------------------------------------
     def update_states(self, out: SchedulerOutput) -> None:
