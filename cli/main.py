@@ -1,4 +1,4 @@
-"""`tandem` command line: generate (offline), serve, bench, deploy."""
+"""`tandem` command line: generate (offline), serve, bench, deploy, plan."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from tandem.bench import cli as bench_cli
 from tandem.cli import deploy as deploy_cli
+from tandem.cli import plan as plan_cli
 from tandem.cli import serve as serve_cli
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   kv_holdings=_kv_holdings, grpc_servicer=serve_cli.GRPC_SERVICER,
                                                   grpc_messages=_grpc_messages, telemetry_cost=_telemetry_cost))
     deploy_cli.register(sub)
+    plan_cli.register(sub)
     return parser
 
 

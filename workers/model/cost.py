@@ -21,11 +21,18 @@ Bytes read by one decode step at batch B (the MBU numerator):
 
 The input embedding table is left out of the weights: a decode step reads B rows of it, not
 the table (with tied embeddings the lm_head *is* that table and is counted once, as lm_head).
+It is in `memory_bytes`, what the weights take in memory. Quantized linear weights (FP8, INT8)
+take `weight_itemsize` bytes each, the embedding, lm_head, norms and biases stay in the model's
+dtype (their scales, one float per output channel or tensor, are left out: under 0.1%); an
+FP8 KV cache takes `kv_itemsize` bytes per element.
+
+`shard` is one rank's part of a TP x PP layout, for `tandem plan` (workers/model/plan.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,6 +50,13 @@ class ModelCost:
     non_embedding_params: int  # everything but the input embedding and the lm_head
     lm_head_params: int
     itemsize: int  # bytes per weight / KV element
+    # Of non_embedding_params, the linear layers' weights: what weight quantization shrinks.
+    linear_params: int = 0
+    # The input embedding where it is a tensor of its own: in memory, but a decode step reads
+    # only its B rows (see the module docstring).
+    embedding_params: int = 0
+    weight_itemsize: int | None = None  # bytes per linear weight (1: FP8 / INT8); None: itemsize
+    kv_itemsize: int | None = None  # bytes per KV element (1: an FP8 cache); None: itemsize
 
     @staticmethod
     def from_tandem_model(model: nn.Module, itemsize: int) -> ModelCost:
@@ -100,12 +114,24 @@ class ModelCost:
 
     # ---- bytes ---------------------------------------------------------------------------------
     @property
+    def num_params(self) -> int:
+        return self.non_embedding_params + self.lm_head_params + self.embedding_params
+
+    @property
     def weight_bytes(self) -> int:
-        return (self.non_embedding_params + self.lm_head_params) * self.itemsize
+        """What a decode step reads of the weights (all but the input embedding)."""
+        linear_itemsize = self.weight_itemsize or self.itemsize
+        return ((self.non_embedding_params - self.linear_params + self.lm_head_params) * self.itemsize
+                + self.linear_params * linear_itemsize)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the weights take in memory: those a step reads, and the input embedding."""
+        return self.weight_bytes + self.embedding_params * self.itemsize
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (self.kv_itemsize or self.itemsize)
 
     def decode_step_bytes(self, batch: int, context_len: int) -> int:
         return self.weight_bytes + batch * context_len * self.kv_bytes_per_token

@@ -20,7 +20,8 @@ def test_model_cost_from_config_counts_what_the_model_holds(tiny_dir) -> None:
     # the figures test_model_cost_from_tandem_model counts from the loaded tandem model
     per_layer = 64 * 128 + 64 * 64 + 64 * 256 + 128 * 64 + 2 * 64
     assert cost == ModelCost(num_layers=2, hidden_size=64, num_kv_heads=2, head_dim=16,
-                             non_embedding_params=2 * per_layer + 64, lm_head_params=512 * 64, itemsize=4)
+                             non_embedding_params=2 * per_layer + 64, lm_head_params=512 * 64, itemsize=4,
+                             linear_params=2 * (per_layer - 2 * 64), embedding_params=512 * 64)
 
 
 def test_model_cost_counts() -> None:
@@ -46,3 +47,19 @@ def test_model_cost_from_tandem_model(tiny_dir) -> None:
     assert cost.non_embedding_params == 2 * per_layer + 64
     assert cost.lm_head_params == 512 * 64
     assert (cost.num_layers, cost.hidden_size, cost.num_kv_heads, cost.head_dim) == (2, 64, 2, 16)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_config_and_model_count_the_same_bytes(arch) -> None:
+    from tandem.workers.llm import LLM
+    from tests.conftest import tiny_model
+
+    path = tiny_model(arch)
+    llm = LLM(model=path, device="cpu")
+    held = ModelCost.from_tandem_model(llm.engine.executor.runner.model, itemsize=4)
+    llm.shutdown()
+    counted = ModelCost.from_hf_config(HFModelConfig.from_dir(path), itemsize=4)
+    # qwen2's q/k/v biases included; what the engine's MBU divides is the same from either
+    assert (counted.non_embedding_params, counted.lm_head_params, counted.weight_bytes) == (
+        held.non_embedding_params, held.lm_head_params, held.weight_bytes)
+    assert counted.kv_bytes_per_token == held.kv_bytes_per_token
