@@ -48,7 +48,7 @@ from tandem.bench.host_syncs import FIGURES as HOST_SYNC_FIGURES
 from tandem.bench.host_syncs import host_sync_figures
 from tandem.bench.host_timeline import PARTS
 from tandem.bench.report import Figures, sampled
-from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, vocab_size_of
+from tandem.bench.systems import BenchOptions, Systems, load_systems, resolve_model_dir, tandem_options, vocab_size_of
 from tandem.bench.tandem_runs import run_tandem
 from tandem.bench.workload import (
     OFFLINE_FULL,
@@ -112,6 +112,13 @@ def run_offline(opts: BenchOptions, spec: WorkloadSpec | None = None, *,
         fastest_ms = min(r.elapsed_s for r in results["tandem"]) * 1e3
         gpu["gpu_busy_unprofiled"] = min(1.0, gpu["gpu_busy"] * gpu["gpu_profiled_wall_ms"] / fastest_ms)
     fig.update(gpu)
+    pp = opts.engine_options.get("pipeline_parallel_size", 1)
+    if pp > 1 and "pipeline_inflight_batches" not in opts.engine_options:
+        from tandem.bench.pipeline_inflight import pp_inflight_figures
+
+        systems.llm.shutdown()  # its workers' cores go to the two runs' groups, one at a time
+        fig.update(pp_inflight_figures(tandem_options(opts, [requests]), requests, warmup, repeats,
+                                       guard=lambda fn: log.run(fn, systems.device)))
     fig.update(log.figures())
     return fig
 
@@ -216,6 +223,8 @@ def table_rows(fig: Figures) -> list[tuple[str, object, str]]:
         ("hf_static_mfu", fig["hf_static_mfu"], ""),
         ("hf_sequential_mfu", fig["hf_sequential_mfu"], ""),
         ("hf_static_useful_fraction", fig["hf_static_useful_fraction"], "of generated tokens"),
+        *((name, fig[name], "tok/s" if "tok_s" in name else "x: P steps in flight over one")
+          for name in fig if name.startswith("pp_inflight_") and name != "pp_inflight_repeats"),
     ]
 
 

@@ -87,6 +87,24 @@ def load_systems(opts: BenchOptions, request_sets: list[list[BenchRequest]], *, 
     the rest.
     """
     from tandem.workers.llm import LLM
+
+    model_dir = resolve_model_dir(opts)
+    llm = LLM(**tandem_options(opts, request_sets))
+    engine = llm.engine
+    if engine.model_in_process:
+        runner = engine.executor.runner
+        device, dtype = runner.device, runner.dtype
+        cost = ModelCost.from_tandem_model(runner.model, dtype.itemsize)
+    else:  # a Ray group (TP or PP > 1): the whole model's cost, from its config
+        device = torch.device(engine.executor.device_type)
+        dtype = engine.hf_config.resolve_dtype(engine.config.model.dtype, device)
+        cost = ModelCost.from_hf_config(engine.hf_config, dtype.itemsize)
+    hf_model = load_hf_model(model_dir, dtype, device) if with_hf else None
+    return Systems(llm, hf_model, cost, model_dir, device, dtype, opts.temperature)
+
+
+def tandem_options(opts: BenchOptions, request_sets: list[list[BenchRequest]]) -> dict[str, Any]:
+    """The engine options tandem runs the benchmark with (load_systems' docstring: the KV sizing)."""
     from tandem.workers.model.hf_config import HFModelConfig
 
     model_dir = resolve_model_dir(opts)
@@ -102,11 +120,7 @@ def load_systems(opts: BenchOptions, request_sets: list[list[BenchRequest]], *, 
     if device.type == "cuda":
         # transformers is loaded after tandem has sized its KV cache: leave it room.
         options.setdefault("gpu_memory_utilization", 0.5)
-    llm = LLM(**options)
-    runner = llm.engine.executor.runner
-    cost = ModelCost.from_tandem_model(runner.model, runner.dtype.itemsize)
-    hf_model = load_hf_model(model_dir, runner.dtype, runner.device) if with_hf else None
-    return Systems(llm, hf_model, cost, model_dir, runner.device, runner.dtype, opts.temperature)
+    return options
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Any:

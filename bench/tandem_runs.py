@@ -62,10 +62,12 @@ class _StepCapture:
     multi-step step's first pass)."""
 
     def __init__(self, runner: Any) -> None:
-        self.runner = runner
+        self.runner = runner  # None: the model runs on Ray workers, whose inputs stay there
         self.last: Any = None
 
     def __enter__(self) -> _StepCapture:
+        if self.runner is None:
+            return self
         inner = self.runner.prepare_inputs
 
         def prepare_inputs(out: Any, *args: Any, **kwargs: Any) -> Any:
@@ -76,7 +78,8 @@ class _StepCapture:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self.runner.prepare_inputs  # back to the class's method
+        if self.runner is not None:
+            del self.runner.prepare_inputs  # back to the class's method
 
 
 def next_run_ids(num: int) -> list[str]:
@@ -99,7 +102,7 @@ def run_tandem(llm: Any, requests: list[BenchRequest], *, desc: str = "tandem", 
                disable=not show_progress)
     result = TandemRun(0.0, 0)
     decode_start = None
-    with _StepCapture(engine.executor.runner) as capture, result.gc:
+    with _StepCapture(getattr(engine.executor, "runner", None)) as capture, result.gc:
         start = time.perf_counter()
         for request_id, req in zip(ids, requests):
             # As LLM.generate asks: one output per request, when it finishes.

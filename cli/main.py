@@ -87,6 +87,13 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                 "TP = PP = 1, no speculation, no multi-step"}),
     EngineFlag(("--tensor-parallel-size", "-tp"), {"type": int, "help": "GPUs (workers) that split each layer"}),
     EngineFlag(("--pipeline-parallel-size", "-pp"), {"type": int, "help": "stages the layers are split into"}),
+    EngineFlag(("--pipeline-inflight-batches",), {
+        "type": int, "help": "steps in flight at once with pipeline stages, each of other requests, so every stage "
+                             "stays busy (default: one a stage; 1: one step at a time, split into a micro-batch a "
+                             "stage)"}),
+    EngineFlag(("--pipeline-layer-partition",), {
+        "metavar": "N,N,...", "help": "decoder layers per pipeline stage, first to last (default: balanced by what a "
+                                      "decode step reads, the LM head counted on the last stage)"}),
     EngineFlag(("--speculative-config",), {
         "metavar": "JSON", "help": 'speculative decoding, as vLLM takes it: {"model": DRAFT, "num_speculative_tokens": '
                                    'K} or {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N} '

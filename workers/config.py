@@ -168,8 +168,42 @@ class ParallelConfig:
     # busy per worker; after this many seconds without a step they wait on an event instead
     # (workers/executor/parking.py), and the next step wakes them (a few ms). None: never.
     park_workers_after_s: float | None = 1.0
+    # Steps reach a Ray group's workers through a compiled graph's shared-memory channels (a
+    # third of plain actor calls' cost a step) or plain actor calls. None: the graph on GPUs
+    # only. Ray 2.60 reads the graph's output by polling, so while a step runs the engine's
+    # process holds a core: on a CPU group, one the workers need (bench/RESULTS.md).
+    compiled_graph: bool | None = None
+    # Steps in flight at once with pipeline stages, each of other requests, so stage k runs one
+    # while stage k + 1 runs the one before (vLLM's virtual engines). None = one a stage; 1 =
+    # one step at a time, each split into a micro-batch a stage.
+    pipeline_inflight_batches: int | None = None
+    # Decoder layers per stage, first to last (vLLM's VLLM_PP_LAYER_PARTITION; "6,2" or a list);
+    # None: balanced by what a decode step reads, the LM head counted on the last stage
+    # (workers/model/stages.py).
+    pipeline_layer_partition: tuple[int, ...] | None = None
+
+    @property
+    def inflight_batches(self) -> int:
+        return self.pipeline_inflight_batches or self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
+        if self.pipeline_layer_partition is not None:
+            parts = self.pipeline_layer_partition
+            parts = parts.split(",") if isinstance(parts, str) else parts
+            try:
+                counts = tuple(int(p) for p in parts)
+            except (TypeError, ValueError):
+                counts = ()
+            require_field(len(counts) == self.pipeline_parallel_size and all(c >= 1 for c in counts),
+                          "pipeline_layer_partition",
+                          f"must give each of the {self.pipeline_parallel_size} stages >= 1 layers (e.g. \"6,2\"), "
+                          f"got {self.pipeline_layer_partition!r}")
+            object.__setattr__(self, "pipeline_layer_partition", counts)
+        if self.pipeline_inflight_batches is not None:
+            require_field(1 <= self.pipeline_inflight_batches <= self.pipeline_parallel_size,
+                          "pipeline_inflight_batches",
+                          f"must be in [1, pipeline_parallel_size = {self.pipeline_parallel_size}], got "
+                          f"{self.pipeline_inflight_batches}")
         if self.park_workers_after_s is not None:
             require_field(self.park_workers_after_s > 0, "park_workers_after_s",
                           f"must be > 0 (or None: never park), got {self.park_workers_after_s}")

@@ -118,7 +118,9 @@ def test_an_idle_group_parks_its_workers_and_the_next_steps_give_the_same_tokens
     model = tiny_model("llama")
     prompts = mixed_prompts(seed=5)
     expected = hf_greedy(model, prompts, MAX_TOKENS)
-    llm = LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2, park_workers_after_s=0.2)
+    # Parking is the compiled graph's (plain actor calls wait off the CPU anyway): on here.
+    llm = LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2, park_workers_after_s=0.2,
+              compiled_graph=True)
     try:
         batch = [{"prompt_token_ids": p} for p in prompts]
         assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
@@ -153,7 +155,8 @@ def test_never_parked_when_asked_not_to(ray_local) -> None:
 def test_a_worker_killed_while_parked_fails_the_next_step_and_frees_its_blocks(ray_local) -> None:
     import ray
 
-    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, park_workers_after_s=0.2)
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, park_workers_after_s=0.2,
+              compiled_graph=True)
     try:
         _wait_group_parked(llm)
         ray.kill(llm.engine.executor.workers[1])

@@ -1,8 +1,9 @@
 """Replica groups on Ray (CPU, gloo): greedy output equals transformers token for token at
 TP=2, PP=2 and TP=2 x PP=2, for each model family, with the all-reduce overlap on and off,
 with TP collectives through shared memory (the default) and through gloo, with chunked
-prefill and preemption forced, with fewer KV heads than TP ranks, and with the workers' start-up
-heaps frozen."""
+prefill and preemption forced, with fewer KV heads than TP ranks, with the workers' start-up
+heaps frozen, and with steps reaching the workers through a compiled graph or plain actor calls
+(PP groups keep a step a stage in flight: tests/distributed/test_pipeline_inflight.py)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ CASES = {
     "llama-tp2-gloo-overlap-stress": (dict(arch="llama"), 2, 1, dict(STRESS, shm_collectives=False, **ON)),
     "llama-tp2-default-stress": (dict(arch="llama"), 2, 1, dict(STRESS)),
     "llama-pp2-uneven-layers": (dict(arch="llama", num_hidden_layers=3), 1, 2, {}),
-    "llama-tp2pp2-overlap": (dict(arch="llama"), 2, 2, dict(ON, freeze_startup_heap=True)),
-    "mistral-tp2pp2-overlap-stress": (dict(arch="mistral", sliding_window=8), 2, 2, dict(STRESS, **ON)),
+    # The compiled graph (GPU groups' default; CPU groups make plain actor calls) with two
+    # steps in flight.
+    "llama-tp2pp2-overlap": (dict(arch="llama"), 2, 2, dict(ON, freeze_startup_heap=True, compiled_graph=True)),
+    "mistral-tp2pp2-overlap-stress": (dict(arch="mistral", sliding_window=8), 2, 2,
+                                      dict(STRESS, compiled_graph=True, **ON)),
     "qwen2-tp2pp2-serial-stress": (dict(arch="qwen2"), 2, 2, dict(STRESS, overlap_comm=False)),
     "qwen2-tp2-overlap": (dict(arch="qwen2"), 2, 1, dict(ON)),
     "llama-kv1-tp2-overlap-stress": (dict(arch="llama", num_key_value_heads=1), 2, 1, dict(STRESS, **ON)),
@@ -109,14 +113,14 @@ def _count_overlapped_passes(llm: LLM) -> None:
 
 
 def _check_shards(info: list[dict], model_spec: dict, tp: int, pp: int) -> None:
-    """Each worker holds only its stage's layers and its share of the KV heads."""
-    from tandem.workers.distributed.parallel import stage_layers
-
+    """Each worker holds only its stage's layers and its share of the KV heads (the tiny
+    models' LM head is under a layer's weight: the even split, earlier stages taking the extra)."""
     num_layers = model_spec.get("num_hidden_layers", 2)
     kv_heads = model_spec.get("num_key_value_heads", 2)
+    expected = {(2, 1): [(0, 2)], (2, 2): [(0, 1), (1, 2)], (3, 2): [(0, 2), (2, 3)]}[num_layers, pp]
     for w in info:
         pp_rank = w["rank"] // tp
-        assert w["layers"] == stage_layers(num_layers, pp_rank, pp)
+        assert tuple(w["layers"]) == expected[pp_rank]
         assert w["num_kv_heads"] == max(1, kv_heads // tp)  # replicated when kv_heads < tp
         assert w["num_threads"] == 1  # 2 cores shared by >= 2 workers
 

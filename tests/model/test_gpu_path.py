@@ -210,8 +210,8 @@ def test_multi_step_passes_through_padded_graphs_equal_transformers(llama_dir: s
     scheduler, ahead = llm.engine.scheduler, []
     schedule = scheduler.schedule
 
-    def scheduled(pending=frozenset(), max_steps=1, num_ahead=1):
-        out = schedule(pending, max_steps, num_ahead)
+    def scheduled(pending=frozenset(), max_steps=1, num_ahead=1, *slots):
+        out = schedule(pending, max_steps, num_ahead, *slots)
         ahead.append((len(pending), num_ahead, out.num_steps))
         return out
 

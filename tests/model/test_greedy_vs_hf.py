@@ -49,9 +49,9 @@ def test_greedy_equals_transformers(arch: str, layout: str) -> None:
     scheduler, ahead, passes = llm.engine.scheduler, [], []
     schedule = scheduler.schedule
 
-    def record(pending=frozenset(), max_steps=1, num_ahead=1):
+    def record(pending=frozenset(), max_steps=1, num_ahead=1, *slots):
         ahead.append(bool(pending))
-        out = schedule(pending, max_steps, num_ahead)
+        out = schedule(pending, max_steps, num_ahead, *slots)
         passes.append(out.num_steps)
         return out
 

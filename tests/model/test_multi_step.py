@@ -27,8 +27,8 @@ def _record_passes(llm: LLM, ahead_of: list[frozenset[str]] | None = None) -> li
     scheduler, passes = llm.engine.scheduler, []
     schedule = scheduler.schedule
 
-    def record(ahead=frozenset(), max_steps=1, num_ahead=1):
-        out = schedule(ahead, max_steps, num_ahead)
+    def record(ahead=frozenset(), max_steps=1, num_ahead=1, *slots):
+        out = schedule(ahead, max_steps, num_ahead, *slots)
         passes.append(out.num_steps)
         if ahead_of is not None:
             ahead_of.append(ahead)

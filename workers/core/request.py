@@ -191,6 +191,8 @@ class Request:
     # How many of the last output tokens are PENDING_TOKENs: sampled by a step still on the
     # device (one a pass), and already scheduled into the next one (Scheduler.schedule(ahead=...)).
     num_pending: int = 0
+    # Which of the pipeline's in-flight step slots it runs in (Scheduler.schedule(slot=...)).
+    pp_slot: int = 0
     error: str | None = None
 
     @property

@@ -90,14 +90,21 @@ class Scheduler:
         return len(self.requests)
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self, ahead: frozenset[str] = frozenset(), max_steps: int = 1, num_ahead: int = 1) -> SchedulerOutput:
+    def schedule(self, ahead: frozenset[str] = frozenset(), max_steps: int = 1, num_ahead: int = 1,
+                 slot: int | None = None, num_slots: int = 1) -> SchedulerOutput:
         """The next step. `ahead`: requests whose next `num_ahead` tokens a step still on the
         device has sampled (one a pass of a multi-step step); each gets as many PENDING_TOKENs
         in their place (unless the last of them must be its last token) and is scheduled on
         them, so this step can be launched before that one's tokens are back. Scheduling ahead
         never preempts: a request that finds no room waits a step. `max_steps` > 1: a step of
         running decodes alone may run up to that many forward passes (multi-step decoding,
-        `SchedulerOutput.num_steps`)."""
+        `SchedulerOutput.num_steps`).
+
+        `slot` (pipeline stages kept busy: `num_slots` steps in flight at once): only the
+        running requests of that slot are scheduled, waiting ones join it while it holds less
+        than its share of max_num_seqs, and preemption takes its victims from it alone, since
+        the other slots' requests may be in a step still on the workers. So a request never has
+        two steps in flight."""
         out = SchedulerOutput(step_id=self._step_id)
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
@@ -114,7 +121,8 @@ class Scheduler:
         decoding: list[tuple[Request, int, int]] = []
         prefilling: list[tuple[Request, int, int]] = []
         lookahead = self.config.num_lookahead_slots
-        for req in self.running:
+        candidates = self.running if slot is None else [r for r in self.running if r.pp_slot == slot]
+        for req in candidates:
             num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
             if req.num_computed_tokens < num_tokens - 1:
                 prefilling.append((req, num_tokens, 0))
@@ -138,7 +146,7 @@ class Scheduler:
                 num_new += len(req.spec_token_ids)
             allocated = self.kv.allocate_slots(req, num_new, num_lookahead=num_lookahead) is not None
             while not allocated and not ahead:  # ahead: no preemption on guessed tokens; it waits
-                victim = max(self.running, key=lambda r: r.arrival_seq)
+                victim = max((r for r in candidates if r.status is running), key=lambda r: r.arrival_seq)
                 self._preempt(victim)
                 preempted = True
                 if victim in scheduled:
@@ -160,7 +168,7 @@ class Scheduler:
                 req.num_pending = 0
         num_running = len(scheduled)
         if not preempted:
-            budget = self._admit_waiting(out, scheduled, budget)
+            budget = self._admit_waiting(out, scheduled, budget, slot, num_slots)
         if max_steps > 1 and scheduled and not preempted and len(scheduled) == num_running:
             out.num_steps = self._num_steps(out, scheduled, max_steps)
         for req in scheduled:
@@ -169,10 +177,16 @@ class Scheduler:
         out.host_saves, out.host_loads = self.kv.drain_host_copies()
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, scheduled: list[Request], budget: int) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, scheduled: list[Request], budget: int, slot: int | None,
+                       num_slots: int) -> int:
         skipped: list[Request] = []
         num_running = len(self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # A slot's share of the seats and of the requests there are: one slot admitting them all
+        # would leave the others empty.
+        seats = -(-min(self.config.max_num_seqs, len(self.running) + len(self.waiting)) // num_slots)
+        in_slot = 0 if slot is None else sum(r.pp_slot == slot for r in self.running)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and \
+                (slot is None or in_slot < seats):
             req = self.waiting.popleft()
             req.spec_token_ids = []  # drafts ride only with decodes, never with admission
             if self._must_wait_for_leader(req):
@@ -198,6 +212,9 @@ class Scheduler:
                 self.num_preempted_waiting -= 1
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
+            if slot is not None:
+                req.pp_slot = slot
+                in_slot += 1
             self.running.append(req)
             scheduled.append(req)
             budget -= num_new

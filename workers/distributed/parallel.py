@@ -34,6 +34,7 @@ class ParallelContext:
     min_chunk_tokens: int = 32
     skip_collectives: bool = False  # benchmark only: measures compute without communication
     shm: ShmCommunicator | None = None  # CPU TP collectives through shared memory, when set up
+    layer_partition: tuple[int, ...] | None = None  # decoder layers per stage as given; None: balanced
 
     @property
     def is_first_stage(self) -> bool:
@@ -155,10 +156,3 @@ def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
     assert total % size == 0, f"{total} does not split evenly over {size} ranks"
     per = total // size
     return rank * per, (rank + 1) * per
-
-
-def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """[start, end) of the decoder layers a pipeline stage holds; earlier stages take the extra."""
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return start, start + base + (1 if pp_rank < extra else 0)

@@ -57,6 +57,10 @@ def _start_executor(config: EngineConfig, hf_config, model_dir: str, show_progre
         return SimulatedExecutor(config, hf_config, special_token_ids=tokenizer_special_ids(tokenizer()))
     if config.parallel.world_size > 1:
         from tandem.workers.executor.ray_executor import RayExecutor  # Ray only when a group spans ranks
+        from tandem.workers.model.stages import stage_layers
+
+        stage_layers(hf_config, 0, config.parallel.pipeline_parallel_size,  # a partition that is not the
+                     config.parallel.pipeline_layer_partition)  # model's is refused before workers start
 
         return RayExecutor(config, hf_config, model_dir)
     from tandem.workers.executor.uniproc import UniProcExecutor

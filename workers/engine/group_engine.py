@@ -30,6 +30,7 @@ from tandem.workers.engine.prompts import Prompt, sequence_id, sequences, tokeni
 from tandem.workers.executor.abstract import Executor
 from tandem.workers.executor.simulated import SimulatedExecutor
 from tandem.workers.executor.uniproc import UniProcExecutor
+from tandem.workers.kernels import kv_quant
 from tandem.workers.model.hf_config import HFModelConfig
 from tandem.workers.spec.policy import SpeculationPolicy
 from tandem.workers.startup_heap import StartupHeap
@@ -81,8 +82,14 @@ class GroupEngine:
                                                     getattr(executor, "device_type", "cpu")))
         self.overlap_steps = config.model.overlaps_steps(getattr(executor, "device_type", "cpu"))
         # Steps launched and not yet collected, oldest first: (step, its output, launched at).
-        # At most two, and two only inside step() while one is scheduled ahead.
+        # At most two, and two only inside step() while one is scheduled ahead; or, with
+        # pipeline stages, up to one a stage (below).
         self._in_flight: deque[tuple[Any, PendingOutput, float]] = deque()
+        # Pipeline stages kept busy (a Ray group with PP > 1): this many steps in flight, each
+        # of its own slot's requests; the slot launched next, and the slots in flight.
+        self.pipeline_depth = config.parallel.inflight_batches if config.parallel.pipeline_parallel_size > 1 else 1
+        self._next_slot = 0
+        self._slots_in_flight: dict[int, int] = {}  # step id -> slot
         self._failed_outputs: list[RequestOutput] = []
         self.startup_heap: StartupHeap | None = None  # frozen once the group is assembled (builder.py)
         self._grammars: RequestGrammars | None = None  # made at the first request with a StructuredSpec
@@ -162,6 +169,8 @@ class GroupEngine:
         """
         if self.dead_error is not None:
             raise EngineDeadError(f"the replica group has failed: {self.dead_error}")
+        if self.pipeline_depth > 1:
+            return self._step_pipelined()
         ahead = self._tokens_on_device()
         if ahead is not None:
             self._launch(ahead, self._in_flight[0][0].num_steps)
@@ -180,6 +189,25 @@ class GroupEngine:
             outputs += self._emit(done)
         return outputs
 
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """With P pipeline stages: launch a step for every slot not in flight (each slot's
+        requests are their own batch), then finish the oldest and turn its tokens into outputs.
+        The workers run the steps in order, stage k the newer one while stage k + 1 the older,
+        so every stage stays busy across steps where one step at a time would leave each idle
+        (P-1)/P of it; and a slot's requests are never in two steps at once."""
+        for _ in range(self.pipeline_depth):
+            slot = self._next_slot
+            if slot in self._slots_in_flight.values():
+                break
+            self._next_slot = (slot + 1) % self.pipeline_depth
+            self._launch(slot=slot)
+            if self.dead_error is not None:
+                return self._failed_outputs
+        done = self._collect()
+        if self.dead_error is not None:
+            return self._failed_outputs
+        return self._emit(done)
+
     def _tokens_on_device(self) -> frozenset[str] | None:
         """Requests of the one step in flight whose sampled tokens (one a pass) are still on the
         device, when the next step may be scheduled on them (no drafts to propose, model in
@@ -189,17 +217,21 @@ class GroupEngine:
             return None
         return self._in_flight[0][1].on_device
 
-    def _launch(self, ahead: frozenset[str] = frozenset(), num_ahead: int = 1) -> None:
+    def _launch(self, ahead: frozenset[str] = frozenset(), num_ahead: int = 1, slot: int | None = None) -> None:
         if self.proposer is not None:
             # Draft tokens for running decodes when it pays; the scheduler reserves their slots.
-            candidates = self.spec_policy.candidates(self.scheduler.running)
+            # A pipeline slot drafts for its own requests: the others' last tokens may be in flight.
+            running = self.scheduler.running if slot is None else [
+                r for r in self.scheduler.running if r.pp_slot == slot]
+            candidates = self.spec_policy.candidates(running)
             if candidates:
                 self.proposer.propose(candidates)
                 self.spec_policy.stats.num_steps_with_drafts += 1
                 if self._grammars:
                     self._grammars.trim_drafts(candidates)
         # EngineConfig allows several passes only with the model in this process and no drafts.
-        sched_out = self.scheduler.schedule(ahead, self.config.scheduler.num_scheduler_steps, num_ahead)
+        sched_out = self.scheduler.schedule(ahead, self.config.scheduler.num_scheduler_steps, num_ahead,
+                                            slot, self.pipeline_depth)
         if not sched_out.has_work:
             return
         if self._grammars:
@@ -211,12 +243,15 @@ class GroupEngine:
             self._failed_outputs = self.fail(f"{type(exc).__name__}: {exc}")
             return
         self._in_flight.append((sched_out, pending, started))
+        if slot is not None:
+            self._slots_in_flight[sched_out.step_id] = slot
 
     def _collect(self) -> list[StepUpdate]:
         """Wait for the oldest step in flight; the scheduler takes its tokens (token-level stops)."""
         if not self._in_flight:
             return []
         sched_out, pending, started = self._in_flight.popleft()
+        self._slots_in_flight.pop(sched_out.step_id, None)
         try:
             result = pending.result()
         except Exception as exc:  # a worker died or raised: fail the group loudly
@@ -338,6 +373,7 @@ class GroupEngine:
         logger.error("replica group failed: %s", error)
         self.dead_error = error
         self._in_flight.clear()
+        self._slots_in_flight.clear()
         outputs = []
         for state in list(self.states.values()):
             state.error = error

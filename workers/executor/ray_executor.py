@@ -10,8 +10,10 @@ step through the compiled graph (see __init__).
 
 Each step reaches all workers as one message through a Ray compiled graph (shared-memory
 channels; workers/executor/compiled_graph.py): an empty step costs a third of what plain
-actor calls cost (figures in bench/RESULTS.md; `measure_control_overhead`;
-`use_compiled_graph=False` falls back to them). After `park_workers_after_s` without a step
+actor calls cost (figures in bench/RESULTS.md; `measure_control_overhead`). Its output is
+read by polling, which holds one of the host's cores while a step runs: GPU groups use it,
+CPU groups use plain actor calls (`compiled_graph` decides). Either way several steps may be
+in flight, and each worker runs them in order. After `park_workers_after_s` without a step
 the workers are parked off the CPU (workers/executor/parking.py), and the next step wakes
 them. A worker that raises or dies fails the step: the executor kills the whole group at
 once (peers blocked in a collective would otherwise wait for it) and raises, naming the
@@ -52,7 +54,7 @@ class GroupFailedError(RuntimeError):
 
 class RayExecutor:
     def __init__(self, config: EngineConfig, hf_config: HFModelConfig, model_dir: str, *,
-                 use_compiled_graph: bool = True, step_timeout_s: float = 600.0,
+                 use_compiled_graph: bool | None = None, step_timeout_s: float = 600.0,
                  placement_timeout_s: float = 60.0, pins: list[DevicePin] | None = None) -> None:
         """`pins`: put rank i on pins[i]'s node and devices without reserving them (a draft
         model sharing a group's devices); by default the workers get a placement group."""
@@ -75,6 +77,9 @@ class RayExecutor:
         try:
             self.bundles = self._reserve(config, placement_timeout_s)
             self.device_type = "cuda" if self.bundles.use_gpu else "cpu"
+            if use_compiled_graph is None:
+                use_compiled_graph = par.compiled_graph if par.compiled_graph is not None else \
+                    self.device_type == "cuda"
             self._start_workers(config, hf_config, model_dir)
             self.num_kv_blocks = self._init_workers()
             self.worker_info = ray.get([w.describe.remote() for w in self.workers])
@@ -173,9 +178,20 @@ class RayExecutor:
 
     def execute_async(self, step: SchedulerOutput) -> PendingOutput:
         """With the compiled graph, the step runs while the caller goes on; `result()` waits."""
-        if self._dag is None:
-            return PendingOutput.done(self.execute(step))
         import ray
+
+        if self._dag is None:
+            if self.dead_error is not None:
+                raise GroupFailedError(f"the replica group has failed: {self.dead_error}")
+            refs = [w.execute_step.remote(step) for w in self.workers]
+
+            def finish_calls() -> RunnerOutput:
+                try:
+                    return ray.get(refs, timeout=self.step_timeout_s)[self.output_rank]
+                except Exception as exc:
+                    raise self._fail(exc) from exc
+
+            return PendingOutput(finish_calls)
 
         if self.dead_error is not None:
             raise GroupFailedError(f"the replica group has failed: {self.dead_error}")

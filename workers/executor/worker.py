@@ -96,7 +96,8 @@ class Worker:
         overlap = par.overlap_comm if par.overlap_comm is not None else self.device.type == "cuda"
         self.ctx = init_groups(self.rank, par.tensor_parallel_size, par.pipeline_parallel_size, backend,
                                init_method, shm_slot_bytes=shm_slot_bytes(self.config, self.hf_config),
-                               num_overlap_chunks=par.num_overlap_chunks if overlap else 1)
+                               num_overlap_chunks=par.num_overlap_chunks if overlap else 1,
+                               layer_partition=par.pipeline_layer_partition)
 
     def load_model(self) -> int:
         """Load this shard; returns how many KV blocks fit beside it on this worker."""
@@ -134,7 +135,9 @@ class Worker:
         is_output_rank = ctx.is_last_stage and ctx.tp_rank == 0
         if step.is_empty:  # only finished ids: nothing to run or send
             return RunnerOutput([], [], []) if is_output_rank else None
-        batches = split_micro_batches(step, ctx.pp_size)
+        # One step at a time: a micro-batch a stage, so the stages pipeline within the step.
+        # With steps in flight together the stages are busy across steps already.
+        batches = split_micro_batches(step, max(1, ctx.pp_size // self.config.parallel.inflight_batches))
         recvs: list[tuple[Any, torch.Tensor]] = []
         if not ctx.is_first_stage:  # post every receive now; they complete in the background
             for i, mb in enumerate(batches):

@@ -70,17 +70,43 @@ class ModelCost:
                          itemsize=itemsize)
 
     @staticmethod
-    def from_hf_config(cfg: HFModelConfig, itemsize: int) -> ModelCost:
-        """From the checkpoint's config alone (any TP x PP: the whole model's figures)."""
+    def from_hf_config(cfg: HFModelConfig, itemsize: int, weight_itemsize: int | None = None,
+                       kv_itemsize: int | None = None) -> ModelCost:
+        """From the checkpoint's config alone: the whole model as its checkpoint holds it (any TP x PP)."""
+        whole = ModelCost.shard(cfg, itemsize, weight_itemsize, kv_itemsize)
+        # A tied checkpoint holds one table for both (the engine two: see `shard`).
+        return replace(whole, embedding_params=0) if cfg.tie_word_embeddings else whole
+
+    @staticmethod
+    def shard(cfg: HFModelConfig, itemsize: int, weight_itemsize: int | None = None, kv_itemsize: int | None = None,
+              tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> ModelCost:
+        """One rank of stage `pp_rank`, as tandem lays it out (workers/model/layers.py, llama.py): 1/tp
+        of each layer's heads and intermediate columns (a KV head replicated where tp exceeds their
+        number), norms and row-parallel biases whole, ceil(vocab / tp) rows of the embedding (first
+        stage) and of the lm_head (last stage; a tied checkpoint's table is loaded into both).
+        `hidden_size` is the attention's width on the rank (hidden / tp), what its FLOPs count."""
+        from tandem.workers.model.stages import stage_layers
+
         hidden, head_dim = cfg.hidden_size, cfg.head_dim
-        q_out, kv_out = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-        per_layer = (hidden * (q_out + 2 * kv_out) + q_out * hidden  # q, k, v, o
-                     + 3 * hidden * cfg.intermediate_size + 2 * hidden)  # gate, up, down; two norms
+        q_out = cfg.num_attention_heads // tp_size * head_dim
+        num_kv_heads = max(1, cfg.num_key_value_heads // tp_size)
+        kv_out = num_kv_heads * head_dim
+        inter = math.ceil(cfg.intermediate_size / tp_size)
+        linear = hidden * (q_out + 2 * kv_out) + q_out * hidden + 3 * hidden * inter  # q, k, v, o; gate, up, down
+        other = 2 * hidden  # two norms
         if cfg.attention_bias:
-            per_layer += q_out + 2 * kv_out
-        return ModelCost(num_layers=cfg.num_hidden_layers, hidden_size=hidden, num_kv_heads=cfg.num_key_value_heads,
-                         head_dim=head_dim, non_embedding_params=cfg.num_hidden_layers * per_layer + hidden,
-                         lm_head_params=cfg.vocab_size * hidden, itemsize=itemsize)
+            other += q_out + 2 * kv_out + (hidden if cfg.architecture != "Qwen2ForCausalLM" else 0)  # o_proj's
+        if cfg.mlp_bias:
+            other += 2 * inter + hidden
+        start, end = stage_layers(cfg, pp_rank, pp_size)
+        num_layers = end - start
+        is_first, is_last = pp_rank == 0, pp_rank == pp_size - 1
+        vocab_rows = math.ceil(cfg.vocab_size / tp_size) * hidden
+        return ModelCost(num_layers=num_layers, hidden_size=hidden // tp_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, non_embedding_params=num_layers * (linear + other) + is_last * hidden,
+                         lm_head_params=is_last * vocab_rows, itemsize=itemsize, linear_params=num_layers * linear,
+                         embedding_params=is_first * vocab_rows, weight_itemsize=weight_itemsize,
+                         kv_itemsize=kv_itemsize)
 
     # ---- FLOPs ---------------------------------------------------------------------------------
     def attention_flops(self, context_len: int) -> int:

@@ -12,13 +12,14 @@ overlaps the next chunk's GEMMs (`LlamaForCausalLM._forward_overlapped`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.workers.distributed.parallel import ParallelContext, stage_layers
+from tandem.workers.distributed.parallel import ParallelContext
 from tandem.workers.kernels import gpu_kernels
 from tandem.workers.model.attention import AttentionMetadata, KernelRope, kernel_attention, paged_attention
 from tandem.workers.model.hf_config import HFModelConfig
