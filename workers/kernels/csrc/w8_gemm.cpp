@@ -2,19 +2,17 @@
 // out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]).
 //
 // A decode step reads every weight once, so its time is the weights' bytes over the memory's
-// bandwidth: 8-bit weights are a quarter of float32's. torch's `_weight_int8pack_mm` is 4-7x
+// bandwidth: 8-bit weights are a quarter of float32's. torch's `_weight_int8pack_mm` is 2-7x
 // slower than float32 `F.linear` on the CPUs this runs on (bench/RESULTS.md), so this kernel
-// converts weights to float in registers: a few rows of x at once against each weight row
-// (every weight byte read once per call), or, for many rows, tiles of dequantized weight
-// rows handed to MKL's GEMM. Where AVX-512 is compiled in, weights convert 16 at a time.
+// converts weights to float in registers, 16 at a time where AVX-512 is compiled in, and
+// multiplies four rows of x at once against each: near the cores' FMA peak, it beats MKL's
+// float32 GEMM at every row count measured (1 to 512; handing MKL dequantized tiles did not).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -41,10 +39,6 @@ const std::array<float, 256> kFp8 = make_fp8_table();
 // Rows of x taken together against one weight row: each weight element is converted once and
 // used this many times.
 constexpr int64_t kRowsPerPass = 4;
-// From this many rows a call turns tiles of weight rows into float and runs MKL's GEMM: the
-// conversion is then paid once per weight for many rows, and the GEMM is compute-bound.
-constexpr int64_t kGemmRows = 16;
-constexpr int64_t kTileRows = 64;
 
 template <typename W>
 inline float to_float(W w);
@@ -123,40 +117,20 @@ void w8_linear_impl(const torch::Tensor& x, const torch::Tensor& weight, const t
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  if (m >= kGemmRows) {
-    const int64_t tiles = (n + kTileRows - 1) / kTileRows;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      // The pool's threads do not inherit the caller's inference mode, and `out` may be an
-      // inference tensor: the ops below update it in place.
-      c10::InferenceMode guard;
-      std::vector<float> tile(kTileRows * k);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t a = t * kTileRows, rows = std::min(kTileRows, n - a);
-        for (int64_t r = 0; r < rows; ++r) {
-          const W* row = wp + (a + r) * k;
-          float* dst = tile.data() + r * k;
-          const float s = sp[a + r];
-#pragma omp simd
-          for (int64_t i = 0; i < k; ++i) dst[i] = to_float<W>(row[i]) * s;
-        }
-        auto w_tile = torch::from_blob(tile.data(), {rows, k}, torch::kFloat32);
-        auto o_tile = out.narrow(1, a, rows);
-        if (bp != nullptr) {
-          o_tile.copy_(bias->narrow(0, a, rows).expand({m, rows}));
-          o_tile.addmm_(x, w_tile.t());
-        } else {
-          at::mm_out(o_tile, x, w_tile.t());
-        }
-      }
-    });
-    return;
-  }
-  // Few rows: split the weight's rows over threads; each thread reads its rows once.
+  // The weight's rows split over threads; each pass of four rows of x goes over a thread's
+  // rows (compute-bound from a few rows on: the weights' conversions and FMAs, not their bytes).
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
     int64_t r = 0;
     for (; r + kRowsPerPass <= m; r += kRowsPerPass)
       dot_rows<W, kRowsPerPass>(xp + r * ldx, ldx, wp, k, sp, bp, op + r * ldo, ldo, n0, n1);
-    for (; r < m; ++r) dot_rows<W, 1>(xp + r * ldx, ldx, wp, k, sp, bp, op + r * ldo, ldo, n0, n1);
+    const float* xr = xp + r * ldx;  // the rest in one more pass, not one a row
+    float* orow = op + r * ldo;
+    switch (m - r) {
+      case 3: dot_rows<W, 3>(xr, ldx, wp, k, sp, bp, orow, ldo, n0, n1); break;
+      case 2: dot_rows<W, 2>(xr, ldx, wp, k, sp, bp, orow, ldo, n0, n1); break;
+      case 1: dot_rows<W, 1>(xr, ldx, wp, k, sp, bp, orow, ldo, n0, n1); break;
+      default: break;
+    }
   });
 }
 
