@@ -59,12 +59,14 @@ def test_engine_flags_come_from_one_table():
     from tandem.cli.main import ENGINE_FLAGS, build_parser, engine_options
 
     assert [flag.dest for flag in ENGINE_FLAGS] == [
-        "model", "tokenizer", "revision", "device", "dtype", "max_model_len", "max_num_seqs",
+        "model", "tokenizer", "revision", "device", "dtype", "quantization", "kv_cache_dtype", "max_model_len",
+        "max_num_seqs",
         "max_num_batched_tokens", "block_size", "kv_cache_memory",
         "host_kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "cpu_packed_weights",
         "enforce_eager", "mixed_step_graphs", "max_mixed_graph_tokens", "max_seq_len_to_capture",
         "attention_backend", "num_scheduler_steps", "simulated_step_ms",
-        "tensor_parallel_size", "pipeline_parallel_size", "speculative_config", "speculative_model",
+        "tensor_parallel_size", "pipeline_parallel_size", "pipeline_inflight_batches", "pipeline_layer_partition",
+        "speculative_config", "speculative_model",
         "num_speculative_tokens", "speculative_draft_dtype", "speculative_draft_tensor_parallel_size",
         "park_workers_after_s", "address", "seed"]
     args = build_parser().parse_args(["generate", "-tp", "2", "-pp", "3", "--no-enable-prefix-caching",
