@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedTokenizerFast
 
 QUALITY_MODEL_VERSION = 1  # part of the cache key: a change to the build means a new directory
 TRAINING_RECORD = "tandem_quality_model.json"
@@ -106,42 +105,6 @@ def quality_text_prompts(tokenizer: Any, num_prompts: int, prompt_len: int) -> l
     return [windows[i * len(windows) // num_prompts] for i in range(num_prompts)]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """demo_model.build_tokenizer's byte-level BPE, special tokens and template, trained on `texts`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from tandem.workers.model.demo_model import (
-        _SPLIT_REGEX,
-        BOS,
-        CHAT_TEMPLATE,
-        EOS,
-        IM_END,
-        IM_START,
-        PAD,
-        SPECIAL_TOKENS,
-    )
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS}:1 $B:1",
-                                      special_tokens=[(BOS, tok.token_to_id(BOS))]),
-    ])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=None,
-        extra_special_tokens=[IM_START, IM_END], chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
-
-
 def build_quality_model(path: str | Path, spec: QualityModelSpec = QUALITY_MODEL, progress: bool = True
                         ) -> dict[str, Any]:
     """Train the tokenizer and the model of `spec`; write the checkpoint and TRAINING_RECORD to
@@ -151,11 +114,11 @@ def build_quality_model(path: str | Path, spec: QualityModelSpec = QUALITY_MODEL
     import torch
     from transformers import LlamaForCausalLM
 
-    from tandem.workers.model.demo_model import _quiet_hf_progress, generation_config, model_config
+    from tandem.workers.model.demo_model import _quiet_hf_progress, build_tokenizer, generation_config, model_config
 
     start = time.perf_counter()
     train_texts = module_sources(TRAIN_MODULES)
-    tokenizer = train_tokenizer(train_texts, spec.vocab_size)
+    tokenizer = build_tokenizer(spec.vocab_size, texts=train_texts)
     # The train files' tokens, each file ended by EOS.
     encoded = tokenizer(train_texts, add_special_tokens=False)["input_ids"]
     train_ids = torch.tensor([t for ids in encoded for t in ids + [tokenizer.eos_token_id]])

@@ -22,18 +22,11 @@ import torch.nn.functional as F
 
 from tandem.bench.report import Figures
 from tandem.workers.device_peaks import sync
+from tandem.workers.quant.linear import quantize_weight
 
 LAYER_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # (out, in)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 CPU_LAYER_SHAPES = ((1536, 1024), (1024, 1024), (7168, 1024), (1024, 3584))  # a quarter of each side
-
-
-def _quantize(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    top = 448.0 if dtype == torch.float8_e4m3fn else 127.0
-    scale = w.float().abs().amax(dim=1) / top
-    scaled = w.float() / scale[:, None]
-    q = scaled.to(dtype) if dtype == torch.float8_e4m3fn else scaled.round().clamp(-127, 127).to(dtype)
-    return q.contiguous(), scale
 
 
 def _time_us(fn: Callable[[], object], device: torch.device, repeats: int = 20) -> float:
@@ -54,8 +47,8 @@ def gemm_sweep(device: torch.device, dtype: torch.dtype) -> Figures:
     shapes = LAYER_SHAPES if device.type == "cuda" else CPU_LAYER_SHAPES
     gen = torch.Generator(device="cpu").manual_seed(0)
     dense = [(torch.randn(n, k, generator=gen) * 0.02).to(device=device, dtype=dtype) for n, k in shapes]
-    fp8 = [_quantize(w, torch.float8_e4m3fn) for w in dense]
-    int8 = [_quantize(w, torch.int8) for w in dense]
+    fp8 = [quantize_weight(w, "fp8") for w in dense]
+    int8 = [quantize_weight(w, "int8") for w in dense]
     kernels: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {"dense": lambda x, i: F.linear(x, dense[i])}
     if device.type == "cuda":
         from tandem.workers.kernels.triton_w8 import MAX_ROWS, w8_matmul

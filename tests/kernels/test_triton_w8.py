@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.workers.quant.linear import quantize_weight
+
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
@@ -16,9 +18,7 @@ def test_w8_matmul_equals_the_dequantized_product(dtype: torch.dtype, rows: int)
     gen = torch.Generator().manual_seed(rows)
     n, k = 70, 200  # a partial tile of outputs and of K
     w = torch.randn(n, k, generator=gen)
-    scale = w.abs().amax(dim=1) / (127.0 if dtype == torch.int8 else 448.0)
-    q = (w / scale[:, None]).round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else \
-        (w / scale[:, None]).to(dtype)
+    q, scale = quantize_weight(w, "int8" if dtype == torch.int8 else "fp8")
     x = torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     expected = x @ (q.float() * scale[:, None]).t() + bias

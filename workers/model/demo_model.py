@@ -91,8 +91,9 @@ def _corpus(vocab_size: int, seed: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
-    """Train a deterministic byte-level BPE tokenizer with `vocab_size` entries (specials included)."""
+def build_tokenizer(vocab_size: int, seed: int = 0, texts: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Train a deterministic byte-level BPE tokenizer with `vocab_size` entries (specials included),
+    on `texts` (default: the synthetic corpus of `seed`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -108,7 +109,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
     # initial_alphabet: all 256 byte symbols, even unseen ones, so any text can be encoded.
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(vocab_size, seed), trainer)
+    tok.train_from_iterator(texts if texts is not None else _corpus(vocab_size, seed), trainer)
     # BOS from the post-processor, as in Llama: tokenizer(text) starts with it, while
     # add_special_tokens=False (what apply_chat_template uses) leaves it out.
     tok.post_processor = processors.Sequence([

@@ -17,20 +17,22 @@ from tandem.workers.model.hf_config import HFModelConfig
 
 
 def head_layers(cfg: HFModelConfig) -> float:
-    """The LM head's weight in decoder layers' worth (a decode step reads each once)."""
-    q_out = cfg.num_attention_heads * cfg.head_dim
-    kv_out = cfg.num_key_value_heads * cfg.head_dim
-    hidden = cfg.hidden_size
-    layer = hidden * (q_out + 2 * kv_out) + q_out * hidden + 3 * hidden * cfg.intermediate_size
-    return cfg.vocab_size * cfg.hidden_size / layer
+    """The LM head's weight in decoder layers' worth (a decode step reads each once), as the
+    engine's cost model counts them."""
+    from tandem.workers.model.cost import ModelCost  # cost.py asks this module for a rank's layers
+
+    cost = ModelCost.shard(cfg, itemsize=1)
+    return cost.lm_head_params / (cost.linear_params / cost.num_layers)
 
 
 def layer_counts(num_layers: int, pp_size: int, head: float) -> list[int]:
     """Layers per stage: the last stage's count k minimises the slowest stage (k + head against
     the others' even share of the rest; ties go to the more even split), every stage keeps at
     least one layer where there are enough, and earlier stages take the extra."""
-    if pp_size == 1 or num_layers <= pp_size:
-        return [1 if s < num_layers else 0 for s in range(pp_size)] if pp_size > 1 else [num_layers]
+    if pp_size == 1:
+        return [num_layers]
+    if num_layers <= pp_size:
+        return [1 if s < num_layers else 0 for s in range(pp_size)]
     best: tuple[float, float, int] | None = None
     for k in range(1, num_layers - (pp_size - 1) + 1):
         rest = num_layers - k
@@ -52,6 +54,8 @@ def stage_layers(cfg: HFModelConfig, pp_rank: int, pp_size: int,
             raise ValueError(f"pipeline_layer_partition: {','.join(map(str, partition))} must give each of the "
                              f"{pp_size} stages its layers, {cfg.num_hidden_layers} in all")
         counts = list(partition)
+    elif pp_size == 1:  # one stage holds them all (and the cost model's whole model is this)
+        counts = [cfg.num_hidden_layers]
     else:
         counts = layer_counts(cfg.num_hidden_layers, pp_size, head_layers(cfg))
     start = sum(counts[:pp_rank])

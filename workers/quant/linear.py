@@ -146,23 +146,16 @@ def _product(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, out:
     # without FP8 tensor cores runs such a layer weight-only.
     xin = x
     if not scheme.weight_only and (fp8_cores or x.device.type == "cpu"):
-        q, scale = quantize_activations(x, module)
-        xin = (q.to(torch.float32) * scale).to(x.dtype)
-    gpu = gpu_kernels.active_for(x)
-    if gpu is not None and x.shape[0] <= triton_w8_rows():
-        from tandem.workers.kernels.triton_w8 import w8_matmul
+        xin = _dequantize(*quantize_activations(x, module), x.dtype)
+    if gpu_kernels.active_for(x) is not None:
+        from tandem.workers.kernels.triton_w8 import MAX_ROWS, w8_matmul  # Triton: imported where it runs
 
-        return w8_matmul(xin, module.weight, module.weight_scale, bias, out)
+        if x.shape[0] <= MAX_ROWS:
+            return w8_matmul(xin, module.weight, module.weight_scale, bias, out)
     y = w8_linear(xin, module.weight, module.weight_scale, bias, out)
     if y is not None:
         return y
     return _dequantized_product(module, xin, bias, out)
-
-
-def triton_w8_rows() -> int:
-    from tandem.workers.kernels.triton_w8 import MAX_ROWS
-
-    return MAX_ROWS
 
 
 def _dequantized_product(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
@@ -178,8 +171,12 @@ def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def _rounded_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    q, scale = _quantize_groups(x, group)
-    return (q.to(torch.float32) * scale).to(x.dtype)
+    return _dequantize(*_quantize_groups(x, group), x.dtype)
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 activations and their scales back to `dtype`: x as W8A8 rounds it."""
+    return (q.to(torch.float32) * scale).to(dtype)
 
 
 def _quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
