@@ -13,6 +13,8 @@ Formats (name -> what it writes):
     ct-int8-packed       compressed-tensors pack-quantized 8-bit: weight_packed int32 [out, in / 4], weight_shape
     fbgemm-fp8           fbgemm_fp8: channel weight_scale [out, 1], activation_scale_ub
     fp8-block            quant_method fp8, weight_block_size [128, 128], weight_scale_inv [out / 128, in / 128]
+    ct-fp8-block-wo      compressed-tensors float-quantized, block weights (weight_scale [out / 128, in / 128]),
+                         no activation quantization
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ FORMATS: dict[str, dict] = {
     "ct-int8": _ct_config({"type": "int", "strategy": "channel"}, None, "int-quantized"),
     "ct-int8-packed": _ct_config({"type": "int", "strategy": "channel"}, None, "pack-quantized"),
     "fbgemm-fp8": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
+    "ct-fp8-block-wo": _ct_config({"type": "float", "strategy": "block", "block_structure": [128, 128]}, None,
+                                  "float-quantized"),
     "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                   "weight_block_size": [128, 128]},
 }
@@ -81,13 +85,13 @@ def _quantize(fmt: str, name: str, w: torch.Tensor, out: dict[str, torch.Tensor]
     """Write `name`'s quantized tensors into `out`; return the dequantized float32 weight."""
     w = w.float()
     base = name.removesuffix(".weight")
-    if fmt == "fp8-block":
+    if fmt in ("fp8-block", "ct-fp8-block-wo"):
         rows, cols = w.shape[0] // 128, w.shape[1] // 128
         blocks = w.view(rows, 128, cols, 128)
         scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # [rows, cols]
         full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
         q = _fp8(w, full)
-        out[name], out[base + ".weight_scale_inv"] = q, scale
+        out[name], out[base + (".weight_scale_inv" if fmt == "fp8-block" else ".weight_scale")] = q, scale
         return q.float() * full
     per_tensor = fmt in ("ct-fp8-tensor-static", "ct-fp8-tensor-wo")
     top = 127.0 if "int8" in fmt else 448.0

@@ -196,6 +196,12 @@ def test_an_ignored_layer_loads_in_full_precision() -> None:
         llm.shutdown()
 
 
+def test_block_wise_weight_only_equals_transformers_on_dequantized_weights() -> None:
+    """Block scales without activation quantization: x stays as it is (only W8A8 rounds it)."""
+    quantized, reference = _checkpoint("ct-fp8-block-wo", "llama", **BLOCK_MODEL)
+    assert _greedy(quantized) == hf_greedy(reference, PROMPTS, MAX_TOKENS)
+
+
 def test_block_wise_fp8_refuses_shards_that_are_not_whole_blocks() -> None:
     quantized, _ = _checkpoint("fp8-block", "llama", **BLOCK_MODEL)
     with pytest.raises(ValueError, match="quantization: a 128 x 64 weight shard does not split into 128 x 128 "

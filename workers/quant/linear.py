@@ -135,8 +135,9 @@ def quant_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
 def _product(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None
              ) -> torch.Tensor:
     scheme: QuantScheme = module.quant
-    if scheme.block is not None:  # block-wise FP8: per-token 1 x block activations, dequantized weight
-        return _dequantized_product(module, _rounded_groups(x, scheme.block[1]), bias, out)
+    if scheme.block is not None:  # block-wise FP8: dequantized weight; W8A8 rounds x per token per block
+        xin = x if scheme.weight_only else _rounded_groups(x, scheme.block[1])
+        return _dequantized_product(module, xin, bias, out)
     fp8_cores = _multiplies_fp8(x)
     if not scheme.weight_only and fp8_cores:
         y = _scaled_mm(module, x, bias)
