@@ -177,29 +177,17 @@ class RayExecutor:
         return results[self.output_rank]
 
     def execute_async(self, step: SchedulerOutput) -> PendingOutput:
-        """With the compiled graph, the step runs while the caller goes on; `result()` waits."""
+        """The step runs while the caller goes on (several may be in flight); `result()` waits."""
         import ray
-
-        if self._dag is None:
-            if self.dead_error is not None:
-                raise GroupFailedError(f"the replica group has failed: {self.dead_error}")
-            refs = [w.execute_step.remote(step) for w in self.workers]
-
-            def finish_calls() -> RunnerOutput:
-                try:
-                    return ray.get(refs, timeout=self.step_timeout_s)[self.output_rank]
-                except Exception as exc:
-                    raise self._fail(exc) from exc
-
-            return PendingOutput(finish_calls)
 
         if self.dead_error is not None:
             raise GroupFailedError(f"the replica group has failed: {self.dead_error}")
-        parking = self._parking
+        parking = self._parking  # only with the compiled graph
         try:
             if parking is not None:
                 parking.step_started()
-            ref = self._dag.execute(step)
+            ref = self._dag.execute(step) if self._dag is not None else \
+                [w.execute_step.remote(step) for w in self.workers]
         except Exception as exc:
             if parking is not None:
                 parking.step_done()
