@@ -175,3 +175,21 @@ def test_bfloat16_graph_and_eager_agree(llama_dir: str) -> None:
         outs.append(_generate(llm, prompts))
         llm.shutdown()
     assert outs[0] == outs[1]
+
+
+def test_every_pipeline_stage_captures_its_own_decode_graphs(monkeypatch) -> None:
+    """PP = 2, both stages in this process (tests/stage_chain.py): each captures every bucket of
+    its own layers (stage 1 from its hidden-state buffer), and greedy output equals transformers."""
+    from tests.stage_chain import use_stage_chain
+
+    use_stage_chain(monkeypatch, "cuda")
+    model = tiny_model("llama", num_hidden_layers=2)
+    prompts = mixed_prompts()
+    llm = LLM(model, device="cuda", dtype="float32", pipeline_parallel_size=2, max_num_seqs=16,
+              num_kv_blocks=256)
+    runners = llm.engine.executor.runners
+    assert [sorted(r.graphs.graphs) for r in runners] == [[1, 2, 4, 8, 16]] * 2
+    assert [r.graphs.hidden_in is not None for r in runners] == [False, True]
+    assert _generate(llm, prompts) == hf_greedy(model, prompts, MAX_TOKENS)
+    llm.engine.pool.check_all_free()
+    llm.shutdown()

@@ -13,8 +13,13 @@ so a step's inputs arrive with one host-to-device copy straight into it. All buc
 share the buffer (their views start at offset 0 with their own B) and one memory pool,
 captured largest first so the smaller ones reuse its blocks.
 
+A pipeline stage captures its own layers: stage 0 reads the token ids above, a later stage
+also reads a persistent hidden-state buffer [max bucket, hidden] that the previous stage's rows
+are copied into before a replay; a stage before the last returns its rows' hidden states, the
+last one logits. Sends and receives between stages stay outside the graphs.
+
 Without capture (a capture that failed, or the runner's "eager" graph mode that CPU tests
-use) the same buffer, bucketing and padding run eagerly. `enforce_eager` makes no graphs.
+use) the same buffers, bucketing and padding run eagerly. `enforce_eager` makes no graphs.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from tandem.workers.runner.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
-# (input_ids, positions, meta) -> logits [rows, vocab]
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# (input_ids, positions, meta, the stage's input hidden states or None on stage 0) -> logits
+# [rows, vocab] on the last stage, hidden states [rows, hidden] on any other
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None], torch.Tensor]
 
 
 def capture_buckets(buckets: list[int], capture_one: Callable[[int, tuple[int, int]], None], pool: tuple[int, int],
@@ -94,7 +100,9 @@ class GraphLayout:
 
 class DecodeGraphs:
     def __init__(self, forward: Forward, layout: GraphLayout, device: torch.device,
-                 num_splits: Callable[[int, int], int]) -> None:
+                 num_splits: Callable[[int, int], int],
+                 stage_input: tuple[int, torch.dtype] | None = None) -> None:
+        """`stage_input`: (hidden size, dtype) of the hidden states a stage after the first reads."""
         self.forward = forward
         self.buckets = decode_buckets(layout.max_batch)
         self.width = layout.width
@@ -109,8 +117,12 @@ class DecodeGraphs:
         # ... then up to 2 x B indices of tokens scheduled ahead (StepInputs.pending_dst/src) and
         # up to B scored rows (StepInputs.logits_index, where they are not the first rows).
         self.buffer = torch.zeros(7 * top + top * self.width, dtype=torch.int32, device=device)
+        self.hidden_in: torch.Tensor | None = None
+        if stage_input is not None:
+            hidden_size, dtype = stage_input
+            self.hidden_in = torch.zeros(top, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # each bucket's logits, or hidden states before the last stage
         self.memory_bytes = 0
 
     @property
@@ -124,14 +136,26 @@ class DecodeGraphs:
                 return GraphTarget(b, self.width, self.buffer, self.splits[b])
         return None
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [bucket, vocab] of a padded decode step whose inputs are in the buffer."""
+    def run(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """A padded decode step whose inputs are in the buffer: logits [bucket, vocab], or a stage
+        before the last's hidden states [bucket, hidden]. `hidden`: the previous stage's rows, for
+        a stage after the first (copied into the stage's input buffer; padding rows read zeros)."""
         batch = inputs.graph_batch
+        stage_in = self._stage_input(batch, hidden)
         graph = self.graphs.get(batch)
         if graph is None:
-            return self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+            return self.forward(inputs.input_ids, inputs.positions, inputs.meta, stage_in)
         graph.replay()
-        return self.logits[batch]
+        return self.outputs[batch]
+
+    def _stage_input(self, batch: int, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        if self.hidden_in is None:
+            return None
+        rows = hidden.shape[0]
+        stage_in = self.hidden_in[:batch]
+        stage_in[:rows].copy_(hidden)
+        stage_in[rows:].zero_()  # a layer may add into its input in place: padding rows start afresh
+        return stage_in
 
     # ---- capture -------------------------------------------------------------------------------
     def capture(self, pool: tuple[int, int] | None = None, show_progress: bool = True) -> None:
@@ -147,8 +171,9 @@ class DecodeGraphs:
     def _capture_one(self, batch: int, pool: tuple[int, int]) -> None:
         self._reset_buffer(batch)  # valid inputs at this bucket's offsets for the warm-up runs
         ids, positions, meta = self._static_inputs(batch)
-        self.graphs[batch], self.logits[batch] = capture_graph(lambda: self.forward(ids, positions, meta), pool,
-                                                               self.device)
+        stage_in = self.hidden_in[:batch] if self.hidden_in is not None else None
+        self.graphs[batch], self.outputs[batch] = capture_graph(
+            lambda: self.forward(ids, positions, meta, stage_in), pool, self.device)
 
     def _static_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Views of the buffer as a step of `batch` rows sees them (the offsets StepInputs packs)."""
@@ -172,4 +197,4 @@ class DecodeGraphs:
 
     def release(self) -> None:
         self.graphs.clear()
-        self.logits.clear()
+        self.outputs.clear()

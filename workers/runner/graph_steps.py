@@ -19,10 +19,10 @@ from tandem.workers.runner.step_inputs import StepInputs
 
 def graph_target(graphs: DecodeGraphs | None, mixed_graphs: MixedGraphs | None, out: SchedulerOutput,
                  states: dict[str, CachedRequestState]) -> GraphTarget | MixedTarget | None:
-    """A step a graph bucket holds, on the last stage that runs whole steps: a pure decode
-    step (one token per request) in a decode bucket, a mixed step in a mixed one. Neither
-    with drafts, nor with a prompt position to score for prompt logprobs (those need the
-    hidden states), nor with a context past the graphs' block tables."""
+    """A step a graph bucket holds (on every pipeline stage alike): a pure decode step (one token
+    per request) in a decode bucket, a mixed step in a mixed one. Neither with drafts, nor with
+    a prompt position to score for prompt logprobs (those need the hidden states), nor with a
+    context past the graphs' block tables."""
     sched = out.num_scheduled_tokens
     if graphs is None or out.spec_token_ids or len(sched) > graphs.max_batch:
         return None
@@ -44,13 +44,15 @@ def graph_target(graphs: DecodeGraphs | None, mixed_graphs: MixedGraphs | None, 
     return mixed_graphs.target(out.total_num_scheduled_tokens, num_prefills)
 
 
-def graph_logits(graphs: DecodeGraphs, mixed_graphs: MixedGraphs | None, inputs: StepInputs) -> torch.Tensor | None:
-    """A graph step's logits at its scored rows (None if it scores none)."""
+def graph_logits(graphs: DecodeGraphs, mixed_graphs: MixedGraphs | None, inputs: StepInputs,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A graph step's logits at its scored rows (None if it scores none). `hidden`: the previous
+    pipeline stage's rows, on the last stage of several (decode graphs only)."""
     if inputs.graph_tokens is not None:  # the scored rows come first, in order
         logits = mixed_graphs.run(inputs)  # run even if it scores none: it writes the chunks' KV
         num_scored = inputs.num_scored
         return logits[:num_scored] if num_scored else None
-    return scored_rows(graphs.run(inputs), inputs)
+    return scored_rows(graphs.run(inputs, hidden), inputs)
 
 
 def scored_rows(logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:

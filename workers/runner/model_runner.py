@@ -143,7 +143,8 @@ class ModelRunner:
         if mode is not None:
             layout = GraphLayout(self.config.scheduler.max_num_seqs, self._max_blocks_per_seq(self._capture_len()),
                                  self.block_size, num_blocks, self._capture_len())
-            self.graphs = DecodeGraphs(self._decode_forward, layout, self.device, self._num_splits)
+            stage_input = None if self.ctx.is_first_stage else (self.hf_config.hidden_size, self.dtype)
+            self.graphs = DecodeGraphs(self._decode_forward, layout, self.device, self._num_splits, stage_input)
             if self._mixed_graphs_wanted():
                 max_tokens = min(self.config.scheduler.max_num_batched_tokens,
                                  self.config.model.max_mixed_graph_tokens)
@@ -169,10 +170,10 @@ class ModelRunner:
         return False
 
     def _graph_mode(self) -> str | None:
-        """"capture" (CUDA, the Triton kernels, one stage, not enforce_eager): decode steps replay
-        CUDA graphs; None: no bucketing. "eager" pads decode steps to the same buckets and runs
-        them without capture: tests use it to run the graph path on CPU."""
-        if self.config.model.enforce_eager or self.ctx.pp_size > 1:
+        """"capture" (CUDA, the Triton kernels, not enforce_eager): decode steps replay CUDA graphs,
+        each pipeline stage its own layers'; None: no bucketing. "eager" pads decode steps to the
+        same buckets and runs them without capture: tests use it to run the graph path on CPU."""
+        if self.config.model.enforce_eager:
             return None
         if self.device.type == "cuda" and self.use_gpu_kernels:
             return "capture"
@@ -181,9 +182,10 @@ class ModelRunner:
     def _mixed_graphs_wanted(self) -> bool:
         """Mixed steps get graphs where decode steps do, unless turned off (`mixed_step_graphs`):
         on the Triton kernels (their padded layout is the kernels'), in one process's forward
-        (TP's overlapped micro-chunks cut a step's tensors at run time)."""
+        (TP's overlapped micro-chunks cut a step's tensors at run time), in one stage (a mixed
+        graph keeps only its scored rows, where a stage before the last hands on every row)."""
         return (self._graph_mode() is not None and self.use_gpu_kernels and self.config.model.mixed_step_graphs
-                and not self.ctx.overlaps_comm)
+                and not self.ctx.overlaps_comm and self.ctx.pp_size == 1)
 
     def _max_blocks_per_seq(self, max_len: int | None = None) -> int:
         max_len = (max_len or self.max_model_len) + self.config.scheduler.num_lookahead_slots + 1
@@ -279,8 +281,11 @@ class ModelRunner:
             plain_greedy = self.step_sampler.all_plain_greedy(inputs, self.states)
             if not plain_greedy and self._decodes_sampled_on_device(out, inputs):
                 return self._launch_steps(out, inputs)
+        if inputs.in_graph and not self.ctx.is_last_stage:  # a decode graph of this stage's layers
+            # A copy: the next replay of the bucket overwrites its output while this is being sent.
+            return self.graphs.run(inputs, hidden)[:out.total_num_scheduled_tokens].clone()
         if inputs.in_graph:
-            logits = graph_logits(self.graphs, self.mixed_graphs, inputs)
+            logits = graph_logits(self.graphs, self.mixed_graphs, inputs, hidden)
             hidden = None
         else:
             hidden = self.model(inputs.input_ids if self.ctx.is_first_stage else None, inputs.positions,
@@ -374,9 +379,12 @@ class ModelRunner:
         self._keep_sampled(pending, sampled[-1] if sample.penalties is None else None, where)
         return pending
 
-    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """A decode step's logits at every (padded) row: what a decode CUDA graph captures."""
-        return self.model.compute_logits(self.model(input_ids, positions, meta))
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                        hidden: torch.Tensor | None) -> torch.Tensor:
+        """What a decode CUDA graph captures: this stage's layers at every (padded) row, and their
+        logits on the last stage (hidden states before it)."""
+        hidden = self.model(input_ids if self.ctx.is_first_stage else None, positions, meta, hidden)
+        return self.model.compute_logits(hidden) if self.ctx.is_last_stage else hidden
 
     def _mixed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                        logits_index: torch.Tensor) -> torch.Tensor:
