@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,8 +32,9 @@ def test_config_validates_and_builds():
 
 
 def _serve_cmd() -> list[str]:
-    exe = shutil.which("serve")
-    return [exe] if exe else [sys.executable, "-c", "from ray.serve.scripts import cli; cli()"]
+    # Serve's CLI in this interpreter: a `serve` found on PATH may be another Python's, with
+    # another tandem (and a rebuild of the CPU kernels from its sources).
+    return [sys.executable, "-c", "from ray.serve.scripts import cli; cli()"]
 
 
 @pytest.mark.slow
