@@ -133,7 +133,6 @@ class OpenAIIngress(GrpcMethods):
         model_dir = config.get("model") or demo_model_path()
         hf_config = HFModelConfig.from_dir(model_dir, config.get("revision"))
         tokenizer = load_tokenizer(tokenizer_dir(model_dir, config.get("tokenizer"), config.get("revision")))
-        self.groups = group  # the report of KV held (`GET /admin/kv`) calls each group through it
         self.client = EngineClient(
             group, tokenizer=tokenizer, model_name=config["served_model_name"],
             max_model_len=config.get("max_model_len") or hf_config.max_position_embeddings,
@@ -187,9 +186,8 @@ class OpenAIIngress(GrpcMethods):
                               "--api-key-file)", code="not_found")
         self._authorize(request)
         app_name = serve.get_replica_context().app_name
-        # Blocking Ray calls, so on a thread; through the ingress's own handle, whose router
-        # already knows the groups (a handle made per report would start a router each time).
-        return JSONResponse(await asyncio.to_thread(kv_holdings, app_name, handle=self.groups))
+        # Blocking Ray calls, so on a thread.
+        return JSONResponse(await asyncio.to_thread(kv_holdings, app_name))
 
     @app.post("/v1/completions")
     async def create_completion(self, request: Request) -> Response:

@@ -19,7 +19,7 @@ import logging
 from typing import Any
 
 from tandem.cluster.kv_allocator import ALLOCATOR_NAMESPACE, allocator_name
-from tandem.workers.serving.messages import GroupStats, StatsRequest
+from tandem.workers.serving.messages import GROUP_STATS_KEY, GroupStats
 
 logger = logging.getLogger(__name__)
 
@@ -36,29 +36,34 @@ def group_replicas(app_name: str, deployment: str = GROUP_DEPLOYMENT) -> dict[st
             if entry["namespace"] == SERVE_NAMESPACE and entry["name"].startswith(prefix)}
 
 
-def kv_holdings(app_name: str, deployment: str = GROUP_DEPLOYMENT, timeout_s: float = 5.0,
-                handle: Any = None) -> dict[str, Any]:
+def kv_holdings(app_name: str, deployment: str = GROUP_DEPLOYMENT, timeout_s: float = 5.0) -> dict[str, Any]:
     """Every group's KV figures and the allocator's leases, with the sums named above.
 
-    `handle`: a DeploymentHandle to the groups that outlives this call (the ingress passes its
-    own). Without one, a new handle is made, and with it a new router, which must first hear
-    the replicas from Serve's controller: a caller that reports often should pass one."""
-    from ray import serve
+    Each group is read from its replica actor (`record_routing_stats`, which carries its whole
+    GroupStats), not through a DeploymentHandle: a handle's call waits behind the group's
+    generate calls for one of its `max_ongoing_requests` slots, so a saturated group would not
+    report, and it goes only where the caller's router knows the replica (a router with a stale
+    replica set sent every call to one group, and the others went unreported for minutes)."""
+    import ray
 
-    if handle is None:
-        handle = serve.get_deployment_handle(deployment, app_name)
     replicas = group_replicas(app_name, deployment)
-    calls = {gid: handle.stats.remote(StatsRequest(target_group=gid)) for gid in replicas}
-    groups: dict[str, dict[str, Any]] = {}
+    calls: dict[str, Any] = {}
     unreachable = []
+    for gid, actor_name in replicas.items():
+        try:
+            calls[gid] = ray.get_actor(actor_name, namespace=SERVE_NAMESPACE).record_routing_stats.remote()
+        except ValueError:  # gone since it was listed
+            unreachable.append(gid)
+    ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s) if calls else ([], [])
+    ready = set(ready)
+    groups: dict[str, dict[str, Any]] = {}
     for gid, call in calls.items():
         try:
-            stats = call.result(timeout_s=timeout_s)
+            if call not in ready:
+                raise TimeoutError(f"no answer in {timeout_s} s")
+            stats = GroupStats.from_dict(ray.get(call)[GROUP_STATS_KEY])
         except Exception as exc:  # noqa: BLE001 - a group dying now: say so, never fail the report
             logger.info("group %s did not report its KV (%s)", gid, exc)
-            unreachable.append(gid)
-            continue
-        if stats.group_id != gid:  # the router had no such group: another answered
             unreachable.append(gid)
             continue
         groups[gid] = _group_figures(stats, replicas[gid])

@@ -45,6 +45,7 @@ from tandem.workers.serving.group_healer import GroupHealer, HealPolicy
 from tandem.workers.serving.group_metrics import start_group_metrics
 from tandem.workers.serving.kv_fetch import KVFetcher
 from tandem.workers.serving.messages import (
+    GROUP_STATS_KEY,
     Accepted,
     ChannelOpen,
     DeltaBatch,
@@ -311,8 +312,13 @@ class GroupServer:
             logger.exception("recording request %s's metrics / spans failed", request.request_id)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by Serve for the request router (see router/request_router.py)."""
-        return self._routing_stats().as_dict()
+        """Polled by Serve for the request router (see router/request_router.py), and read by
+        the KV report (router/kv_report.py) straight from the replica actor: the router's fields,
+        and under GROUP_STATS_KEY the whole `stats()`. A call through a handle would wait behind
+        generate calls for a slot (max_ongoing_requests) and reach only the replicas the
+        caller's router knows; this actor method does neither."""
+        stats = self.stats()
+        return {**stats.routing.as_dict(), GROUP_STATS_KEY: stats.as_dict()}
 
     def _routing_stats(self) -> RoutingStats:
         stats = self.engine.last_stats

@@ -171,6 +171,10 @@ class StatsRequest:
     target_group: str | None = None  # None: whichever group the router picks
 
 
+# The key of a group's whole GroupStats among its routing stats (GroupServer.record_routing_stats).
+GROUP_STATS_KEY = "group_stats"
+
+
 @dataclass(frozen=True)
 class RoutingStats:
     """A group's load, as Serve polls it for the request router. Serve carries it as a dict
@@ -214,3 +218,11 @@ class GroupStats:
     kv_fetches_failed: int = 0
     channel_flushes: int = 0  # cumulative: DeltaBatches sent on the ingresses' channels
     channel_deltas: int = 0  # cumulative: the deltas they carried
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, stats: Mapping[str, Any]) -> GroupStats:
+        return cls(**{**stats, "routing": RoutingStats.from_dict(stats["routing"]),
+                      "worker_pids": tuple(stats["worker_pids"])})

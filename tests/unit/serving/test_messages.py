@@ -48,6 +48,14 @@ def test_routing_stats_come_back_from_serves_dict_as_they_went() -> None:
     assert m.RoutingStats.from_dict({"num_running": 2, "from_a_newer_group": 1}) == m.RoutingStats(num_running=2)
 
 
+def test_group_stats_come_back_from_a_dict_as_they_went() -> None:
+    stats = m.GroupStats(group_id="g1", routing=m.RoutingStats(is_healthy=False, num_running=3, stats_time=5.0),
+                         kv_blocks_total=64, kv_blocks_free=10, worker_pids=(11, 12), num_rebuilds=1,
+                         channel_deltas=7)
+    assert m.GroupStats.from_dict(stats.as_dict()) == stats
+    assert m.GroupStats.from_dict(cloudpickle.loads(cloudpickle.dumps(stats.as_dict()))) == stats
+
+
 def test_a_delta_joined_with_a_later_one_says_both() -> None:
     lp = {5: Logprob(-0.5, 1, "a")}
     first = m.GroupDelta("r", "g0", [CompletionOutput(0, "a", [5], [lp]), CompletionOutput(1, "x", [9], [lp])],
