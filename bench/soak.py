@@ -149,8 +149,13 @@ class Soak:
         rate = max(self.capacity_req_s, 0.1)
         overload = make(cfg.overload_requests, cfg.seed + 1, len(capacity))
         await self._open_loop("overload", overload, rate * cfg.overload)
-        # Enough requests to go on through every recovery (only the ones sent count), within bounds.
-        faulted = make(cfg.fault_requests * 4, cfg.seed + 2, len(capacity) + len(overload))
+        # Enough requests to go on through every recovery (only the ones sent count), within bounds:
+        # each fault may take its gap and its whole recovery timeout, and the load must not run dry
+        # before the last one (a 120 s worker fault once used the whole supply, so the later
+        # faults were injected into idle groups).
+        fault_window_s = min(len(cfg.faults) * (cfg.fault_gap_s + cfg.recovery_timeout_s + 5.0), cfg.max_duration_s)
+        supply = max(cfg.fault_requests * 4, math.ceil(rate * cfg.fault_load * fault_window_s))
+        faulted = make(supply, cfg.seed + 2, len(capacity) + len(overload))
         faults_done = asyncio.Event()
 
         async def inject() -> None:

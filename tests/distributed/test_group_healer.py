@@ -1,10 +1,11 @@
-"""A TP=2 group whose worker dies starts new workers in place and serves the same greedy
-tokens again; the heal budget, a failed rebuild and a rebuild that takes too long leave the
+"""A TP=2 group whose worker dies, or stops answering while idle, starts new workers in place and
+serves the same greedy tokens again; the heal budget, a failed rebuild and a rebuild that takes too long leave the
 group to Serve (its health check fails)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -16,6 +17,7 @@ from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.engine.async_engine import AsyncEngine
 from tandem.workers.engine.builder import build_engine, rebuild_engine
+from tandem.workers.executor.abstract import WorkerProbe
 from tandem.workers.serving.group_healer import GroupHealer, HealPolicy
 from tests import shared_ray
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model
@@ -57,7 +59,8 @@ def test_a_killed_worker_is_replaced_in_place_and_the_group_serves_the_same_toke
     config = EngineConfig.from_options(model=model, tensor_parallel_size=2, num_kv_blocks=64, block_size=4)
     engine = AsyncEngine(build_engine(config, show_progress=False))
     swapped = []
-    healer = GroupHealer(engine, rebuild_engine, swapped.append, HealPolicy(max_rebuilds=2, probe_interval_s=0.5))
+    healer = GroupHealer(engine, rebuild_engine, swapped.append,
+                         HealPolicy(max_rebuilds=3, probe_interval_s=0.5, silent_s=3.0))
     try:
         before = _pids(engine)
         # SIGKILL, as the OOM killer would: the worker's process is gone mid-stream.
@@ -79,11 +82,21 @@ def test_a_killed_worker_is_replaced_in_place_and_the_group_serves_the_same_toke
         assert _wait(lambda: healer.num_rebuilds == 2 and engine.is_healthy, timeout_s=60)
         assert not set(_pids(engine)) & set(idle_pids)
         assert "worker pp_rank=0 tp_rank=0 died (found between steps)" in swapped[0].dead_error
+        # A worker stopped (SIGSTOP) while the group is idle: alive, but it answers no probe.
+        stopped_pids = _pids(engine)
+        os.kill(stopped_pids[1], signal.SIGSTOP)
+        try:
+            assert _wait(lambda: healer.num_rebuilds == 3 and engine.is_healthy, timeout_s=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the rebuild killed it, or this does
+                os.kill(stopped_pids[1], signal.SIGKILL)
+        assert not set(_pids(engine)) & set(stopped_pids)
+        assert "worker pp_rank=0 tp_rank=1 answered no probe for 3 s between steps" in swapped[1].dead_error
         # Once more than the policy allows: the group is left failed for Serve.
         os.kill(_pids(engine)[0], signal.SIGKILL)
         assert _wait(lambda: healer.gave_up is not None, timeout_s=30)
-        assert "after 2 rebuilds within 600 s" in healer.gave_up and not engine.is_healthy
-        with pytest.raises(RuntimeError, match="after 2 rebuilds"):
+        assert "after 3 rebuilds within 600 s" in healer.gave_up and not engine.is_healthy
+        with pytest.raises(RuntimeError, match="after 3 rebuilds"):
             healer.check()
     finally:
         healer.close()
@@ -115,8 +128,17 @@ class _FakeAsyncEngine:
     def dead_error(self) -> str | None:
         return self.engine.dead_error
 
-    def dead_worker_ranks(self) -> list[str]:
-        return []  # no workers to probe
+    silent: list[str] = []  # ranks that answer no probe
+    step_for: float = 0.0  # seconds the step running now has taken (0: between steps)
+
+    def probe_workers(self) -> WorkerProbe:
+        return WorkerProbe(silent=list(self.silent))
+
+    def step_running_for(self) -> float:
+        return self.step_for
+
+    def fail_engine(self, error: str) -> None:
+        self.fail(error)
 
     def fail(self, error: str) -> None:
         self.engine.dead_error = error
@@ -175,9 +197,47 @@ def test_a_rebuild_slower_than_the_timeout_fails_the_health_check_and_its_engine
         healer.close()
 
 
+def test_a_worker_silent_between_steps_for_silent_s_fails_the_group_and_it_heals() -> None:
+    """A stopped worker (SIGSTOP) of an idle group answers no probe: once that lasts silent_s,
+    the group fails and is rebuilt in place; while a step runs, silence is the stall watchdog's."""
+    fake = _FakeAsyncEngine()
+    fake.silent = ["pp_rank=0 tp_rank=1"]
+    now = [0.0]
+    rebuilt = []
+
+    def rebuild(failed):
+        rebuilt.append(_FakeEngine())
+        return rebuilt[-1]
+
+    healer = GroupHealer(fake, rebuild, policy=HealPolicy(probe_interval_s=0.01, silent_s=10.0),
+                         clock=lambda: now[0])
+    try:
+        fake.step_for = 3.0  # a step runs: silence does not count
+        now[0] = 50.0
+        time.sleep(0.2)
+        assert fake.engine.dead_error is None
+        fake.step_for = 0.0
+        time.sleep(0.2)  # the first silent probe between steps starts the count
+        now[0] = 59.0
+        time.sleep(0.2)
+        assert fake.engine.dead_error is None and not rebuilt  # silent 9 s of 10
+        fake.silent = []  # it answered: the count starts again
+        time.sleep(0.2)
+        fake.silent = ["pp_rank=0 tp_rank=1"]
+        time.sleep(0.2)
+        now[0] = 68.0
+        time.sleep(0.2)
+        assert not rebuilt
+        now[0] = 69.5
+        assert _wait(lambda: rebuilt and fake.engine is rebuilt[0], timeout_s=10)
+        assert healer.num_rebuilds == 1
+    finally:
+        healer.close()
+
+
 def test_heal_policy_refuses_nonsense() -> None:
     with pytest.raises(ValueError, match="max_rebuilds must be >= 0"):
         HealPolicy(max_rebuilds=-1)
-    for bad in ({"timeout_s": 0}, {"window_s": -1.0}, {"probe_interval_s": 0}):
-        with pytest.raises(ValueError, match="window_s, timeout_s and probe_interval_s > 0"):
+    for bad in ({"timeout_s": 0}, {"window_s": -1.0}, {"probe_interval_s": 0}, {"silent_s": 0}):
+        with pytest.raises(ValueError, match="window_s, timeout_s, probe_interval_s and silent_s > 0"):
             HealPolicy(**bad)

@@ -24,6 +24,7 @@ from tandem.workers.device_peaks import DevicePeaks
 from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
 from tandem.workers.engine.kv_transfer import export_prefix, held_prefix, import_prefix
 from tandem.workers.engine.prompts import Prompt
+from tandem.workers.executor.abstract import WorkerProbe
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +124,10 @@ class AsyncEngine:
     def worker_pids(self) -> list[int]:
         return self.engine.worker_pids()
 
-    def dead_worker_ranks(self) -> list[str]:
-        """The group's workers whose process is gone (a Ray call: never on the event loop)."""
-        return self.engine.executor.dead_ranks()
+    def probe_workers(self) -> WorkerProbe:
+        """The group's workers whose process is gone, and those that did not answer (a Ray call:
+        never on the event loop)."""
+        return self.engine.executor.probe_workers()
 
     # Read off the engine thread for the metrics reporter (see GroupEngine.metrics_snapshot).
     def metrics_snapshot(self) -> dict[str, float]:

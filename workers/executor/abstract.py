@@ -6,12 +6,19 @@ wait at once); everything about where the shards live stays behind this seam.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from tandem.cluster.placement import DevicePin
 from tandem.workers.core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class WorkerProbe:
+    dead: list[str] = field(default_factory=list)  # rank names whose process is gone
+    silent: list[str] = field(default_factory=list)  # rank names that did not answer in time
 
 
 class Executor(Protocol):
@@ -48,6 +55,11 @@ class Executor(Protocol):
         """The workers whose process is gone (a watchdog's probe between steps); [] in-process."""
         ...
 
+    def probe_workers(self) -> WorkerProbe:
+        """One probe of every worker: those whose process is gone, and those that did not answer
+        in time (busy, or stopped: a watchdog tells them apart by how long the silence lasts)."""
+        ...
+
     def fail(self, reason: str) -> None:
         """Give the group up from outside a step (a watchdog found a worker dead): stop what is
         left of it; every later step raises."""
@@ -70,6 +82,9 @@ class InProcess:
 
     def dead_ranks(self) -> list[str]:
         return []
+
+    def probe_workers(self) -> WorkerProbe:
+        return WorkerProbe()
 
     def fail(self, reason: str) -> None:
         """Nothing to stop: a failure here is the engine's own."""

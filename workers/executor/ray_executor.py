@@ -40,6 +40,7 @@ from tandem.cluster.placement import (
 )
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.scheduler_output import Park, PendingOutput, RunnerOutput, SchedulerOutput
+from tandem.workers.executor.abstract import WorkerProbe
 from tandem.workers.executor.compiled_graph import compile_step_graph, quiet_teardown
 from tandem.workers.executor.parking import IdleParking
 from tandem.workers.executor.worker_failure import describe_failure, rank_name
@@ -280,25 +281,32 @@ class RayExecutor:
         return [w["pid"] for w in self.worker_info]
 
     def dead_ranks(self, timeout_s: float = 2.0) -> list[str]:
-        """Workers that no longer answer because their process is gone. Cheap (Ray's built-in
-        no-op call, which runs beside the compiled graph's loop), so a watchdog may call it
-        between steps; a worker busy past `timeout_s`, or unreachable for a moment (Ray's
-        ActorUnavailableError), is not counted dead."""
+        """Workers that no longer answer because their process is gone (see `probe_workers`)."""
+        return self.probe_workers(timeout_s).dead
+
+    def probe_workers(self, timeout_s: float = 2.0) -> WorkerProbe:
+        """Ray's built-in no-op call to every worker. Cheap, and it runs beside the compiled
+        graph's loop, so a watchdog may call it between steps. A worker whose process is gone is
+        dead; one that does not answer within `timeout_s` is silent (busy, or stopped: only a
+        silence that lasts tells); one unreachable for a moment (Ray's ActorUnavailableError)
+        is neither."""
         import ray
         from ray.exceptions import ActorDiedError
 
         refs = [w.__ray_ready__.remote() for w in self.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        dead = []
+        probe = WorkerProbe()
         for rank, ref in enumerate(refs):
-            if ref in ready:
-                try:
-                    ray.get(ref)
-                except ActorDiedError:
-                    dead.append(rank_name(rank, self.tp))
-                except Exception:  # noqa: BLE001 - not known dead: the next probe or step tells
-                    pass
-        return dead
+            if ref not in ready:
+                probe.silent.append(rank_name(rank, self.tp))
+                continue
+            try:
+                ray.get(ref)
+            except ActorDiedError:
+                probe.dead.append(rank_name(rank, self.tp))
+            except Exception:  # noqa: BLE001 - not known dead: the next probe or step tells
+                pass
+        return probe
 
     def measure_control_overhead(self, num_steps: int = 200) -> dict[str, float]:
         """Median ms of an empty step round trip: this executor's path vs plain actor calls.

@@ -10,7 +10,9 @@ the workers. The healer does only the last part, in the replica that is already 
                      weights loaded again, KV cache sized) ──> AsyncEngine.replace_engine()
 
 An idle group's workers are checked every `probe_interval_s` (a built-in no-op call
-to each), so a worker that dies between requests is replaced before a request finds it.
+to each), so a worker that dies between requests is replaced before a request finds it, and so
+is one that answers no probe for `silent_s` between steps (stopped, or hung outside a step; a
+stall inside a step is the stall watchdog's, GroupServer.check_health).
 While it rebuilds, the group reports itself unhealthy to the request router (its load is infinite,
 so requests go to other groups) but passes Serve's health check. A rebuild that fails, takes
 longer than `timeout_s`, or comes more than `max_rebuilds` times within `window_s` gives up:
@@ -41,11 +43,12 @@ class HealPolicy:
     # How often an idle group's workers are checked: a step finds a dead worker at once,
     # but a group with nothing to do would find it only when the next request fails.
     probe_interval_s: float = 2.0
+    silent_s: float = 30.0  # a worker that answers no probe this long between steps is given up
 
     def __post_init__(self) -> None:
-        if self.max_rebuilds < 0 or min(self.window_s, self.timeout_s, self.probe_interval_s) <= 0:
-            raise ValueError(f"heal policy: max_rebuilds must be >= 0, window_s, timeout_s and probe_interval_s "
-                             f"> 0, got {self}")
+        if self.max_rebuilds < 0 or min(self.window_s, self.timeout_s, self.probe_interval_s, self.silent_s) <= 0:
+            raise ValueError(f"heal policy: max_rebuilds must be >= 0, window_s, timeout_s, probe_interval_s and "
+                             f"silent_s > 0, got {self}")
 
 
 class GroupHealer:
@@ -66,6 +69,7 @@ class GroupHealer:
         self._rebuilds: deque[float] = deque()  # when each rebuild started, within the window
         self.num_rebuilds = 0
         self.gave_up: str | None = None  # why the group is left to Serve
+        self._silent_since: dict[str, float] = {}  # rank -> when it first missed a probe, between steps
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-group-healer", daemon=True)
@@ -89,16 +93,30 @@ class GroupHealer:
         self._wake.set()
 
     def _probe(self) -> None:
-        """Fail the engine when a worker's process is gone (it then heals as after a step)."""
+        """Fail the engine when a worker's process is gone, or when it has answered no probe for
+        `silent_s` while no step ran (it then heals as after a step)."""
         if self.engine.dead_error is not None or self._failed is not None:
+            self._silent_since.clear()
             return
         try:
-            dead = self.engine.dead_worker_ranks()
+            probe = self.engine.probe_workers()
         except Exception:  # noqa: BLE001 - the next probe, or the next step, tells
             logger.debug("probing the group's workers failed", exc_info=True)
             return
-        if dead:
-            self.engine.fail_engine(f"worker {', '.join(dead)} died (found between steps)")
+        if probe.dead:
+            self._silent_since.clear()
+            self.engine.fail_engine(f"worker {', '.join(probe.dead)} died (found between steps)")
+            return
+        now = self._clock()
+        if self.engine.step_running_for() > 0:  # a step's stall is the stall watchdog's to find
+            self._silent_since.clear()
+            return
+        self._silent_since = {rank: self._silent_since.get(rank, now) for rank in probe.silent}
+        stuck = sorted(rank for rank, since in self._silent_since.items() if now - since >= self.policy.silent_s)
+        if stuck:
+            self._silent_since.clear()
+            self.engine.fail_engine(f"worker {', '.join(stuck)} answered no probe for {self.policy.silent_s:g} s "
+                                    f"between steps (stopped or hung)")
 
     def _engine_failed(self, engine: GroupEngine) -> None:
         """Engine thread: hand the failed engine to the healer's thread."""

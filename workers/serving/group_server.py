@@ -123,7 +123,8 @@ class GroupServer:
         max_rebuilds = group_options.get("max_group_rebuilds", 3)
         if not engine.model_in_process and max_rebuilds > 0:  # a model in this process dies with it
             policy = HealPolicy(max_rebuilds=max_rebuilds,
-                                timeout_s=group_options.get("group_rebuild_timeout_s", HealPolicy.timeout_s))
+                                timeout_s=group_options.get("group_rebuild_timeout_s", HealPolicy.timeout_s),
+                                silent_s=self.step_timeout_s)  # as long as a step may hang
             self.healer = GroupHealer(self.engine, lambda failed: self._rebuilt(rebuild_engine(failed)),
                                       self._swapped, policy)
         logger.info("replica group %s ready: %d KV blocks", self.group_id,
