@@ -34,6 +34,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "leaked_kv_blocks": ("<=", 0),
     "overload_goodput_ratio": (">=", 0.8),
     "recovery_s_max": ("<=", 30.0),
+    "groups_hurt_by_one_request": ("<=", 0),
+    "preemptions": (">=", 1),
     "observability_throughput_ratio": (">=", 0.98),
     "telemetry_cpu_share": ("<=", 0.02),
     "structured_tpot_ratio_b1": ("<=", 1.05),
@@ -46,8 +48,9 @@ TARGETS: dict[str, tuple[str, float]] = {
 # The figures `tandem bench soak` prints (its JSON has many more).
 SOAK_ROWS = ("sent", "completed", "rejected", "failed_clean", "failed_abrupt", "lost", "unexpected_5xx", "abandoned",
              "invalid_answered", "invalid_accepted", "wrong_output", "wrong_output_checked", "leaked_kv_blocks",
-             "capacity_req_s", "goodput_capacity_req_s", "goodput_overload_req_s", "overload_goodput_ratio",
-             "recovery_s_max", "wall_s")
+             "hostile_requests", "groups_hurt_by_one_request", "long_prompts", "preemptions", "slow_readers",
+             "slow_readers_completed", "capacity_req_s", "goodput_capacity_req_s", "goodput_overload_req_s",
+             "overload_goodput_ratio", "recovery_s_max", "wall_s")
 
 Figures = dict[str, Any]
 Plot = Callable[[str, Figures], None]

@@ -38,7 +38,10 @@ from tandem.bench.report import log_progress
 from tandem.bench.soak_client import OUTCOMES, GrpcClient, Outcome, send_grpc, send_http
 from tandem.bench.soak_faults import FAULT_KINDS, FaultInjector, FaultRecord
 from tandem.bench.soak_mix import MixSpec, SoakRequest, make_mix
+from tandem.workers.config import CacheConfig
 
+KV_PRESSURE_SEQUENCES = 4  # full contexts a group's KV cache holds in the soak's server
+LONG_PROMPT_FRACTION = 0.5  # a prompt longer than this share of the context counts as long (long_share)
 DEADLINE_GRACE_S = 20.0  # the client waits this long past a request's own timeout before calling it lost
 
 
@@ -300,6 +303,13 @@ class Soak:
             for key in ("device_blocks_held", "host_blocks_held", "stale_lease_blocks", "requests_in_flight"):
                 figures[f"drained_{key}"] = self.kv_report[key]
             figures["drained_unreachable_groups"] = len(self.kv_report["unreachable_groups"])
+            # The groups' engines that ran to the end (a replaced group's count went with it).
+            figures["preemptions"] = sum(g.get("num_preemptions", 0) for g in self.kv_report["groups"].values())
+        valid = [o for o in outs if not o.request.invalid]
+        figures["long_prompts"] = sum(1 for o in valid if len(o.request.prompt_token_ids) > LONG_PROMPT_FRACTION
+                                      * self.target.max_model_len)
+        figures["slow_readers"] = sum(1 for o in valid if o.request.slow)
+        figures["slow_readers_completed"] = sum(1 for o in valid if o.request.slow and o.kind == "completed")
         figures["capacity_req_s"] = self.capacity_req_s
         figures["goodput_capacity_req_s"] = self._goodput("capacity")
         figures["goodput_overload_req_s"] = self._goodput("overload")
@@ -405,6 +415,13 @@ def run_soak(cfg: SoakConfig, *, url: str | None, grpc_address: str | None = Non
     if "stall" in cfg.faults:
         options["step_timeout_s"] = SOAK_STEP_TIMEOUT_S
         figures["step_timeout_s"] = SOAK_STEP_TIMEOUT_S
+    if cfg.mix.long_share > 0 and "num_kv_blocks" not in options and "kv_cache_memory" not in options:
+        # KV pressure: a group's cache holds KV_PRESSURE_SEQUENCES full contexts, so a few
+        # context-filling prompts among the rest force preemptions.
+        max_len = options.get("max_model_len") or hf.max_position_embeddings
+        block_size = options.get("block_size") or CacheConfig.block_size
+        options["num_kv_blocks"] = KV_PRESSURE_SEQUENCES * -(-max_len // block_size)
+        figures["num_kv_blocks"] = options["num_kv_blocks"]
     address = options.pop("address", None)
     grpc = (free_port(), grpc_servicer) if grpc_servicer and pb is not None else None
     num_cpus = max(os.cpu_count() or 1, num_groups * (1 + tensor_parallel_size)) + 4

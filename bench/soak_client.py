@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.bench.load_generator import httpx
-from tandem.bench.soak_mix import SoakRequest, grpc_request, http_request
+from tandem.bench.soak_mix import SLOW_READ_S, SoakRequest, grpc_request, http_request
 
 OUTCOMES = ("completed", "rejected", "failed_clean", "failed_abrupt", "lost", "unexpected_5xx", "abandoned",
             "invalid_answered", "invalid_accepted")
@@ -120,6 +120,8 @@ async def _read_sse(req: SoakRequest, response: Any, out: Outcome) -> None:
         if req.abandon_after and num_chunks >= req.abandon_after:
             out.kind = "abandoned"  # leaving the block closes the connection
             return
+        if req.slow:
+            await asyncio.sleep(SLOW_READ_S)
     out.kind, out.detail = "failed_abrupt", "the stream ended without [DONE]"
 
 
@@ -161,6 +163,8 @@ async def send_grpc(client: GrpcClient, req: SoakRequest, *, timeout_s: float, d
                     call.cancel()
                     out.kind = "abandoned"
                     break
+                if req.slow:
+                    await asyncio.sleep(SLOW_READ_S)
             else:
                 out.kind = "invalid_accepted" if req.invalid else "completed"
         else:

@@ -11,6 +11,11 @@ their own. Of all requests:
     grpc_share      sent over gRPC (when the server has a gRPC port), else HTTP
     stream_share    streamed (abandoning ones always are)
     chat_share      of HTTP requests: chat completions instead of completions (not checked)
+    long_share      of valid completions: a prompt that fills the context but for the request's
+                    own tokens (the soak's server sizes its KV cache so that a few of these
+                    force preemptions)
+    slow_share      of valid streamed requests: a client that reads slowly (SLOW_READ_S between
+                    chunks), which the server must neither stall on nor cut off
     hostile_share   of valid requests: what a careless or hostile client sends and the server
                     must serve unharmed: a temperature of 1e-40 (greedy, so still checked)
                     over HTTP, a shared or sample-like client id ("dup", "x#1") over gRPC.
@@ -39,7 +44,12 @@ class MixSpec:
     stream_share: float = 0.50
     chat_share: float = 0.15
     hostile_share: float = 0.10
+    long_share: float = 0.03
+    slow_share: float = 0.05
     timeout_s: float = 40.0  # the `timeout` field of every valid request
+
+
+SLOW_READ_S = 0.05  # a slow client's pause after each chunk it reads
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class SoakRequest:
     invalid: str = ""  # the name of the bad input ("" = a valid request)
     body: Any = None  # HTTP: the JSON (or raw bytes) to send; gRPC: keyword arguments of the request
     hostile: bool = False  # a valid request with a hostile choice in it (see hostile_share)
+    slow: bool = False  # streamed, its client pausing SLOW_READ_S after each chunk (see slow_share)
 
     @property
     def is_hostile(self) -> bool:
@@ -129,9 +140,13 @@ def make_mix(num: int, spec: MixSpec, vocab_size: int, max_model_len: int, *, se
         abandon = not valid_only and roll < spec.invalid_share + spec.abandon_share
         stream = abandon or rng.random() < spec.stream_share
         chat = api == "http" and rng.random() < spec.chat_share
+        if not abandon and not chat and rng.random() < spec.long_share:  # the context full but for its output
+            prompt = prompt + [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size)
+                               for _ in range(max_model_len - max_tokens - rng.randint(0, 8) - len(prompt))]
         out.append(SoakRequest(i, api, stream, prompt, max_tokens, chat=chat,
                                abandon_after=rng.randint(1, 3) if abandon else 0,
-                               hostile=rng.random() < spec.hostile_share))
+                               hostile=rng.random() < spec.hostile_share,
+                               slow=stream and not abandon and rng.random() < spec.slow_share))
     return out
 
 

@@ -85,7 +85,7 @@ def _group_figures(stats: GroupStats, actor_name: str) -> dict[str, Any]:
         "num_waiting": stats.routing.num_waiting, "device_blocks_total": stats.kv_blocks_total,
         "device_blocks_held": stats.kv_blocks_total - stats.kv_blocks_free,
         "host_blocks_total": stats.host_kv_blocks_total, "host_blocks_held": stats.host_kv_blocks_pinned,
-        "host_blocks_cached": stats.host_kv_blocks_used,
+        "host_blocks_cached": stats.host_kv_blocks_used, "num_preemptions": stats.num_preemptions,
     }
 
 

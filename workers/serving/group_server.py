@@ -345,7 +345,8 @@ class GroupServer:
             kv_fetches=fetcher.num_fetches if fetcher is not None else 0,
             kv_blocks_fetched=fetcher.num_blocks_fetched if fetcher is not None else 0,
             kv_fetches_failed=fetcher.num_failed if fetcher is not None else 0,
-            channel_flushes=self.outboxes.num_flushes, channel_deltas=self.outboxes.num_deltas)
+            channel_flushes=self.outboxes.num_flushes, channel_deltas=self.outboxes.num_deltas,
+            num_preemptions=int(stats.get("num_preemptions", 0)))
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: a failed group that is not being

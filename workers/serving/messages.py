@@ -218,6 +218,7 @@ class GroupStats:
     kv_fetches_failed: int = 0
     channel_flushes: int = 0  # cumulative: DeltaBatches sent on the ingresses' channels
     channel_deltas: int = 0  # cumulative: the deltas they carried
+    num_preemptions: int = 0  # cumulative, of this group's engine (a rebuilt one starts again)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
