@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -227,9 +228,18 @@ def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
             time.sleep(0.5)
         assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines)
         assert any("gRPC" in line for line in lines)
-        # The driver's command line is what Ray's job table shows as its entrypoint: no key in it.
+        # The driver's command line is what Ray's job table shows as its entrypoint: no key in it,
+        # nor in what the dashboard says of the jobs and of the Serve application (its config and
+        # deployments), read as `ray list jobs` and `serve status` read them.
         with open(f"/proc/{proc.pid}/cmdline", "rb") as cmdline:
             assert b"secret" not in cmdline.read()
+        dashboard = next(re.search(r"http://127\.0\.0\.1:\d+", line).group(0) for line in lines
+                         if "dashboard" in line and "http://127.0.0.1:" in line)
+        token = (tmp_path / ".ray" / "auth_token").read_text().strip()
+        for path in ("/api/jobs/", "/api/v0/jobs?limit=100", "/api/serve/applications/"):
+            answer = requests.get(dashboard + path, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+            assert answer.status_code == 200 and "tandem" in answer.text, (path, answer.text[:300])
+            assert "secret" not in answer.text, path
         assert not any("warning" in line for line in lines)
         r = requests.post(f"http://127.0.0.1:{port}/v1/completions", headers={"Authorization": "Bearer secret"},
                           json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)
