@@ -225,5 +225,9 @@ class GroupStats:
 
     @classmethod
     def from_dict(cls, stats: Mapping[str, Any]) -> GroupStats:
-        return cls(**{**stats, "routing": RoutingStats.from_dict(stats["routing"]),
+        """As RoutingStats.from_dict: fields a newer group adds are left out (a report reads
+        groups of another version during a rolling upgrade)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        known = {k: v for k, v in stats.items() if k in names}
+        return cls(**{**known, "routing": RoutingStats.from_dict(stats["routing"]),
                       "worker_pids": tuple(stats["worker_pids"])})

@@ -54,6 +54,7 @@ def test_group_stats_come_back_from_a_dict_as_they_went() -> None:
                          channel_deltas=7)
     assert m.GroupStats.from_dict(stats.as_dict()) == stats
     assert m.GroupStats.from_dict(cloudpickle.loads(cloudpickle.dumps(stats.as_dict()))) == stats
+    assert m.GroupStats.from_dict({**stats.as_dict(), "from_a_newer_group": 1}) == stats
 
 
 def test_a_delta_joined_with_a_later_one_says_both() -> None:
