@@ -42,6 +42,7 @@ from tandem.workers.config import CacheConfig
 
 KV_PRESSURE_SEQUENCES = 4  # full contexts a group's KV cache holds in the soak's server
 LONG_PROMPT_FRACTION = 0.5  # a prompt longer than this share of the context counts as long (long_share)
+FAULT_SETTLE_S = 5.0  # a fault's injection and first recovery checks, beside its gap and timeout
 DEADLINE_GRACE_S = 20.0  # the client waits this long past a request's own timeout before calling it lost
 
 
@@ -156,7 +157,8 @@ class Soak:
         # each fault may take its gap and its whole recovery timeout, and the load must not run dry
         # before the last one (a 120 s worker fault once used the whole supply, so the later
         # faults were injected into idle groups).
-        fault_window_s = min(len(cfg.faults) * (cfg.fault_gap_s + cfg.recovery_timeout_s + 5.0), cfg.max_duration_s)
+        fault_window_s = min(len(cfg.faults) * (cfg.fault_gap_s + cfg.recovery_timeout_s + FAULT_SETTLE_S),
+                             cfg.max_duration_s)
         supply = max(cfg.fault_requests * 4, math.ceil(rate * cfg.fault_load * fault_window_s))
         faulted = make(supply, cfg.seed + 2, len(capacity) + len(overload))
         faults_done = asyncio.Event()
