@@ -143,12 +143,32 @@ def shared_ray(request):
 _SHARED_RAY_MODULES: set[str] = set()
 
 
+# The suite runs in two lanes (`-n 2 --dist loadgroup`, pytest-xdist; README.md). Whatever starts
+# a Ray (a local one, a Cluster, `ray start` nodes) or a server process runs in one of them, one
+# test after another in collection order: two Rays at once would share two cores, and the shared
+# Ray's hand-over (tests/shared_ray.py) assumes one module after another. Those are the slow tests
+# of these folders and every test marked `ray`; the rest run on whichever lane is free.
+RAY_DIRS = ("distributed", "serve", "deploy")
+RAY_LANE = "ray"
+
+
+def _in_ray_lane(item) -> bool:
+    if item.get_closest_marker("ray") is not None:
+        return True
+    parts = item.path.relative_to(item.config.rootpath).parts
+    return item.get_closest_marker("slow") is not None and len(parts) > 2 and parts[1] in RAY_DIRS
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the lanes (its own hook, `--dist loadgroup`)
 def pytest_collection_modifyitems(config, items):
     """The modules on the shared local Ray run last, one after another, so that one Ray serves
     them all (tests/shared_ray.py); every other module keeps its place and order.
 
     A test on the shared Ray must be marked slow: the fast loop (-m "not slow") starts no Ray,
-    and stays fast because nothing can slip into it that does."""
+    and stays fast because nothing can slip into it that does.
+
+    Under `-n 2 --dist loadgroup` (the suite's command) the tests that start a Ray or a server
+    go to one worker, in this order (`_in_ray_lane`); the others to whichever is free."""
     unmarked = [item.nodeid for item in items
                 if "shared_ray" in item.fixturenames and item.get_closest_marker("slow") is None]
     if unmarked:
@@ -156,6 +176,11 @@ def pytest_collection_modifyitems(config, items):
     _SHARED_RAY_MODULES.update(item.module.__name__ for item in items if "shared_ray" in item.fixturenames)
     items[:] = ([item for item in items if item.module.__name__ not in _SHARED_RAY_MODULES]
                 + [item for item in items if item.module.__name__ in _SHARED_RAY_MODULES])
+    for item in items:
+        if _in_ray_lane(item):
+            if item.get_closest_marker("slow") is None:
+                raise pytest.UsageError(f"a test that starts Ray or a server must be marked slow: {item.nodeid}")
+            item.add_marker(pytest.mark.xdist_group(RAY_LANE))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -44,12 +44,31 @@ def acquire(keep_serve: bool = True) -> Any:
     if ray.is_initialized() and ray.get_runtime_context().gcs_address != _gcs_address:
         ray.shutdown()
     if not ray.is_initialized():
-        ray.init(**INIT_OPTIONS)
+        try:
+            ray.init(**INIT_OPTIONS)
+        except RuntimeError as exc:  # Ray's own processes did not start: say what they said
+            raise RuntimeError(f"{exc}\n{_startup_logs()}") from exc
         _gcs_address = ray.get_runtime_context().gcs_address
         _serve_ports = None  # a Serve on an instance gone before release() went with it
     elif not keep_serve:
         stop_serve()
     return ray
+
+
+def _startup_logs(tail_chars: int = 3000) -> str:
+    """The newest local Ray session's GCS and raylet logs (their ends): why a start failed."""
+    import glob
+    import os
+
+    sessions = sorted(glob.glob("/tmp/ray/session_2*"), key=os.path.getmtime)
+    if not sessions:
+        return "(no Ray session directory)"
+    parts = []
+    for path in sorted(glob.glob(os.path.join(sessions[-1], "logs", "gcs_server*"))
+                       + glob.glob(os.path.join(sessions[-1], "logs", "raylet*"))):
+        with open(path, errors="replace") as f:
+            parts.append(f"--- {path}\n{f.read()[-tail_chars:]}")
+    return "\n".join(parts) or f"(no GCS or raylet log in {sessions[-1]})"
 
 
 def serve_ports() -> tuple[int, int]:

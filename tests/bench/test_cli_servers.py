@@ -12,7 +12,7 @@ import pytest
 from tests.bench.conftest import bench
 from tests.conftest import tiny_model
 
-pytestmark = pytest.mark.slow  # a Serve application on Ray: not in the fast loop
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # a Serve application on Ray: not in the fast loop
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,7 @@ def test_strength_names_what_is_missing() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # a server on Ray
 def test_soak_quick(tmp_path: Path) -> None:
     fig = bench(tmp_path, "soak", "--quick")
     assert (fig["lost"], fig["unexpected_5xx"], fig["leaked_kv_blocks"]) == (0, 0, 0)
