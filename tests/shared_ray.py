@@ -58,17 +58,13 @@ def acquire(keep_serve: bool = True) -> Any:
 def _startup_logs(tail_chars: int = 3000) -> str:
     """The newest local Ray session's GCS and raylet logs (their ends): why a start failed."""
     import glob
-    import os
 
-    sessions = sorted(glob.glob("/tmp/ray/session_2*"), key=os.path.getmtime)
-    if not sessions:
-        return "(no Ray session directory)"
+    logs = "/tmp/ray/session_latest/logs"  # Ray points it at a session as it makes the session
     parts = []
-    for path in sorted(glob.glob(os.path.join(sessions[-1], "logs", "gcs_server*"))
-                       + glob.glob(os.path.join(sessions[-1], "logs", "raylet*"))):
+    for path in sorted(glob.glob(f"{logs}/gcs_server*") + glob.glob(f"{logs}/raylet*")):
         with open(path, errors="replace") as f:
             parts.append(f"--- {path}\n{f.read()[-tail_chars:]}")
-    return "\n".join(parts) or f"(no GCS or raylet log in {sessions[-1]})"
+    return "\n".join(parts) or f"(no GCS or raylet log in {logs})"
 
 
 def serve_ports() -> tuple[int, int]:

@@ -121,7 +121,7 @@ for i in range(2):
     assert engine.executor._dag is not None
     os.kill(engine.executor.worker_info[0]["pid"], signal.SIGKILL)
     time.sleep(0.5)
-    dead = engine.executor.dead_ranks()
+    dead = engine.executor.probe_workers().dead
     engine.executor.fail("killed")
     engine.shutdown()
     print("round", i, dead, flush=True)

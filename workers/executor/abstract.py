@@ -51,10 +51,6 @@ class Executor(Protocol):
         """The process of each Ray worker, in rank order; [] with the model in this process."""
         ...
 
-    def dead_ranks(self) -> list[str]:
-        """The workers whose process is gone (a watchdog's probe between steps); [] in-process."""
-        ...
-
     def probe_workers(self) -> WorkerProbe:
         """One probe of every worker: those whose process is gone, and those that did not answer
         in time (busy, or stopped: a watchdog tells them apart by how long the silence lasts)."""
@@ -78,9 +74,6 @@ class InProcess:
     of its processes: there are none but this one, and a watchdog never finds it dead."""
 
     def worker_pids(self) -> list[int]:
-        return []
-
-    def dead_ranks(self) -> list[str]:
         return []
 
     def probe_workers(self) -> WorkerProbe:

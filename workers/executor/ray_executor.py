@@ -259,7 +259,7 @@ class RayExecutor:
     def _fail(self, exc: BaseException) -> GroupFailedError:
         """Kill the whole group (peers may be blocked in a collective with the failed worker)."""
         error = describe_failure(exc, self.workers, self.worker_info, self.tp)
-        dead = self.dead_ranks()
+        dead = self.probe_workers().dead
         if dead and not error.startswith(f"worker {dead[0]} "):
             # A survivor's collective broke first; name the worker whose death caused it.
             error = f"worker {', '.join(dead)} died ({error})"
@@ -279,10 +279,6 @@ class RayExecutor:
 
     def worker_pids(self) -> list[int]:
         return [w["pid"] for w in self.worker_info]
-
-    def dead_ranks(self, timeout_s: float = 2.0) -> list[str]:
-        """Workers that no longer answer because their process is gone (see `probe_workers`)."""
-        return self.probe_workers(timeout_s).dead
 
     def probe_workers(self, timeout_s: float = 2.0) -> WorkerProbe:
         """Ray's built-in no-op call to every worker. Cheap, and it runs beside the compiled
