@@ -183,6 +183,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(RAY_LANE))
 
 
+# Tests of the Ray lane that pytest-xdist could not put in it (see pytest_collection_finish).
+_OUT_OF_LANE: set[str] = set()
+
+
+def pytest_collection_finish(session):
+    """The Ray lane holds only where xdist could put each test's lane into its id (`@ray`):
+    pytest 9.2 took that away from pytest-xdist 3.8 (hence the pin). Where it is lost again,
+    the lane's tests fail at once, saying why, rather than run two Rays at once."""
+    if getattr(session.config.option, "loadgroup", False):  # set on xdist's workers only
+        _OUT_OF_LANE.update(item.nodeid for item in session.items
+                            if _in_ray_lane(item) and not item.nodeid.endswith(f"@{RAY_LANE}"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before its fixtures start a Ray
+def pytest_runtest_setup(item):
+    if item.nodeid in _OUT_OF_LANE:
+        pytest.fail(f"pytest-xdist could not put this test in the Ray lane (pytest {pytest.__version__}, "
+                    f"--dist loadgroup): two Rays would run at once. Run it with -n 0.", pytrace=False)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """Before a module with no test on the shared Ray, no shared Ray is left running: it may
