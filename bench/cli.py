@@ -220,6 +220,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--channel-transport", choices=("socket", "serve"), default=None, help="without --url: "
                    "what carries a group's deltas to an ingress replica: a TCP connection to the group's "
                    "channel socket, or a streaming Serve call (default: the server's, socket)")
+    p.add_argument("--no-requests-on-channel", dest="requests_on_channel", action="store_false", help="without "
+                   "--url: every streamed request through a Serve call of its own, even with one group (for "
+                   "comparison)")
     p.add_argument("--ingress-max-chunks-per-s", type=float, default=None, help="without --url: messages per "
                    "second one ingress replica sends its clients, all streams together (default: the server's)")
     p.add_argument("--ingress-replicas", type=int, default=None, help="without --url: ingress replicas "

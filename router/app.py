@@ -86,6 +86,11 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # channel socket (a free port on the group's node; workers/serving/channel_server.py), or
     # "serve", a streaming Serve call (where ingress and groups cannot connect directly).
     "channel_transport": "socket",
+    # With socket channels: while an ingress replica's router knows one group only (nothing to
+    # choose), its streamed requests go on its channel to that group, not as a Serve call each
+    # (router/group_channels.py). Off under autoscaling: Serve counts only its own calls as a
+    # group's load.
+    "requests_on_channel": True,
     # Messages per second one ingress replica sends its clients, all streams together (with
     # stream_channels; 0 = no bound): each costs the ingress and Serve's proxy the same
     # whatever it holds, so past this a stream's tokens gather into fewer, larger messages
@@ -172,6 +177,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if serving["channel_transport"] not in CHANNEL_TRANSPORTS:
         raise ValueError(f"channel_transport: must be one of {', '.join(CHANNEL_TRANSPORTS)}, "
                          f"got {serving['channel_transport']!r}")
+    if not isinstance(serving["requests_on_channel"], bool):
+        raise ValueError(f"requests_on_channel: must be true or false, got {serving['requests_on_channel']!r}")
     if serving["kv_fetch"] not in FETCH_MODES:
         raise ValueError(f"kv_fetch: must be one of {', '.join(FETCH_MODES)}, got {serving['kv_fetch']!r}")
     group_options = {"kv_allocator": config.cache.enable_prefix_caching,
@@ -205,6 +212,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                       "limits": limits,
                       "admission": admission, "stream_channels": serving["stream_channels"],
                       "max_chunks_per_s": serving["ingress_max_chunks_per_s"],
+                      "max_sent_on_channel": max_sent_on_channel(config, serving),
                       "request_timeout_s": serving["request_timeout_s"], **tool_call_options(serving)}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
                                     max_ongoing_requests=serving["ingress_max_ongoing_requests"],
@@ -236,6 +244,16 @@ def num_ingress_replicas(serving: dict[str, Any]) -> int:
     """The option, or its default for this node when it is None."""
     given = serving["ingress_num_replicas"]
     return default_ingress_replicas(os.cpu_count() or 1) if given is None else given
+
+
+def max_sent_on_channel(config: EngineConfig, serving: dict[str, Any]) -> int:
+    """Streamed requests one ingress replica may have in flight on its channel to a sole group:
+    its share of the group's `max_ongoing_requests` (0: none, all through Serve calls)."""
+    if not (serving["requests_on_channel"] and serving["stream_channels"]
+            and serving["channel_transport"] == "socket" and serving["autoscaling_config"] is None):
+        return 0
+    max_ongoing = serving["max_ongoing_requests"] or 2 * config.scheduler.max_num_seqs
+    return math.ceil(max_ongoing / num_ingress_replicas(serving))
 
 
 def admission_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any] | None:

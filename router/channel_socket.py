@@ -1,7 +1,9 @@
 """Reading one channel from a group's channel socket (workers/serving/channel_server.py).
 
 A protocol, not a stream reader: the frames of a flush are cut out of what arrived and
-handed on in the same callback, with no task or await per frame.
+handed on in the same callback, with no task or await per frame. Once the group's first
+frame has come (it took the hello), the connection is handed to `on_ready` as a
+`ChannelSender`: requests and aborts for the group go on it.
 """
 
 from __future__ import annotations
@@ -9,22 +11,41 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from tandem.workers.serving.channel_server import HEADER_BYTES, hello, tune
-from tandem.workers.serving.messages import ChannelOpen, DeltaBatch, decode_batch
+from tandem.workers.serving.channel_server import HEADER_BYTES, frame, hello, tune
+from tandem.workers.serving.messages import ChannelMessage, ChannelOpen, DeltaBatch, decode_batch, encode_channel_message
 
 # A frame this large is no batch of a group's: the connection is broken, not the batch.
 MAX_FRAME_BYTES = 1 << 30
 
 
+class ChannelSender:
+    """The ingress's side of a channel's connection, for sending to the group."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.open = False  # the group took the hello, and has not closed the channel
+
+    def send(self, message: ChannelMessage) -> bool:
+        """Send `message`; False when the connection is not open (nothing was sent)."""
+        if not self.open or self.transport is None or self.transport.is_closing():
+            return False
+        self.transport.write(frame(encode_channel_message(message)))
+        return True
+
+
 class _ChannelReader(asyncio.Protocol):
-    def __init__(self, on_batch: Callable[[DeltaBatch], None], ended: asyncio.Future) -> None:
+    def __init__(self, on_batch: Callable[[DeltaBatch], None], ended: asyncio.Future,
+                 on_ready: Callable[[ChannelSender], None]) -> None:
         self._on_batch = on_batch
         self._ended = ended  # True: the group closed the channel for being idle; False: it just ended
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
+        self._on_ready = on_ready
+        self.sender = ChannelSender()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self.sender.transport = self._transport
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
@@ -40,6 +61,9 @@ class _ChannelReader(asyncio.Protocol):
                     break
                 batch = decode_batch(bytes(buffer[start + HEADER_BYTES:end]))
                 start = end
+                if not self.sender.open and not batch.closing and not self._ended.done():
+                    self.sender.open = True  # the first frame: the group took the hello
+                    self._on_ready(self.sender)
                 self._on_batch(batch)
                 if batch.closing:
                     self._end(True)
@@ -54,6 +78,7 @@ class _ChannelReader(asyncio.Protocol):
         self._end(exc if exc is not None else False)
 
     def _end(self, result: bool | BaseException) -> None:
+        self.sender.open = False
         if not self._ended.done():
             if isinstance(result, BaseException):
                 self._ended.set_exception(result)
@@ -64,13 +89,14 @@ class _ChannelReader(asyncio.Protocol):
 
 
 async def read_socket_channel(address: tuple[str, int], opened: ChannelOpen,
-                              on_batch: Callable[[DeltaBatch], None]) -> bool:
+                              on_batch: Callable[[DeltaBatch], None],
+                              on_ready: Callable[[ChannelSender], None] = lambda sender: None) -> bool:
     """Read the channel at `address` to its end, each batch to `on_batch`; True when the group
     closed it for being idle, False when it ended without saying so. A refused or broken
     connection raises (OSError, ValueError)."""
     loop = asyncio.get_running_loop()
     ended: asyncio.Future[bool] = loop.create_future()
-    transport, _ = await loop.create_connection(lambda: _ChannelReader(on_batch, ended), *address)
+    transport, _ = await loop.create_connection(lambda: _ChannelReader(on_batch, ended, on_ready), *address)
     try:
         tune(transport.get_extra_info("socket"))
         transport.write(hello(opened))

@@ -2,7 +2,9 @@
 
 It makes a request's `GroupRequest` (workers/serving/messages.py), validated before it
 leaves the ingress (so a bad request never reaches, let alone hurts, a group); sends it
-through a streaming `DeploymentHandle` (the request router picks the group); and turns
+through a streaming `DeploymentHandle` (the request router picks the group), or, for a
+streamed request while the router knows one group only, on this ingress's open channel to
+that group (router/group_channels.py: no Serve call per request); and turns
 what can go wrong on the way into two exception types: `ValueError` (the caller's fault:
 a 400) and `ServiceUnavailable` (no group can take it now: a 503). Leaving the stream
 early cancels the request in its group, which aborts it and frees its KV blocks at once.
@@ -32,6 +34,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from tandem.router import tracing
 from tandem.router.grammar_check import GrammarCheck
 from tandem.router.group_channels import ChannelLost, ChannelStream, GroupChannels
+from tandem.router.known_groups import known_groups
 from tandem.router.text_work import TextWork
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.core.validation import PromptLimits, validate_prompt
@@ -109,12 +112,18 @@ class EngineClient:
     def __init__(self, handle, *, tokenizer, model_name: str, max_model_len: int, vocab_size: int,
                  group_deployment: str = "GroupServer", channels: bool = True,
                  max_chunks_per_s: float = 0.0, request_timeout_s: float | None = None,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), max_sent_on_channel: int = 0) -> None:
         """`channels`: streamed requests' deltas come over one channel per group (group_channels.py),
         their streams sharing `max_chunks_per_s` (0: no bound); False: each over its own call,
         one Ray message per delta. `request_timeout_s`: the deadline of a request that sets
-        none of its own (None: none). `eos_token_ids`: the model's, where a grammar may end."""
+        none of its own (None: none). `eos_token_ids`: the model's, where a grammar may end.
+        `max_sent_on_channel`: streamed requests this ingress may have in flight on its channel
+        to a sole group (its share of the group's `max_ongoing_requests`; past it they go
+        through Serve, which queues them; 0: none go on the channel)."""
         self.request_timeout_s = request_timeout_s
+        self.max_sent_on_channel = max_sent_on_channel
+        self._app_name = getattr(handle, "app_name", "")
+        self._deployment_name = getattr(handle, "deployment_name", group_deployment)
         self._handle = handle.options(stream=True)
         self.channels = GroupChannels(self._handle, max_chunks_per_s) if channels else None
         self.tokenizer = tokenizer
@@ -227,7 +236,15 @@ class EngineClient:
 
     async def _over_channel(self, request: GroupRequest, channels: GroupChannels,
                             deadline: float | None) -> AsyncIterator[GroupDelta]:
-        """The call answers `Accepted`; the deltas come over this ingress's channel to that group."""
+        """The call answers `Accepted`; the deltas come over this ingress's channel to that group.
+        While the router knows one group only and this ingress's channel to it is open, the
+        request goes on that channel, with no call."""
+        stream = self._send_on_channel(request, channels)
+        if stream is not None:
+            async with aclosing(self._read_stream(stream, channels, deadline)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            return
         stream = channels.open(request.request_id)
         response = self._handle.generate.remote(replace(request, channel_id=channels.channel_id))
         watcher: asyncio.Task | None = None
@@ -258,6 +275,40 @@ class EngineClient:
                 watcher.cancel()
             if not finished:
                 response.cancel()  # the group aborts it and frees its blocks
+
+    def _send_on_channel(self, request: GroupRequest, channels: GroupChannels) -> ChannelStream | None:
+        """The request's stream, sent on the channel to the only group the router knows; None
+        when it goes through Serve (several groups, a retry, no open channel, or this ingress's
+        share of the group's requests on the channel reached)."""
+        if request.avoid_group is not None or self.max_sent_on_channel <= 0:
+            return None
+        groups = known_groups(self._app_name, self._deployment_name)
+        if len(groups) != 1:
+            return None
+        (group_id,) = groups
+        sender = channels.sender(group_id)
+        if sender is None or channels.num_sent_to(group_id) >= self.max_sent_on_channel:
+            return None
+        return channels.submit(request, group_id, sender)
+
+    async def _read_stream(self, stream: ChannelStream, channels: GroupChannels,
+                           deadline: float | None) -> AsyncIterator[GroupDelta]:
+        """A request sent on the channel: its deltas; leaving before the last aborts it there."""
+        timer: asyncio.TimerHandle | None = None
+        if deadline is not None:
+            timer = asyncio.get_running_loop().call_later(
+                max(0.0, deadline - time.monotonic()), stream.put,
+                RequestTimeout("the request's timeout passed before it finished"))
+        finished = False
+        try:
+            while not finished:
+                delta = await stream.next()
+                finished = delta.finished
+                yield delta
+        finally:
+            if timer is not None:
+                timer.cancel()
+            channels.close(stream, abort=not finished)
 
     async def close(self) -> None:
         """The ingress is stopping: its channels close, its text pool stops."""

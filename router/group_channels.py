@@ -11,6 +11,11 @@ left) is dropped. A channel that ends or fails ends every stream it feeds with
 `ChannelLost`: the group is gone or unreachable, and the request may be retried elsewhere
 if nothing of it was sent yet. The next request that group accepts opens a new channel.
 
+While the ingress's router knows one group only, a streamed request for it is sent on that
+group's socket channel (`submit`), not on a call of its own, whenever that channel is open;
+leaving it early sends an abort there (`abort`). A `hold` call to the group stays open with
+the connection, so that Serve's graceful stop of the group waits for these requests too.
+
 Each message a stream sends costs the ingress, Serve's proxy and Ray the same whatever it
 holds, so the streams share a budget of messages per second (`max_chunks_per_s`): with
 few streams nothing waits (a token goes out when its step ends); with many, each stream's
@@ -24,11 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from tandem.router.channel_socket import read_socket_channel
-from tandem.workers.serving.messages import ChannelOpen, DeltaBatch, GroupDelta
+from tandem.router.channel_socket import ChannelSender, read_socket_channel
+from tandem.workers.serving.messages import ChannelAbort, ChannelOpen, DeltaBatch, GroupDelta, GroupRequest
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +70,7 @@ class ChannelStream:
         self._max_unread = max_unread
         self._reader: asyncio.Task | None = None  # the task that reads this stream (the response's)
         self.overflowed = False
+        self.sent_on_channel = False  # the request went on the channel (GroupChannels.submit), not a call
 
     def put(self, item: GroupDelta | BaseException) -> None:
         if self.overflowed:
@@ -120,8 +128,12 @@ class GroupChannels:
         self.channel_id = f"ingress-{secrets.token_hex(16)}"
         self._streams: dict[str, ChannelStream] = {}
         self._pumps: dict[str, asyncio.Task] = {}  # group id -> its channel's pump
+        self._senders: dict[str, ChannelSender] = {}  # group id -> its socket channel's connection
+        self._holds: dict[str, asyncio.Task] = {}  # group id -> its `hold` call
+        self._sent: Counter[str] = Counter()  # group id -> requests sent on its channel, in flight
         self.num_batches = 0
         self.num_deltas = 0
+        self.num_sent = 0  # requests sent on a channel (not a call)
 
     def open(self, request_id: str) -> ChannelStream:
         """A stream for a request about to be sent; ValueError if that id is already in flight."""
@@ -149,9 +161,51 @@ class GroupChannels:
         if pump is None or pump.done() or pump.get_loop() is not loop:
             self._pumps[group_id] = loop.create_task(self._pump(group_id, address))
 
-    def close(self, stream: ChannelStream) -> None:
+    def close(self, stream: ChannelStream, *, abort: bool = False) -> None:
+        """The stream's request ended, or its reader left it (`abort`: a request sent on the
+        channel is aborted in its group)."""
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
+            if stream.sent_on_channel and stream.group_id is not None:
+                self._sent[stream.group_id] -= 1
+                self._sent += Counter()  # drop groups at zero
+                sender = self._senders.get(stream.group_id)
+                if abort and sender is not None:
+                    sender.send(ChannelAbort(stream.request_id))
+
+    # ---- requests sent on a channel ------------------------------------------------------------
+    def sender(self, group_id: str) -> ChannelSender | None:
+        """The group's socket channel, where it is open now (requests may go on it)."""
+        sender = self._senders.get(group_id)
+        return sender if sender is not None and sender.open else None
+
+    def num_sent_to(self, group_id: str) -> int:
+        """Requests sent on the group's channel and not yet ended."""
+        return self._sent[group_id]
+
+    def submit(self, request: GroupRequest, group_id: str, sender: ChannelSender) -> ChannelStream | None:
+        """Send a streamed request on the group's channel; its stream, or None when the channel
+        closed meanwhile (nothing was sent)."""
+        stream = self.open(request.request_id)
+        stream.group_id = group_id
+        if not sender.send(replace(request, channel_id=self.channel_id)):
+            self.close(stream)
+            return None
+        stream.sent_on_channel = True
+        self._sent[group_id] += 1
+        self.num_sent += 1
+        hold = self._holds.get(group_id)
+        if hold is None or hold.done():
+            self._holds[group_id] = asyncio.get_running_loop().create_task(self._hold(group_id))
+        return stream
+
+    async def _hold(self, group_id: str) -> None:
+        """The group's `hold` call, open until the channel's connection ends (or this is cancelled)."""
+        try:
+            async for _ in self._handle.hold.remote(ChannelOpen(group_id, self.channel_id)):
+                pass
+        except Exception as exc:  # noqa: BLE001 - the channel itself says what happened to the group
+            logger.debug("replica group %s: its hold call ended: %s", group_id, type(exc).__name__)
 
     async def _pump(self, group_id: str, address: tuple[str, int] | None) -> None:
         me = asyncio.current_task()
@@ -169,6 +223,10 @@ class GroupChannels:
         finally:
             if self._pumps.get(group_id) is me:
                 del self._pumps[group_id]
+            self._senders.pop(group_id, None)
+            hold = self._holds.pop(group_id, None)
+            if hold is not None:
+                hold.cancel()
             lost = [s for s in self._streams.values() if s.group_id == group_id]
             if lost:
                 logger.warning("replica group %s: %s; ending its %d streams", group_id, reason, len(lost))
@@ -180,7 +238,11 @@ class GroupChannels:
         for being idle (False: it ended without saying so: the group is gone)."""
         opened = ChannelOpen(group_id, self.channel_id)
         if address is not None:
-            return await read_socket_channel(address, opened, self._hand_out)
+            try:
+                return await read_socket_channel(address, opened, self._hand_out,
+                                                 lambda sender: self._senders.__setitem__(group_id, sender))
+            finally:
+                self._senders.pop(group_id, None)
         async for batch in self._handle.channel.remote(opened):
             self._hand_out(batch)
             if batch.closing:
@@ -197,7 +259,7 @@ class GroupChannels:
                 stream.put(delta)
 
     async def shutdown(self) -> None:
-        tasks = list(self._pumps.values())
+        tasks = list(self._pumps.values()) + list(self._holds.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

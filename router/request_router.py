@@ -18,6 +18,10 @@ lapses after a few seconds. The prompt's prefix is recorded on the group that to
 not the one ranked first. With one group there is nothing to choose: no directory
 lookup. Groups of equal score are tried in random order.
 
+The router runs in each caller's process (the ingress's), and publishes the groups it knows
+there (router/known_groups.py): while that is one group, the ingress sends streamed requests on its
+channel to it instead of through Serve (router/group_channels.py).
+
 NOTE: every group call made while serving one HTTP request (one per prompt of a
 multi-prompt completion) carries that request's `internal_request_id`. Serve's default
 matching of a chosen replica to a pending request is by that id, which would leave all
@@ -76,6 +80,15 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.weights = LoadWeights(**kwargs)
         if routing == "prefix":
             self.prefix = PrefixLookup(block_size, allocator_matcher(self._deployment_id.app_name))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._publish(frozenset(r.replica_id.unique_id for r in replicas))
+
+    def _publish(self, groups: frozenset[str]) -> None:
+        from tandem.router import known_groups  # imported, not a global: see known_groups.py
+
+        known_groups.publish(self._deployment_id.app_name, self._deployment_id.name, groups)
 
     def num_in_flight(self) -> Counter[ReplicaID]:
         """Requests each group has, as this router knows: sent and not seen finish, and
@@ -183,6 +196,10 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         for key in [k for k, p in self._predicted.items() if p.group == replica_id]:
             del self._predicted[key]
         super().on_replica_actor_died(replica_id)
+        from tandem.router import known_groups
+
+        self._publish(known_groups.known_groups(self._deployment_id.app_name, self._deployment_id.name)
+                      - {replica_id.unique_id})
 
 
 def _request_field(pending_request: PendingRequest | None, key: str) -> str | None:

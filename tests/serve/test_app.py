@@ -61,6 +61,22 @@ def test_unknown_or_bad_args_fail_with_the_field_name():
         build_app({"host_kv_cache_memory": -1})
 
 
+def test_streamed_requests_go_on_the_channel_up_to_the_ingress_share_of_a_group():
+    def sent(**serving) -> int:
+        ingress = build_app({"ingress_num_replicas": 2, **serving})._bound_deployment
+        return ingress.init_args[1]["max_sent_on_channel"]
+
+    assert sent() == 128  # 2 x max_num_seqs 128 ongoing per group, over two ingress replicas
+    assert sent(max_ongoing_requests=101) == 51
+    # Never where Serve must see each request (autoscaling reads its calls), nor without sockets.
+    assert sent(autoscaling_config={"min_replicas": 1, "max_replicas": 3}) == 0
+    assert sent(channel_transport="serve") == 0
+    assert sent(stream_channels=False) == 0
+    assert sent(requests_on_channel=False) == 0
+    with pytest.raises(ValueError, match="^requests_on_channel: must be true or false, got 'yes'"):
+        build_app({"requests_on_channel": "yes"})
+
+
 def test_router_gets_the_routing_policy_and_block_size():
     kwargs = options(block_size=32)["request_router_config"].request_router_kwargs
     assert kwargs == {"routing": "prefix", "block_size": 32, "tokens_per_request": 256.0, "max_imbalance": 4.0,

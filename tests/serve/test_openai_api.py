@@ -28,7 +28,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def server(shared_ray, tiny_llama):
     args = {"model": tiny_llama, "served_model_name": MODEL, "api_key": API_KEY,
-            "max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 64, "block_size": 16}
+            "max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 64, "block_size": 16,
+            "ingress_num_replicas": 1}  # one ingress on any host: its channel carries every stream
     with serve_app(args) as url:
         yield url
 
@@ -409,3 +410,33 @@ def test_disconnect_mid_stream_aborts_and_frees_every_block(server):
 
     assert wait_for(all_free, timeout_s=20), group_stats()
     assert group_stats().routing.num_aborted_total == idle.routing.num_aborted_total + 1  # aborted, not finished
+
+
+def test_a_request_sent_on_the_channel_is_aborted_when_its_client_leaves(server):
+    """With one group, a streamed request goes on the ingress's open channel to it, not as a
+    Serve call; a client that leaves aborts it there all the same."""
+    assert wait_for(lambda: group_stats().channels_open == 0, timeout_s=20)  # idle: the channel closed
+    idle = group_stats()
+    body = {"model": MODEL, "prompt": [11] * 50, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+    def first_token(r):
+        return next(line for line in r.iter_lines() if line.startswith(b"data: {"))
+
+    # Sent on a call (no channel is open); its deltas come on the channel it opens, which stays
+    # open while it runs and for a second after.
+    holder = requests.post(f"{server}/v1/completions", json=body, headers=AUTH, stream=True, timeout=60)
+    holder_lines = holder.iter_lines()
+    assert next(line for line in holder_lines if line.startswith(b"data: {"))
+    r = requests.post(f"{server}/v1/completions", json=body, headers=AUTH, stream=True, timeout=60)
+    assert json.loads(first_token(r)[len(b"data: "):])["choices"][0]["text"]
+    assert group_stats().channel_requests == idle.channel_requests + 1  # r went on the channel
+    r.close()  # its client goes away mid-stream
+    assert [line for line in holder_lines if line][-1] == b"data: [DONE]"  # read to its end: not aborted
+
+    def all_free():
+        s = group_stats()
+        return s if s.routing.num_running == 0 and s.kv_blocks_free == s.kv_blocks_total else None
+
+    assert wait_for(all_free, timeout_s=20), group_stats()
+    assert group_stats().routing.num_aborted_total == idle.routing.num_aborted_total + 1

@@ -4,14 +4,21 @@ One TCP listener per group, on its node's address (a free port, named to each in
 `Accepted`). An ingress connects once per group and says which channel it reads with one
 hello frame (`ChannelOpen` as JSON); from then on the group writes that channel's outbox
 (outbox.py) to it, one frame per flush (`encode_batch`): a 4-byte big-endian length, then
-the pickled batch. The ingress writes nothing after its hello; its connection closing ends
-the flushes at once.
+the pickled batch. The first frame, an empty batch, says the group took the hello.
+
+The ingress may then send requests for the group to run on the channel, and aborts of them
+(`encode_channel_message` frames), which the group hands to its `ChannelRequests`; the
+ingress hanging up ends the flushes at once and aborts every request sent on the channel.
+When the group closes an idle channel (its outbox's `closing` batch), what the ingress sent
+meanwhile is still read, until it hangs up: a request that crossed the closing runs, and
+its deltas wait in the outbox for the channel's next connection.
 
 Against a Serve streaming call per channel this costs a `write` per flush: no object ref,
 no generator report, no deserialization on another thread in the ingress (figures in
 bench/RESULTS.md). The group never unpickles what a connection sends (the hello is JSON,
-bounded in size and time): a stranger who reaches the port can read nothing but a channel
-whose 128-bit random id it knows, and can hurt nothing.
+bounded in size and time), nor anything on a channel whose id did not first reach it
+through Ray (a request's `channel_id` on a Serve call): a stranger who reaches the port can
+read nothing but a channel whose 128-bit random id it knows, and can hurt nothing.
 
 Everything here runs on the group's event loop.
 """
@@ -23,8 +30,16 @@ import json
 import logging
 import socket
 from contextlib import aclosing, suppress
+from typing import Protocol
 
-from tandem.workers.serving.messages import ChannelOpen, encode_batch
+from tandem.workers.serving.messages import (
+    ChannelAbort,
+    ChannelOpen,
+    DeltaBatch,
+    GroupRequest,
+    decode_channel_message,
+    encode_batch,
+)
 from tandem.workers.serving.outbox import Outboxes
 
 logger = logging.getLogger(__name__)
@@ -32,6 +47,26 @@ logger = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
 MAX_HELLO_BYTES = 4096
 HEADER_BYTES = 4
+# A request's frame: its prompt's token ids and sampling options (a long prompt is a few MB).
+MAX_MESSAGE_BYTES = 64 << 20
+_READY = len(encode_batch(DeltaBatch([]))).to_bytes(HEADER_BYTES, "big") + encode_batch(DeltaBatch([]))
+
+
+class ChannelRequests(Protocol):
+    """What a group does with the requests an ingress sends on its channel (GroupServer)."""
+
+    def accepts(self, channel_id: str) -> bool:
+        """Whether `channel_id` came through Ray (a Serve call named it): only then is what its
+        connection sends read."""
+
+    def submit(self, request: GroupRequest) -> None:
+        """Run `request`, its deltas to the outbox of its `channel_id`."""
+
+    def abort(self, request_id: str) -> None:
+        """End a request sent on a channel (nothing if it ended already)."""
+
+    def lost(self, channel_id: str) -> None:
+        """The channel's ingress hung up: abort every request sent on it."""
 
 
 def frame(payload: bytes) -> bytes:
@@ -70,13 +105,18 @@ async def _read_hello(reader: asyncio.StreamReader) -> ChannelOpen:
 
 
 class ChannelServer:
-    def __init__(self, group_id: str, outboxes: Outboxes) -> None:
+    def __init__(self, group_id: str, outboxes: Outboxes, requests: ChannelRequests | None = None) -> None:
+        """`requests`: where requests sent on a channel go (None: a connection that sends more
+        than its hello is hanging up)."""
         self.group_id = group_id
         self.outboxes = outboxes
+        self.requests = requests
         self.address: tuple[str, int] | None = None
         self.num_refused = 0  # connections that did not say a proper hello for this group
+        self.num_messages = 0  # requests and aborts read from the ingresses
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()  # the connections open now
+        self._open: dict[str, asyncio.Event] = {}  # channel id -> set when its connection ends
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, host: str) -> tuple[str, int]:
@@ -107,6 +147,12 @@ class ChannelServer:
         for writer in list(self._writers):
             writer.close()
 
+    async def connection_ended(self, channel_id: str) -> None:
+        """Return when the connection of `channel_id` open now ends (at once if none is)."""
+        ended = self._open.get(channel_id)
+        if ended is not None:
+            await ended.wait()
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         tune(writer.get_extra_info("socket"))
         self._writers.add(writer)
@@ -121,23 +167,66 @@ class ChannelServer:
             if opened.target_group != self.group_id:  # an old address of another group: nothing
                 self.num_refused += 1
                 return
-            await self._write_flushes(opened.channel_id, reader, writer)
+            ended = self._open[opened.channel_id] = asyncio.Event()
+            try:
+                await self._write_flushes(opened.channel_id, reader, writer)
+            finally:
+                ended.set()
+                if self._open.get(opened.channel_id) is ended:
+                    del self._open[opened.channel_id]
         finally:
             self._writers.discard(writer)
             writer.close()
 
     async def _write_flushes(self, channel_id: str, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:
-        """The channel's flushes, until the outbox closes it (idle) or the ingress hangs up."""
+        """The channel's flushes, until the outbox closes it (idle) or the ingress hangs up;
+        what the ingress sends is read meanwhile."""
         loop = asyncio.get_running_loop()
-        hung_up = loop.create_task(reader.read(1))  # the ingress sends nothing more: any end is its hang-up
+        writer.write(_READY)
+        reading = loop.create_task(self._read_all(channel_id, reader))
         writing = loop.create_task(self._write_all(channel_id, writer))
+        closed = False  # by the group (idle, or a newer connection of the channel took over)
         try:
-            await asyncio.wait({hung_up, writing}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({reading, writing}, return_when=asyncio.FIRST_COMPLETED)
+            closed = writing in done and writing.exception() is None
+            if closed and not reading.done():
+                # A request the ingress sent as the channel closed still runs: read on until it
+                # hangs up (it does when it reads the closing batch).
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(reading), HELLO_TIMEOUT_S)
         finally:
-            for task in (hung_up, writing):
+            for task in (reading, writing):
                 task.cancel()
-            await asyncio.gather(hung_up, writing, return_exceptions=True)
+            await asyncio.gather(reading, writing, return_exceptions=True)
+            if not closed and self.requests is not None:
+                self.requests.lost(channel_id)
+
+    async def _read_all(self, channel_id: str, reader: asyncio.StreamReader) -> None:
+        """What the ingress sends, until it hangs up (or sends what is not a channel message)."""
+        requests = self.requests
+        while True:
+            try:
+                header = await reader.readexactly(HEADER_BYTES)
+            except (asyncio.IncompleteReadError, OSError):
+                return  # hung up
+            size = int.from_bytes(header, "big")
+            if requests is None or size > MAX_MESSAGE_BYTES or not requests.accepts(channel_id):
+                return
+            try:
+                message = decode_channel_message(await reader.readexactly(size))
+            except Exception as exc:  # noqa: BLE001 - a broken connection, never the group
+                logger.warning("channel socket: dropped channel %s's connection (%s)", channel_id[:16],
+                               type(exc).__name__)
+                return
+            self.num_messages += 1
+            if isinstance(message, ChannelAbort):
+                requests.abort(message.request_id)
+            elif message.channel_id != channel_id:
+                logger.warning("channel socket: a request for another channel on channel %s", channel_id[:16])
+                return
+            else:
+                requests.submit(message)
 
     async def _write_all(self, channel_id: str, writer: asyncio.StreamWriter) -> None:
         async with aclosing(self.outboxes.flushes(channel_id)) as flushes:

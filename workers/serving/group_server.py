@@ -5,7 +5,9 @@ tensors never leave the group). A streamed request's deltas go into its ingress'
 (outbox.py) and leave on that ingress's channel, one batch per flush for all its streams:
 a connection to the group's channel socket (channel_server.py; `channel_transport`
 "socket", the default) or a `channel` call ("serve"). A request answered whole gets its one
-delta as the call's answer.
+delta as the call's answer. An ingress may also send streamed requests on its socket
+channel instead of a call each (`submit`, `abort`, `lost`: the channel's `ChannelRequests`);
+its `hold` call keeps Serve's graceful stop of this group waiting for them.
 
 With tensor or pipeline parallelism the replica runs in bundle 0 of its own placement
 group (set through the deployment's placement-group options in router/app.py) and the
@@ -26,7 +28,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -96,6 +98,10 @@ class GroupServer:
         self.num_requests = 0
         self.num_aborted = 0  # left before the end (a client that went away)
         self.outboxes = Outboxes()  # streamed deltas, per ingress channel
+        self._channels_seen: set[str] = set()  # channel ids named on Serve calls (through Ray)
+        self._channelled: dict[str, str] = {}  # request id -> channel id, of those sent on a channel, running
+        self._fetching: set[asyncio.Task] = set()
+        self.num_channel_requests = 0
         self.channel_transport = group_options.get("channel_transport", "socket")
         self.channel_server: ChannelServer | None = None
         self._channel_address: asyncio.Task | None = None  # the socket's start, once
@@ -200,6 +206,7 @@ class GroupServer:
             async for delta in self._deltas(request):
                 yield delta
             return
+        self._channels_seen.add(request.channel_id)
         yield Accepted(self.group_id, await self._channel_socket())
         self.outboxes.begin(request.channel_id)  # the channel stays open until this request ends
         try:
@@ -226,7 +233,7 @@ class GroupServer:
     async def _start_channel_socket(self) -> tuple[str, int] | None:
         import ray
 
-        server = ChannelServer(self.group_id, self.outboxes)
+        server = ChannelServer(self.group_id, self.outboxes, self)
         try:
             address = await server.start(ray.util.get_node_ip_address())
         except OSError as exc:
@@ -245,29 +252,93 @@ class GroupServer:
         if self.fetcher is not None:
             await self.fetcher.fetch_for(request.prompt_token_ids)
         done = asyncio.get_running_loop().create_future()  # cancelled with this call, if it is
-
-        def deliver(item: RequestOutput | BaseException) -> None:
-            if done.done():  # ended (or left) already
-                return
-            if isinstance(item, BaseException):  # refused by add_request, or the engine died
-                kind: ErrorKind = "invalid_request" if isinstance(item, ValueError) else "unavailable"
-                self.outboxes.put(channel_id, self._failure(request, str(item), kind))
-                done.set_result(True)
-                return
-            if item.finished and item.metrics is not None:
-                self._observe(request, item)
-            self.outboxes.put(channel_id, self._delta(item))
-            if item.finished:
-                done.set_result(True)
-
-        self.engine.submit({"prompt_token_ids": request.prompt_token_ids},
-                           replace(request.sampling, output_kind="delta"), request.request_id, deliver)
+        self._start_to_outbox(request, channel_id, done.done, lambda: done.set_result(True))
         try:
             await done
         finally:
             if done.cancelled():  # the call was cancelled (awaiting it cancels it): the client left
                 self.engine.abort(request.request_id)
                 self.num_aborted += 1
+
+    def _start_to_outbox(self, request: GroupRequest, channel_id: str, ended: Callable[[], bool],
+                         end: Callable[[], None]) -> None:
+        """Submit `request` to the engine, its outputs to `channel_id`'s outbox; `end()` once its
+        last delta is in. Outputs that come after `ended()` (it was aborted) are dropped."""
+
+        def deliver(item: RequestOutput | BaseException) -> None:
+            if ended():  # ended (or left) already
+                return
+            if isinstance(item, BaseException):  # refused by add_request, or the engine died
+                kind: ErrorKind = "invalid_request" if isinstance(item, ValueError) else "unavailable"
+                self.outboxes.put(channel_id, self._failure(request, str(item), kind))
+                end()
+                return
+            if item.finished and item.metrics is not None:
+                self._observe(request, item)
+            self.outboxes.put(channel_id, self._delta(item))
+            if item.finished:
+                end()
+
+        self.engine.submit({"prompt_token_ids": request.prompt_token_ids},
+                           replace(request.sampling, output_kind="delta"), request.request_id, deliver)
+
+    # ---- requests sent on a channel (ChannelRequests, channel_server.py) -----------------------
+    def accepts(self, channel_id: str) -> bool:
+        return channel_id in self._channels_seen
+
+    def submit(self, request: GroupRequest) -> None:
+        channel_id, request_id = request.channel_id, request.request_id
+        assert channel_id is not None  # ChannelServer hands on only its channel's requests
+        if request_id in self._channelled:
+            self.outboxes.put(channel_id, self._failure(request, f"request_id: {request_id!r} is already in flight",
+                                                        "invalid_request"))
+            return
+        self._channelled[request_id] = channel_id
+        self.num_requests += 1
+        self.num_channel_requests += 1
+        self.outboxes.begin(channel_id)  # the channel stays open until it ends
+
+        def ended() -> bool:
+            return self._channelled.get(request_id) != channel_id
+
+        def end() -> None:
+            if not ended():
+                del self._channelled[request_id]
+                self.outboxes.end(channel_id)
+
+        if self.fetcher is None:
+            self._start_to_outbox(request, channel_id, ended, end)
+        else:  # the prefix's blocks from another group first: a task (rare: host tier, several groups)
+            task = asyncio.get_running_loop().create_task(self._fetch_then_start(request, channel_id, ended, end))
+            self._fetching.add(task)  # held: the loop keeps only a weak reference to a task
+            task.add_done_callback(self._fetching.discard)
+
+    async def _fetch_then_start(self, request: GroupRequest, channel_id: str, ended: Callable[[], bool],
+                                end: Callable[[], None]) -> None:
+        assert self.fetcher is not None
+        await self.fetcher.fetch_for(request.prompt_token_ids)
+        if not ended():
+            self._start_to_outbox(request, channel_id, ended, end)
+
+    def abort(self, request_id: str) -> None:
+        channel_id = self._channelled.pop(request_id, None)
+        if channel_id is None:  # ended already
+            return
+        self.engine.abort(request_id)
+        self.num_aborted += 1
+        self.outboxes.end(channel_id)
+
+    def lost(self, channel_id: str) -> None:
+        for request_id in [r for r, c in self._channelled.items() if c == channel_id]:
+            self.abort(request_id)
+
+    async def hold(self, opened: ChannelOpen) -> AsyncIterator[Accepted]:
+        """Open while the channel's socket connection is: Serve's graceful stop of this group
+        waits for this call, and so for the requests sent on the channel."""
+        if opened.target_group != self.group_id or self.channel_server is None:
+            return
+        yield Accepted(self.group_id, self.channel_server.address)
+        await self.channel_server.connection_ended(opened.channel_id)
 
     async def channel(self, opened: ChannelOpen) -> AsyncIterator[DeltaBatch]:
         """An ingress's channel: its streamed requests' deltas, one batch per flush, for as long
@@ -346,6 +417,7 @@ class GroupServer:
             kv_blocks_fetched=fetcher.num_blocks_fetched if fetcher is not None else 0,
             kv_fetches_failed=fetcher.num_failed if fetcher is not None else 0,
             channel_flushes=self.outboxes.num_flushes, channel_deltas=self.outboxes.num_deltas,
+            channel_requests=self.num_channel_requests, channels_open=len(self.outboxes),
             num_preemptions=int(stats.get("num_preemptions", 0)))
 
     def check_health(self) -> None:

@@ -5,6 +5,8 @@ schema of that traffic. Both sides import these classes; Ray pickles them across
     ingress ──GroupRequest(channel_id)──> GroupServer.generate ──Accepted──> ingress
     ingress ──ChannelOpen──> GroupServer.channel ──DeltaBatch, DeltaBatch, ...──> ingress
     ingress ──ChannelOpen──> the group's channel socket ──DeltaBatch, DeltaBatch, ...──> ingress
+    ingress ──GroupRequest(channel_id), ChannelAbort──> (the same socket) the group
+    ingress ──ChannelOpen──> GroupServer.hold ──Accepted──> ingress (open while the socket is)
     group A ──PrefixExportRequest──> GroupServer.export_prefix (of group B) ──PrefixExport──> A
     anyone  ──StatsRequest──> GroupServer.stats ──GroupStats──> (kv_report, bench soak)
     Serve   ──record_routing_stats──> RoutingStats.as_dict() ──> LoadAwareRouter
@@ -20,9 +22,16 @@ The call itself stays open until the request ends: its cancellation is still the
 its failure still says the group failed. A request answered whole (`final_only`) sends no
 channel: its one delta is the call's answer.
 
-An abort is no message: the ingress cancels the group call (the client left, or its
-`timeout` passed), Serve cancels the group's generator, and that aborts the request and
-frees its KV blocks (`AsyncEngine.generate`).
+While an ingress's router knows one group only (nothing to choose) and its socket channel to
+that group is open, the ingress sends its streamed requests on the channel itself instead
+of a call each: a `GroupRequest` frame, and a `ChannelAbort` frame when the client leaves or
+the request's `timeout` passes. Such a request costs Ray and Serve nothing; the channel's
+end (the group died, or the ingress did) ends it on both sides. A `hold` call stays open
+while the socket does, so that Serve's graceful stop of the group waits for them.
+
+An abort of a request sent on a call is no message: the ingress cancels the group call (the
+client left, or its `timeout` passed), Serve cancels the group's generator, and that aborts
+the request and frees its KV blocks (`AsyncEngine.generate`).
 
 `target_group` on a request routes it to that group (request_router.py); `avoid_group`
 sends a retried request elsewhere first.
@@ -73,6 +82,29 @@ class ChannelOpen:
 
     target_group: str
     channel_id: str
+
+
+@dataclass(frozen=True)
+class ChannelAbort:
+    """Sent on a channel socket: end a request sent on it (the client left), free its KV blocks."""
+
+    request_id: str
+
+
+# What an ingress sends on its channel socket after its hello.
+ChannelMessage = GroupRequest | ChannelAbort
+
+
+def encode_channel_message(message: ChannelMessage) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_channel_message(data: bytes) -> ChannelMessage:
+    """A frame an ingress sent; ValueError for anything but a request or an abort."""
+    message = pickle.loads(data)
+    if not isinstance(message, (GroupRequest, ChannelAbort)):
+        raise ValueError(f"not a channel message: {type(message).__name__}")
+    return message
 
 
 @dataclass(slots=True)
@@ -218,6 +250,8 @@ class GroupStats:
     kv_fetches_failed: int = 0
     channel_flushes: int = 0  # cumulative: DeltaBatches sent on the ingresses' channels
     channel_deltas: int = 0  # cumulative: the deltas they carried
+    channel_requests: int = 0  # cumulative: requests the ingresses sent on their channels, not as calls
+    channels_open: int = 0  # the ingresses' channels being read now (or with deltas waiting)
     num_preemptions: int = 0  # cumulative, of this group's engine (a rebuilt one starts again)
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,18 +1,32 @@
 """A group's channel socket and an ingress reading it, over real TCP on loopback: each
 stream gets its own deltas in order across frames, an idle channel closes and reopens,
 a group that goes away ends exactly its streams, the ingress hanging up ends the group's
-writing at once, and a connection that does not say a proper hello gets nothing."""
+writing at once, and a connection that does not say a proper hello gets nothing.
+Requests sent on the channel reach the group (and aborts of them), only on a channel the
+group heard of through Ray; a broken frame ends the connection and its requests; a request
+that crosses the idle close still runs."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import pickle
+from dataclasses import replace
 
 import pytest
 
 from tandem.router.group_channels import ChannelLost, GroupChannels
-from tandem.workers.serving.channel_server import ChannelServer, frame
-from tandem.workers.serving.messages import DeltaBatch, GroupDelta, decode_batch, encode_batch
+from tandem.workers.core.request import SamplingParams
+from tandem.workers.serving.channel_server import ChannelServer, frame, hello
+from tandem.workers.serving.messages import (
+    ChannelOpen,
+    DeltaBatch,
+    GroupDelta,
+    GroupRequest,
+    decode_batch,
+    encode_batch,
+    encode_channel_message,
+)
 from tandem.workers.serving.outbox import Outboxes
 from tests.unit.router.test_group_channels import delta
 
@@ -41,6 +55,11 @@ async def group(name: str = "g0", idle_s: float = 30.0) -> tuple[Outboxes, Chann
     outboxes = Outboxes(idle_s=idle_s)
     server = ChannelServer(name, outboxes)
     return outboxes, server, await server.start(HOST)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> DeltaBatch:
+    header = await reader.readexactly(4)
+    return decode_batch(await reader.readexactly(int.from_bytes(header, "big")))
 
 
 def test_a_batch_survives_its_encoding_whole() -> None:
@@ -151,14 +170,14 @@ def test_the_ingress_hanging_up_ends_the_groups_writing_and_frees_its_outbox() -
         reader, writer = await asyncio.open_connection(*address)
         writer.write(frame(json.dumps({"target_group": "g0", "channel_id": "chan"}).encode()))
         outboxes.put("chan", delta("a", 1))
-        header = await reader.readexactly(4)
-        batch = decode_batch(await reader.readexactly(int.from_bytes(header, "big")))
+        ready = await read_frame(reader)  # the group took the hello
+        batch = await read_frame(reader)
         writer.close()
         await until(lambda: len(outboxes) == 0)
         server.close()
-        return [[d.request_id for d in batch.deltas], len(outboxes)]
+        return [ready, [d.request_id for d in batch.deltas], len(outboxes)]
 
-    assert asyncio.run(run()) == [["a"], 0]
+    assert asyncio.run(run()) == [DeltaBatch([]), ["a"], 0]
 
 
 @pytest.mark.parametrize("hello", [
@@ -180,3 +199,138 @@ def test_a_connection_without_a_proper_hello_gets_nothing(hello: bytes) -> None:
         return [received, server.num_refused, len(outboxes)]
 
     assert asyncio.run(run()) == [b"", 1, 1]
+
+
+# ---- requests sent on the channel --------------------------------------------------------------------
+class Requests:
+    """A group's ChannelRequests: records what came, and answers each request with one delta."""
+
+    def __init__(self, outboxes: Outboxes, accepted: tuple[str, ...] = ()) -> None:
+        self.outboxes = outboxes
+        self.accepted = set(accepted)
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+        self.lost_channels: list[str] = []
+
+    def accepts(self, channel_id: str) -> bool:
+        return channel_id in self.accepted
+
+    def submit(self, request: GroupRequest) -> None:
+        self.submitted.append(request.request_id)
+        self.outboxes.put(request.channel_id, delta(request.request_id, len(request.prompt_token_ids)))
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def lost(self, channel_id: str) -> None:
+        self.lost_channels.append(channel_id)
+
+
+class HoldHandle:
+    """The groups' handle: records `hold` calls, each open until cancelled."""
+
+    def __init__(self) -> None:
+        self.hold = self
+        self.holds: list[ChannelOpen] = []
+
+    def remote(self, opened: ChannelOpen):
+        self.holds.append(opened)
+
+        async def held():
+            await asyncio.Event().wait()
+            yield None
+
+        return held()
+
+
+def request(request_id: str, num_prompt: int = 3) -> GroupRequest:
+    return GroupRequest(request_id, list(range(1, num_prompt + 1)), SamplingParams(max_tokens=4))
+
+
+def test_requests_sent_on_the_channel_reach_the_group_and_their_deltas_come_back() -> None:
+    async def run() -> list:
+        outboxes = Outboxes(idle_s=30.0)
+        handle = HoldHandle()
+        channels = GroupChannels(handle)
+        requests = Requests(outboxes, accepted=(channels.channel_id,))
+        server = ChannelServer("g0", outboxes, requests)
+        address = await server.start(HOST)
+        first = channels.open("first")  # sent on a call: the group's Accepted opens the channel
+        outboxes.begin(channels.channel_id)
+        channels.accepted(first, "g0", address)
+        await until(lambda: channels.sender("g0") is not None)
+        streams = [channels.submit(request(r, n), "g0", channels.sender("g0")) for r, n in (("a", 5), ("b", 7))]
+        got = [(await s.next()).outputs[0].token_ids for s in streams]
+        sent = channels.num_sent_to("g0")
+        channels.close(streams[0], abort=True)  # its client left: the group is told
+        channels.close(streams[1])  # it ended: nothing to tell
+        await until(lambda: requests.aborted == ["a"])
+        await channels.shutdown()  # the ingress goes away: its channel's requests are lost
+        await until(lambda: requests.lost_channels == [channels.channel_id])
+        server.close()
+        return [requests.submitted, got, sent, channels.num_sent_to("g0"), requests.aborted,
+                [h.target_group for h in handle.holds], server.num_messages]
+
+    assert asyncio.run(run()) == [["a", "b"], [[5], [7]], 2, 0, ["a"], ["g0"], 3]
+
+
+def test_a_channel_that_did_not_come_through_ray_sends_nothing_the_group_reads() -> None:
+    async def run() -> list:
+        outboxes = Outboxes(idle_s=30.0)
+        requests = Requests(outboxes)  # accepts no channel
+        server = ChannelServer("g0", outboxes, requests)
+        address = await server.start(HOST)
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(hello(ChannelOpen("g0", "chan")))
+        ready = await read_frame(reader)  # the hello itself is fine: the channel may be read
+        writer.write(frame(encode_channel_message(replace(request("x"), channel_id="chan"))))
+        rest = await asyncio.wait_for(reader.read(), 5)  # the group hangs up
+        writer.close()
+        server.close()
+        return [ready, rest, requests.submitted, requests.lost_channels, server.num_messages]
+
+    assert asyncio.run(run()) == [DeltaBatch([]), b"", [], ["chan"], 0]
+
+
+@pytest.mark.parametrize("payload", [b"not a pickle", pickle.dumps({"request_id": "x"}),
+                                     pickle.dumps(ChannelOpen("g0", "chan"))])
+def test_a_frame_that_is_no_channel_message_ends_the_connection_and_its_requests(payload: bytes) -> None:
+    async def run() -> list:
+        outboxes = Outboxes(idle_s=30.0)
+        requests = Requests(outboxes, accepted=("chan",))
+        server = ChannelServer("g0", outboxes, requests)
+        address = await server.start(HOST)
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(hello(ChannelOpen("g0", "chan")))
+        await read_frame(reader)
+        writer.write(frame(encode_channel_message(replace(request("a"), channel_id="chan"))))
+        answered = await read_frame(reader)
+        writer.write(frame(payload))
+        rest = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        server.close()
+        return [[d.request_id for d in answered.deltas], rest, requests.submitted, requests.lost_channels]
+
+    assert asyncio.run(run()) == [["a"], b"", ["a"], ["chan"]]
+
+
+def test_a_request_that_crosses_the_idle_close_still_runs() -> None:
+    async def run() -> list:
+        outboxes = Outboxes(idle_s=0.05)
+        requests = Requests(outboxes, accepted=("chan",))
+        server = ChannelServer("g0", outboxes, requests)
+        address = await server.start(HOST)
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(hello(ChannelOpen("g0", "chan")))
+        await read_frame(reader)
+        closing = await read_frame(reader)  # nothing ran for idle_s: the group closes the channel ...
+        # ... while the ingress sent a request, before it read the closing batch.
+        writer.write(frame(encode_channel_message(replace(request("late"), channel_id="chan"))))
+        await until(lambda: requests.submitted == ["late"])
+        writer.close()  # the ingress hangs up, as it does on the closing batch
+        await until(lambda: not server._writers)
+        waiting = len(outboxes)  # the request's delta waits for the channel's next connection
+        server.close()
+        return [closing.closing, requests.submitted, requests.lost_channels, waiting]
+
+    assert asyncio.run(run()) == [True, ["late"], [], 1]
