@@ -12,7 +12,13 @@ import asyncio
 from collections.abc import Callable
 
 from tandem.workers.serving.channel_server import HEADER_BYTES, frame, hello, tune
-from tandem.workers.serving.messages import ChannelMessage, ChannelOpen, DeltaBatch, decode_batch, encode_channel_message
+from tandem.workers.serving.messages import (
+    ChannelMessage,
+    ChannelOpen,
+    DeltaBatch,
+    decode_batch,
+    encode_channel_message,
+)
 
 # A frame this large is no batch of a group's: the connection is broken, not the batch.
 MAX_FRAME_BYTES = 1 << 30
