@@ -212,7 +212,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                       "limits": limits,
                       "admission": admission, "stream_channels": serving["stream_channels"],
                       "max_chunks_per_s": serving["ingress_max_chunks_per_s"],
-                      "max_sent_on_channel": max_sent_on_channel(config, serving),
+                      "max_sent_on_channel": max_sent_on_channel(config, serving), "metrics": serving["metrics"],
                       "request_timeout_s": serving["request_timeout_s"], **tool_call_options(serving)}
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
                                     max_ongoing_requests=serving["ingress_max_ongoing_requests"],

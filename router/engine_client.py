@@ -35,6 +35,7 @@ from tandem.router import tracing
 from tandem.router.grammar_check import GrammarCheck
 from tandem.router.group_channels import ChannelLost, ChannelStream, GroupChannels
 from tandem.router.known_groups import known_groups
+from tandem.router.request_router import decisions_counter
 from tandem.router.text_work import TextWork
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.core.validation import PromptLimits, validate_prompt
@@ -112,7 +113,8 @@ class EngineClient:
     def __init__(self, handle, *, tokenizer, model_name: str, max_model_len: int, vocab_size: int,
                  group_deployment: str = "GroupServer", channels: bool = True,
                  max_chunks_per_s: float = 0.0, request_timeout_s: float | None = None,
-                 eos_token_ids: tuple[int, ...] = (), max_sent_on_channel: int = 0) -> None:
+                 eos_token_ids: tuple[int, ...] = (), max_sent_on_channel: int = 0,
+                 export_metrics: bool = True) -> None:
         """`channels`: streamed requests' deltas come over one channel per group (group_channels.py),
         their streams sharing `max_chunks_per_s` (0: no bound); False: each over its own call,
         one Ray message per delta. `request_timeout_s`: the deadline of a request that sets
@@ -122,6 +124,8 @@ class EngineClient:
         through Serve, which queues them; 0: none go on the channel)."""
         self.request_timeout_s = request_timeout_s
         self.max_sent_on_channel = max_sent_on_channel
+        self.export_metrics = export_metrics
+        self._decisions: Any = None  # the router-decision counter, for requests sent on a channel
         self._app_name = getattr(handle, "app_name", "")
         self._deployment_name = getattr(handle, "deployment_name", group_deployment)
         self._handle = handle.options(stream=True)
@@ -289,7 +293,18 @@ class EngineClient:
         sender = channels.sender(group_id)
         if sender is None or channels.num_sent_to(group_id) >= self.max_sent_on_channel:
             return None
-        return channels.submit(request, group_id, sender)
+        started_ns = time.time_ns()
+        stream = channels.submit(request, group_id, sender)
+        if stream is not None:  # the decision, as the router records its own
+            if self._decisions is None and self.export_metrics:
+                self._decisions = decisions_counter(self._app_name)
+            if self._decisions is not None:
+                self._decisions.inc(1, tags={"decision": "only_group"})
+            if request.trace_context is not None:
+                tracing.record_route(request.trace_context, started_ns, time.time_ns(), {
+                    "tandem.route.replica_group": group_id, "tandem.route.decision": "only_group",
+                    "tandem.route.num_candidates": 1})
+        return stream
 
     async def _read_stream(self, stream: ChannelStream, channels: GroupChannels,
                            deadline: float | None) -> AsyncIterator[GroupDelta]:

@@ -138,7 +138,8 @@ class OpenAIIngress(GrpcMethods):
             max_model_len=config.get("max_model_len") or hf_config.max_position_embeddings,
             vocab_size=hf_config.vocab_size, channels=config.get("stream_channels", True),
             max_chunks_per_s=config.get("max_chunks_per_s", 0.0), request_timeout_s=config.get("request_timeout_s"),
-            eos_token_ids=hf_config.eos_token_ids, max_sent_on_channel=config.get("max_sent_on_channel", 0))
+            eos_token_ids=hf_config.eos_token_ids, max_sent_on_channel=config.get("max_sent_on_channel", 0),
+            export_metrics=config.get("metrics", True))
         self.api_key = config.get("api_key_sha256")  # the key's digest (router/api_key.py)
         if self.api_key is None:
             logger.warning("tandem: no API key: whoever reaches this server's HTTP and gRPC ports may use it")

@@ -146,13 +146,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         """Count the decision (prefix hit vs load) and record it on the request's trace."""
         decision = "prefix" if by_prefix else "load"
         if self._decisions is None and self.export_metrics:
-            from ray.util.metrics import Counter
-
-            self._decisions = Counter("tandem_router_decisions", "Requests routed, by what decided the group",
-                                      tag_keys=("application", "decision"))
-            self._decisions.set_default_tags({"application": self._deployment_id.app_name})
-            for name in ("prefix", "load"):
-                start_at_zero(self._decisions, {"decision": name})
+            self._decisions = decisions_counter(self._deployment_id.app_name)
         if self._decisions is not None:
             self._decisions.inc(1, tags={"decision": decision})
         request = pending_request.args[0] if pending_request.args else None
@@ -200,6 +194,24 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
 
         self._publish(known_groups.known_groups(self._deployment_id.app_name, self._deployment_id.name)
                       - {replica_id.unique_id})
+
+
+# What decided a request's group: a prefix credit, the load, or that the ingress's router knew
+# one group only (the request went on the ingress's channel to it: router/engine_client.py).
+DECISIONS = ("prefix", "load", "only_group")
+
+
+def decisions_counter(app_name: str) -> Any:
+    """The router-decision counter (`ray.util.metrics`), every decision at zero from the start.
+    The router and the ingress each count theirs: Ray adds up a metric across processes."""
+    from ray.util.metrics import Counter
+
+    counter = Counter("tandem_router_decisions", "Requests routed, by what decided the group",
+                      tag_keys=("application", "decision"))
+    counter.set_default_tags({"application": app_name})
+    for name in DECISIONS:
+        start_at_zero(counter, {"decision": name})
+    return counter
 
 
 def _request_field(pending_request: PendingRequest | None, key: str) -> str | None:

@@ -32,6 +32,7 @@ MODEL = "tandem-demo"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRACE_HTTP = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACE_GRPC = "0af7651916cd43dd8448eb211c80319c"
+TRACE_STREAM = "5c2d8e1f0a9b4c3d8e7f6a5b4c3d2e1f"
 CLIENT_SPAN = "00f067aa0ba902b7"
 ENV = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": "tandem-test"}
 
@@ -193,6 +194,31 @@ def test_http_request_is_one_connected_trace(deployment: Deployment) -> None:
     assert spans["prefill"]["attributes"]["tandem.prefill.num_chunks"] == 1
     assert spans["route"]["attributes"]["tandem.route.decision"] in ("prefix", "load")
     assert spans["route"]["attributes"]["tandem.route.replica_group"] == group["attributes"]["tandem.replica_group"]
+
+
+def test_a_streamed_request_sent_on_the_channel_is_one_connected_trace(deployment: Deployment) -> None:
+    """With one group, a streamed request goes on the ingress's channel to it (no Serve call, no
+    request router): the ingress records the route span itself."""
+    import requests
+
+    body = {"model": MODEL, "prompt": "Hello, tandem", "max_tokens": 32, "temperature": 0, "stream": True}
+    url = deployment.base_url + "/v1/completions"
+    with requests.post(url, json=body, stream=True, timeout=60) as holder:  # its call opens the channel
+        lines = holder.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data: {"))
+        traceparent = f"00-{TRACE_STREAM}-{CLIENT_SPAN}-01"
+        with requests.post(url, json={**body, "max_tokens": 4}, headers={"traceparent": traceparent},
+                           stream=True, timeout=60) as r:
+            events = [line for line in r.iter_lines() if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]"
+        list(lines)
+    deployment.num_group_requests += 2
+    ingress = f"text_completion {MODEL}"
+    spans = _trace(deployment, TRACE_STREAM, GROUP_SPANS | {ingress})
+    _check_connected(spans, ingress)
+    route = spans["route"]["attributes"]
+    assert (route["tandem.route.decision"], route["tandem.route.num_candidates"]) == ("only_group", 1)
+    assert route["tandem.route.replica_group"] == spans["group_request"]["attributes"]["tandem.replica_group"]
 
 
 def test_grpc_request_is_one_connected_trace(deployment: Deployment) -> None:
