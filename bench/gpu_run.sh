@@ -202,6 +202,14 @@ part_serve_serve_channel() {
     --output-len 256 --no-stall-check --channel-transport serve
   ray_errors serve_1b_serve_channel
 }
+# The same at 128 with every streamed request a Serve call of its own (--no-requests-on-channel):
+# against part serve's requests sent on the channel, on the same machine.
+part_serve_calls() {
+  serve_ready || return
+  on llama-1b serve_1b_calls 200 serve --concurrency 128 --compare-concurrency 128 --num-requests 512 \
+    --output-len 256 --no-stall-check --no-requests-on-channel
+  ray_errors serve_1b_calls
+}
 # Who holds the GIL in the group and the ingress while 128 streams run (py-spy --gil, 8 s of
 # samples a few seconds into the served level), and in the benchmark's own process while the
 # offline engine runs the same requests (its stacks under _offline_run): raw stacks to
@@ -253,7 +261,7 @@ part_quant_quality() { on llama-1b quality_fp8_1b 90 quality --quantization fp8 
 
 # Multi-step 8 last: the H100's full-shape sweep found it no faster than one pass a step.
 # The served path first: it is the one figure never measured on a GPU.
-DEFAULT_PARTS="quant_tests quant_gemm quant_8b quant_kv_8b quant_quality serve serve_serve_channel serve_gil serve_python_proxy serve_per_call tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
+DEFAULT_PARTS="quant_tests quant_gemm quant_8b quant_kv_8b quant_quality serve serve_calls serve_serve_channel serve_gil serve_python_proxy serve_per_call tests offline offline_mixed512 decode_tiles latency 8b latency_sampled host_step latency_ms8 offline_ms8"
 PARTS="$DEFAULT_PARTS breakdown"
 parts=("$@")
 # shellcheck disable=SC2206
