@@ -45,13 +45,11 @@ class _ChannelReader(asyncio.Protocol):
         self._on_batch = on_batch
         self._ended = ended  # True: the group closed the channel for being idle; False: it just ended
         self._buffer = bytearray()
-        self._transport: asyncio.Transport | None = None
         self._on_ready = on_ready
         self.sender = ChannelSender()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-        self.sender.transport = self._transport
+        self.sender.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
@@ -90,8 +88,8 @@ class _ChannelReader(asyncio.Protocol):
                 self._ended.set_exception(result)
             else:
                 self._ended.set_result(result)
-        if self._transport is not None:
-            self._transport.close()
+        if self.sender.transport is not None:
+            self.sender.transport.close()
 
 
 async def read_socket_channel(address: tuple[str, int], opened: ChannelOpen,

@@ -49,7 +49,6 @@ MAX_HELLO_BYTES = 4096
 HEADER_BYTES = 4
 # A request's frame: its prompt's token ids and sampling options (a long prompt is a few MB).
 MAX_MESSAGE_BYTES = 64 << 20
-_READY = len(encode_batch(DeltaBatch([]))).to_bytes(HEADER_BYTES, "big") + encode_batch(DeltaBatch([]))
 
 
 class ChannelRequests(Protocol):
@@ -71,6 +70,9 @@ class ChannelRequests(Protocol):
 
 def frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(HEADER_BYTES, "big") + payload
+
+
+_READY = frame(encode_batch(DeltaBatch([])))  # a connection's first frame: the group took its hello
 
 
 def hello(opened: ChannelOpen) -> bytes:
