@@ -252,7 +252,6 @@ class EngineClient:
         stream = channels.open(request.request_id)
         response = self._handle.generate.remote(replace(request, channel_id=channels.channel_id))
         watcher: asyncio.Task | None = None
-        timer: asyncio.TimerHandle | None = None
         finished = False
         try:
             try:
@@ -260,21 +259,13 @@ class EngineClient:
             except StopAsyncIteration:
                 raise _GroupFailed("its call ended before it accepted the request") from None
             channels.accepted(stream, accepted.group_id, accepted.channel_address)
-            loop = asyncio.get_running_loop()
-            watcher = loop.create_task(_watch(response, stream, accepted.group_id))
-            # One timer for the request's deadline, not a timeout around every delta's await:
-            # that cost a task per token on the streamed path.
-            if deadline is not None:
-                timer = loop.call_later(max(0.0, deadline - time.monotonic()), stream.put,
-                                        RequestTimeout("the request's timeout passed before it finished"))
-            while not finished:
-                delta = await stream.next()
-                finished = delta.finished
-                yield delta
+            watcher = asyncio.get_running_loop().create_task(_watch(response, stream, accepted.group_id))
+            async with aclosing(self._read_stream(stream, channels, deadline)) as deltas:
+                async for delta in deltas:
+                    finished = delta.finished
+                    yield delta
         finally:
-            channels.close(stream)
-            if timer is not None:
-                timer.cancel()
+            channels.close(stream)  # (closed already, unless the call failed before it accepted)
             if watcher is not None:
                 watcher.cancel()
             if not finished:
@@ -308,7 +299,11 @@ class EngineClient:
 
     async def _read_stream(self, stream: ChannelStream, channels: GroupChannels,
                            deadline: float | None) -> AsyncIterator[GroupDelta]:
-        """A request sent on the channel: its deltas; leaving before the last aborts it there."""
+        """A channelled request's deltas from its stream, until the last. Leaving before it
+        aborts a request sent on the channel there (one sent on a call: its caller cancels it).
+
+        One timer for the request's deadline, not a timeout around every delta's await: that
+        cost a task per token on the streamed path."""
         timer: asyncio.TimerHandle | None = None
         if deadline is not None:
             timer = asyncio.get_running_loop().call_later(
