@@ -223,7 +223,6 @@ class GroupChannels:
         finally:
             if self._pumps.get(group_id) is me:
                 del self._pumps[group_id]
-            self._senders.pop(group_id, None)
             hold = self._holds.pop(group_id, None)
             if hold is not None:
                 hold.cancel()
@@ -241,7 +240,7 @@ class GroupChannels:
             try:
                 return await read_socket_channel(address, opened, self._hand_out,
                                                  lambda sender: self._senders.__setitem__(group_id, sender))
-            finally:
+            finally:  # the connection is gone, however it ended: nothing more goes on it
                 self._senders.pop(group_id, None)
         async for batch in self._handle.channel.remote(opened):
             self._hand_out(batch)
