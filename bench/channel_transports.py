@@ -21,7 +21,8 @@ import socket
 import time
 from typing import Any
 
-HEADER = 4
+from tandem.bench.process_cpu import cpu_seconds
+from tandem.workers.serving.channel_server import HEADER_BYTES, frame
 
 
 def _batch(num_deltas: int) -> bytes:
@@ -31,12 +32,6 @@ def _batch(num_deltas: int) -> bytes:
     deltas = [GroupDelta(f"cmpl-{i:032x}-0", "group1234", [CompletionOutput(0, " tok", [1234], None)], False,
                          num_prompt_tokens=100) for i in range(num_deltas)]
     return encode_batch(DeltaBatch(deltas))
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _actors():
@@ -66,7 +61,7 @@ def _actors():
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for _ in range(count):
                 payload = self.flush(rate)
-                sock.sendall(len(payload).to_bytes(HEADER, "big") + payload)
+                sock.sendall(frame(payload))
             sock.close()
 
     @ray.remote(num_cpus=0)
@@ -81,18 +76,18 @@ def _actors():
             async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
                 nonlocal got
                 while got < count:
-                    size = int.from_bytes(await reader.readexactly(HEADER), "big")
+                    size = int.from_bytes(await reader.readexactly(HEADER_BYTES), "big")
                     await reader.readexactly(size)
                     got += 1
                 done.set_result(True)
 
             server = await asyncio.start_server(serve, "127.0.0.1", 0)
-            cpu = [_cpu_s(p) for p in pids]
+            cpu = [cpu_seconds(p) for p in pids]
             start = time.monotonic()
             sending = group.send.remote(server.sockets[0].getsockname(), count, rate)
             await done
             elapsed = time.monotonic() - start
-            cpu = [_cpu_s(p) - c for p, c in zip(pids, cpu)]
+            cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu)]
             await sending
             server.close()
             return elapsed, cpu
@@ -105,12 +100,12 @@ def _actors():
             graph = dag.experimental_compile()
             try:
                 graph.execute(rate).get()  # warm
-                cpu = [_cpu_s(p) for p in pids]
+                cpu = [cpu_seconds(p) for p in pids]
                 start = time.monotonic()
                 for _ in range(count):
                     graph.execute(rate).get()
                 elapsed = time.monotonic() - start
-                return elapsed, [_cpu_s(p) - c for p, c in zip(pids, cpu)]
+                return elapsed, [cpu_seconds(p) - c for p, c in zip(pids, cpu)]
             finally:
                 graph.teardown()
 

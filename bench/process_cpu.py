@@ -11,26 +11,36 @@ from __future__ import annotations
 import os
 
 
+def _stat(pid: int | str) -> tuple[int, float]:
+    """(parent's pid, user + system CPU seconds) of a process; OSError once it is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    # The command name is in parentheses and may hold spaces or ")": the fields start after
+    # its last ")". fields[1] is the parent's pid, fields[11:13] utime and stime in ticks.
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (10 ms ticks on Linux)."""
+    return _stat(pid)[1]
+
+
 def tree_cpu_seconds(root: int, *, include_root: bool = True) -> dict[int, float]:
     """{pid: user + system CPU seconds} of every process descended from `root`, and of `root`
     itself unless `include_root` is False (a load generator running in it is no server's)."""
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
+            parent, seconds = _stat(entry)
         except OSError:  # gone meanwhile
             continue
-        # The command name is in parentheses and may hold spaces or ")": the fields start after
-        # its last ")". fields[1] is the parent's pid, fields[11:13] utime and stime in ticks.
-        fields = stat[stat.rindex(")") + 2:].split()
         pid = int(entry)
-        parents[pid] = int(fields[1])
-        times[pid] = (int(fields[11]) + int(fields[12])) / tick
+        parents[pid] = parent
+        times[pid] = seconds
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():
         children.setdefault(parent, []).append(pid)

@@ -3,6 +3,7 @@ and the CPU between two readings counted per pid."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from tandem.bench.process_cpu import cpu_used, process_role, tree_cpu_seconds
+from tandem.bench.process_cpu import cpu_seconds, cpu_used, process_role, tree_cpu_seconds
 
 SPIN = "import time\nend = time.process_time() + {burn}\nwhile time.process_time() < end: pass\ntime.sleep(60)"
 # A child that starts a grandchild, says its pid, and both burn a little CPU before sleeping.
@@ -70,3 +71,11 @@ def test_a_process_role_is_what_ray_or_the_program_names_it() -> None:
         child.kill()
         child.wait()
     assert process_role(child.pid) == ""
+
+
+def test_a_process_cpu_time_is_what_its_clock_says() -> None:
+    before, clock = cpu_seconds(os.getpid()), time.process_time()
+    hashlib.sha256(bytes(64 << 20)).digest()  # work: tens of ms of CPU
+    used = time.process_time() - clock
+    assert used > 0.02
+    assert abs((cpu_seconds(os.getpid()) - before) - used) <= 0.03  # /proc counts in 10 ms ticks, read twice
