@@ -247,6 +247,22 @@ def request(request_id: str, num_prompt: int = 3) -> GroupRequest:
     return GroupRequest(request_id, list(range(1, num_prompt + 1)), SamplingParams(max_tokens=4))
 
 
+def sent_on_chan(request_id: str) -> bytes:
+    """The frame of a request an ingress sends on channel "chan"."""
+    return frame(encode_channel_message(replace(request(request_id), channel_id="chan")))
+
+
+async def raw_channel(accepted: tuple[str, ...] = ("chan",), idle_s: float = 30.0):
+    """A group whose requests go to a `Requests`, and a bare connection to its socket that said
+    the hello of channel "chan": (outboxes, requests, server, reader, writer, first frame)."""
+    outboxes = Outboxes(idle_s=idle_s)
+    requests = Requests(outboxes, accepted=accepted)
+    server = ChannelServer("g0", outboxes, requests)
+    reader, writer = await asyncio.open_connection(*await server.start(HOST))
+    writer.write(hello(ChannelOpen("g0", "chan")))
+    return outboxes, requests, server, reader, writer, await read_frame(reader)
+
+
 def test_requests_sent_on_the_channel_reach_the_group_and_their_deltas_come_back() -> None:
     async def run() -> list:
         outboxes = Outboxes(idle_s=30.0)
@@ -276,14 +292,9 @@ def test_requests_sent_on_the_channel_reach_the_group_and_their_deltas_come_back
 
 def test_a_channel_that_did_not_come_through_ray_sends_nothing_the_group_reads() -> None:
     async def run() -> list:
-        outboxes = Outboxes(idle_s=30.0)
-        requests = Requests(outboxes)  # accepts no channel
-        server = ChannelServer("g0", outboxes, requests)
-        address = await server.start(HOST)
-        reader, writer = await asyncio.open_connection(*address)
-        writer.write(hello(ChannelOpen("g0", "chan")))
-        ready = await read_frame(reader)  # the hello itself is fine: the channel may be read
-        writer.write(frame(encode_channel_message(replace(request("x"), channel_id="chan"))))
+        # The hello itself is fine (the channel may be read); the group accepts no channel's requests.
+        _, requests, server, reader, writer, ready = await raw_channel(accepted=())
+        writer.write(sent_on_chan("x"))
         rest = await asyncio.wait_for(reader.read(), 5)  # the group hangs up
         writer.close()
         server.close()
@@ -296,14 +307,8 @@ def test_a_channel_that_did_not_come_through_ray_sends_nothing_the_group_reads()
                                      pickle.dumps(ChannelOpen("g0", "chan"))])
 def test_a_frame_that_is_no_channel_message_ends_the_connection_and_its_requests(payload: bytes) -> None:
     async def run() -> list:
-        outboxes = Outboxes(idle_s=30.0)
-        requests = Requests(outboxes, accepted=("chan",))
-        server = ChannelServer("g0", outboxes, requests)
-        address = await server.start(HOST)
-        reader, writer = await asyncio.open_connection(*address)
-        writer.write(hello(ChannelOpen("g0", "chan")))
-        await read_frame(reader)
-        writer.write(frame(encode_channel_message(replace(request("a"), channel_id="chan"))))
+        _, requests, server, reader, writer, _ = await raw_channel()
+        writer.write(sent_on_chan("a"))
         answered = await read_frame(reader)
         writer.write(frame(payload))
         rest = await asyncio.wait_for(reader.read(), 5)
@@ -316,16 +321,10 @@ def test_a_frame_that_is_no_channel_message_ends_the_connection_and_its_requests
 
 def test_a_request_that_crosses_the_idle_close_still_runs() -> None:
     async def run() -> list:
-        outboxes = Outboxes(idle_s=0.05)
-        requests = Requests(outboxes, accepted=("chan",))
-        server = ChannelServer("g0", outboxes, requests)
-        address = await server.start(HOST)
-        reader, writer = await asyncio.open_connection(*address)
-        writer.write(hello(ChannelOpen("g0", "chan")))
-        await read_frame(reader)
+        outboxes, requests, server, reader, writer, _ = await raw_channel(idle_s=0.05)
         closing = await read_frame(reader)  # nothing ran for idle_s: the group closes the channel ...
         # ... while the ingress sent a request, before it read the closing batch.
-        writer.write(frame(encode_channel_message(replace(request("late"), channel_id="chan"))))
+        writer.write(sent_on_chan("late"))
         await until(lambda: requests.submitted == ["late"])
         writer.close()  # the ingress hangs up, as it does on the closing batch
         await until(lambda: not server._writers)
