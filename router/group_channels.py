@@ -29,13 +29,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from tandem.router.channel_socket import ChannelSender, read_socket_channel
-from tandem.workers.serving.messages import ChannelAbort, ChannelOpen, DeltaBatch, GroupDelta, GroupRequest
+from tandem.workers.serving.messages import (
+    ChannelAbort,
+    ChannelOpen,
+    DeltaBatch,
+    DeltaJoiner,
+    GroupDelta,
+    GroupRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +65,25 @@ class SlowReader(Exception):
 
 
 class ChannelStream:
-    """One request's deltas as its channel delivers them (each delta in order)."""
+    """One request's deltas as its channel delivers them (each delta in order).
+
+    Deltas that arrive while the reader is busy are joined as they come (a `DeltaJoiner`), not
+    queued as objects: at a GPU's step rate a stream gathers a few deltas between two of its
+    messages, and a queue of them is what the garbage collector walked, at every collection,
+    for every stream."""
 
     def __init__(self, request_id: str, min_interval_s: Callable[[], float] = lambda: 0.0,
                  max_unread: int = MAX_UNREAD_DELTAS) -> None:
         self.request_id = request_id
         self.group_id: str | None = None
-        self._queue: asyncio.Queue[GroupDelta | BaseException] = asyncio.Queue()
+        # In order: deltas joined while they wait (a finish closes one), and errors.
+        self._waiting: deque[DeltaJoiner | BaseException] = deque()
+        self._open: DeltaJoiner | None = None  # the last of `_waiting` while later deltas may join it
+        self.num_unread = 0  # deltas waiting
+        self._wakeup: asyncio.Future | None = None  # the reader's, while it waits for a delta
         self._min_interval_s = min_interval_s
         self._last_sent: float | None = None
+        self._any_put = False
         self._max_unread = max_unread
         self._reader: asyncio.Task | None = None  # the task that reads this stream (the response's)
         self.overflowed = False
@@ -75,48 +92,67 @@ class ChannelStream:
     def put(self, item: GroupDelta | BaseException) -> None:
         if self.overflowed:
             return
-        if self._queue.qsize() >= self._max_unread:
+        if self.num_unread >= self._max_unread:
             # The reader is stuck writing to a client that does not read (it never comes back
             # for these): drop them, and cancel it, which ends the request (its group call is
             # cancelled: the group aborts it and frees its KV) and the client's connection.
             self.overflowed = True
-            while not self._queue.empty():
-                self._queue.get_nowait()
-            self._queue.put_nowait(SlowReader(f"request {self.request_id}: the client left more than "
-                                              f"{self._max_unread} deltas unread"))
+            self._waiting.clear()
+            self._open = None
+            self.num_unread = 0
+            self._waiting.append(SlowReader(f"request {self.request_id}: the client left more than "
+                                            f"{self._max_unread} deltas unread"))
             if self._reader is not None and not self._reader.done():
                 self._reader.cancel()
             return
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            self._waiting.append(item)
+            self._open = None
+        elif self._open is not None:
+            self._open.add(item)
+            self.num_unread += 1
+            if item.finished:  # the finish stays the last thing a message says
+                self._open = None
+        else:
+            joiner = DeltaJoiner(item)
+            self._waiting.append(joiner)
+            self.num_unread += 1
+            # The first delta goes alone, at once (time to first token): nothing joins it.
+            self._open = joiner if self._any_put and not item.finished else None
+            self._any_put = True
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     async def next(self) -> GroupDelta:
-        """The next delta, joined with every later one waiting: one message for the client
-        however many flushes arrived while it was busy (a finish or an error stays the last
-        thing it says). The first goes alone, at once (time to first token); after it, a
-        delta is held until `min_interval_s()` has passed since the one before, and gathers
-        what arrives meanwhile."""
+        """The next delta, joined with every later one that came while the reader was busy:
+        one message for the client however many flushes arrived meanwhile (a finish or an
+        error stays the last thing it says). The first goes alone, at once (time to first
+        token); after it, a delta is held until `min_interval_s()` has passed since the one
+        before, and gathers what arrives meanwhile."""
         self._reader = asyncio.current_task()
-        delta = self._checked(await self._queue.get())
         loop = asyncio.get_running_loop()
-        if self._last_sent is None:  # the first token goes alone, however many came with it
-            self._last_sent = loop.time()
-            return delta
-        if not delta.finished:
+        while not self._waiting:
+            self._wakeup = loop.create_future()
+            try:
+                await self._wakeup
+            finally:
+                self._wakeup = None
+        head = self._waiting[0]
+        if isinstance(head, BaseException):
+            self._waiting.popleft()
+            raise head
+        if self._last_sent is not None and not head.finished:
             wait = self._last_sent + self._min_interval_s() - loop.time()
             if wait > 0:
-                await asyncio.sleep(wait)
-        waiting = [delta]
-        while not waiting[-1].finished and not self._queue.empty():
-            waiting.append(self._checked(self._queue.get_nowait()))
+                await asyncio.sleep(wait)  # what arrives meanwhile joins `head`
+            if self.overflowed:  # dropped meanwhile: what waits now is the reason
+                raise self._waiting.popleft()
+        self._waiting.popleft()
+        if self._open is head:
+            self._open = None
+        self.num_unread -= head.count
         self._last_sent = loop.time()
-        return GroupDelta.join(waiting)
-
-    @staticmethod
-    def _checked(item: GroupDelta | BaseException) -> GroupDelta:
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
+        return head.result()
 
 class GroupChannels:
     def __init__(self, handle: Any, max_chunks_per_s: float = 0.0) -> None:

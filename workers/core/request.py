@@ -270,8 +270,24 @@ class CompletionOutput:
 def join_outputs(parts: Iterable[list[CompletionOutput]]) -> list[CompletionOutput]:
     """The sequences' news of consecutive deltas as one, in one pass: per sequence index its
     texts, token ids and logprobs joined in order, and the latest finish reason."""
-    joined: dict[int, tuple[list[str], list[int], list[PositionLogprobs] | None, CompletionOutput]] = {}
+    joiner = OutputJoiner()
     for outputs in parts:
+        joiner.add(outputs)
+    return joiner.result()
+
+
+class OutputJoiner:
+    """`join_outputs`, one delta's outputs at a time: what it holds between deltas is a few
+    lists per sequence (texts, token ids), not the deltas themselves, so deltas waiting to be
+    joined cost the garbage collector nothing to walk."""
+
+    __slots__ = ("_joined",)
+
+    def __init__(self) -> None:
+        self._joined: dict[int, tuple[list[str], list[int], list[PositionLogprobs] | None, CompletionOutput]] = {}
+
+    def add(self, outputs: list[CompletionOutput]) -> None:
+        joined = self._joined
         for o in outputs:
             part = joined.get(o.index)
             if part is None:
@@ -286,8 +302,10 @@ def join_outputs(parts: Iterable[list[CompletionOutput]]) -> list[CompletionOutp
                 else:
                     logprobs.extend(o.logprobs)
             joined[o.index] = (texts, token_ids, logprobs, o)
-    return [dataclasses.replace(o, text="".join(texts), token_ids=token_ids, logprobs=logprobs)
-            for texts, token_ids, logprobs, o in (joined[i] for i in sorted(joined))]
+
+    def result(self) -> list[CompletionOutput]:
+        return [dataclasses.replace(o, text="".join(texts), token_ids=token_ids, logprobs=logprobs)
+                for texts, token_ids, logprobs, o in (self._joined[i] for i in sorted(self._joined))]
 
 
 @dataclass

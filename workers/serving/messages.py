@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.workers.core.request import CompletionOutput, PositionLogprobs, SamplingParams, join_outputs
+from tandem.workers.core.request import CompletionOutput, OutputJoiner, PositionLogprobs, SamplingParams
 
 # invalid_request: the caller's fault (a 400, gRPC INVALID_ARGUMENT); unavailable: the group
 # failed, and the request may be retried elsewhere if nothing of it was sent yet (a 503).
@@ -175,13 +175,50 @@ class GroupDelta:
         """One delta that says what consecutive deltas of one request say: per sequence its
         texts, token ids and logprobs joined (`join_outputs`), and the last one's finish and
         figures (a stream's waiting deltas, joined once per message to its client)."""
-        last = deltas[-1]
-        if len(deltas) == 1:
-            return last
-        prompt_logprobs = next((d.prompt_logprobs for d in reversed(deltas) if d.prompt_logprobs is not None), None)
-        num_prompt_tokens = next((d.num_prompt_tokens for d in reversed(deltas) if d.num_prompt_tokens), 0)
-        return dataclasses.replace(last, outputs=join_outputs(d.outputs for d in deltas),
-                                   num_prompt_tokens=num_prompt_tokens, prompt_logprobs=prompt_logprobs)
+        joiner = DeltaJoiner(deltas[0])
+        for delta in deltas[1:]:
+            joiner.add(delta)
+        return joiner.result()
+
+
+class DeltaJoiner:
+    """`GroupDelta.join` as deltas arrive (a stream's deltas waiting for its next message):
+    it keeps the first delta while it is alone, and from the second on the joined lists
+    (`OutputJoiner`) and the latest delta, so waiting deltas are not kept as objects."""
+
+    __slots__ = ("_first", "_outputs", "_last", "_num_prompt_tokens", "_prompt_logprobs", "count")
+
+    def __init__(self, first: GroupDelta) -> None:
+        self._first: GroupDelta | None = first
+        self._outputs: OutputJoiner | None = None
+        self._last = first
+        self._num_prompt_tokens = first.num_prompt_tokens
+        self._prompt_logprobs = first.prompt_logprobs
+        self.count = 1  # deltas joined
+
+    @property
+    def finished(self) -> bool:
+        return self._last.finished
+
+    def add(self, delta: GroupDelta) -> None:
+        if self._outputs is None:
+            self._outputs = OutputJoiner()
+            self._outputs.add(self._last.outputs)
+            self._first = None
+        self._outputs.add(delta.outputs)
+        self._last = delta
+        self.count += 1
+        if delta.num_prompt_tokens:
+            self._num_prompt_tokens = delta.num_prompt_tokens
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
+
+    def result(self) -> GroupDelta:
+        if self._first is not None:
+            return self._first
+        assert self._outputs is not None
+        return dataclasses.replace(self._last, outputs=self._outputs.result(),
+                                   num_prompt_tokens=self._num_prompt_tokens, prompt_logprobs=self._prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,57 @@ def test_deltas_waiting_for_a_stream_come_joined_and_the_finish_stays_last() -> 
     assert asyncio.run(run()) == [[1], [(0, "t3t4", [3, 4], "length", True), (1, "t2", [2], None, False)], True]
 
 
+def test_deltas_that_came_before_the_first_read_go_first_alone_then_all_joined() -> None:
+    from tandem.router.group_channels import ChannelStream
+
+    async def run() -> list:
+        stream = ChannelStream("r")
+        for token in range(1, 5):
+            stream.put(delta("r", token))
+        unread = stream.num_unread
+        first, rest = await stream.next(), await stream.next()
+        return [unread, first.outputs[0].token_ids, rest.outputs[0].text, rest.outputs[0].token_ids, stream.num_unread]
+
+    assert asyncio.run(run()) == [4, [1], "t2t3t4", [2, 3, 4], 0]
+
+
+def test_an_error_after_waiting_deltas_comes_after_them() -> None:
+    from tandem.router.group_channels import ChannelStream
+
+    async def run() -> list:
+        stream = ChannelStream("r")
+        stream.put(delta("r", 1))
+        got = [(await stream.next()).outputs[0].token_ids]
+        stream.put(delta("r", 2))
+        stream.put(delta("r", 3))
+        stream.put(ChannelLost("its channel ended", "g0"))
+        stream.put(delta("r", 4))  # (after the error: never joined to what came before it)
+        got.append((await stream.next()).outputs[0].token_ids)
+        with pytest.raises(ChannelLost, match="its channel ended"):
+            await stream.next()
+        got.append((await stream.next()).outputs[0].token_ids)
+        return got
+
+    assert asyncio.run(run()) == [[1], [2, 3], [4]]
+
+
+def test_a_reader_waiting_for_its_next_delta_wakes_when_it_comes() -> None:
+    from tandem.router.group_channels import ChannelStream
+
+    async def run() -> list:
+        stream = ChannelStream("r")
+        stream.put(delta("r", 1))
+        await stream.next()
+        reader = asyncio.get_running_loop().create_task(stream.next())
+        await settle()
+        waiting = not reader.done()
+        stream.put(delta("r", 2, finish="stop"))
+        joined = await reader
+        return [waiting, joined.outputs[0].token_ids, joined.finished]
+
+    assert asyncio.run(run()) == [True, [2], True]
+
+
 def test_a_lost_channel_ends_the_streams_of_its_group_only() -> None:
     async def run() -> list:
         handle = FakeHandle()
@@ -188,9 +239,9 @@ def test_a_client_that_does_not_read_ends_its_request_and_frees_what_it_held() -
         stream.put(delta("r1", 9))  # after the end: dropped
         with pytest.raises(SlowReader, match="the client left more than 3 deltas unread"):
             await stream.next()
-        return task.cancelled(), stream.overflowed, stream._queue.qsize()
+        return task.cancelled(), stream.overflowed, stream.num_unread, len(stream._waiting)
 
-    assert asyncio.run(run()) == (True, True, 0)
+    assert asyncio.run(run()) == (True, True, 0, 0)
 
 
 def test_a_reader_that_keeps_up_is_never_ended() -> None:
