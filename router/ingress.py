@@ -65,6 +65,7 @@ from tandem.router.streams import DONE, sse
 from tandem.router.tokenization import DetokenizeRequest, TokenizationServing, tokenize_request_model
 from tandem.router.tracing import TracingMiddleware
 from tandem.workers.serving import tracer
+from tandem.workers.young_generation import widen_young_generation
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class OpenAIIngress(GrpcMethods):
         model_dir = config.get("model") or demo_model_path()
         hf_config = HFModelConfig.from_dir(model_dir, config.get("revision"))
         tokenizer = load_tokenizer(tokenizer_dir(model_dir, config.get("tokenizer"), config.get("revision")))
+        widen_young_generation()  # each stream's deltas die before a collection walks them
         self.client = EngineClient(
             group, tokenizer=tokenizer, model_name=config["served_model_name"],
             max_model_len=config.get("max_model_len") or hf_config.max_position_embeddings,

@@ -11,6 +11,7 @@ from typing import Any
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.group_engine import GroupEngine
 from tandem.workers.startup_heap import StartupHeap
+from tandem.workers.young_generation import widen_young_generation
 
 
 def build_engine(config: EngineConfig, *, show_progress: bool = True) -> GroupEngine:
@@ -79,6 +80,7 @@ def _assemble(config: EngineConfig, hf_config, tokenizer, executor, model_dir: s
         engine.enable_host_tier(config.cache.host_kv_cache_memory)
     if config.model.freezes_startup_heap(getattr(executor, "device_type", "cpu")):
         engine.startup_heap = StartupHeap()  # start-up is over: its objects leave the collector's walks
+    widen_young_generation()  # a step's objects die before a collection walks them
     return engine
 
 
