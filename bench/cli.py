@@ -223,6 +223,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-requests-on-channel", dest="requests_on_channel", action="store_false", help="without "
                    "--url: every streamed request through a Serve call of its own, even with one group (for "
                    "comparison)")
+    p.add_argument("--no-ingress-on-main-loop", dest="ingress_on_main_loop", action="store_false", help="without "
+                   "--url: the ingress's code on a second event loop, Serve's default (for comparison)")
     p.add_argument("--ingress-max-chunks-per-s", type=float, default=None, help="without --url: messages per "
                    "second one ingress replica sends its clients, all streams together (default: the server's)")
     p.add_argument("--ingress-replicas", type=int, default=None, help="without --url: ingress replicas "

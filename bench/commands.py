@@ -134,7 +134,8 @@ def bench_serve(hooks: RouterHooks, args: argparse.Namespace) -> int:
 
 def _serve_bench_serving(args: argparse.Namespace) -> dict[str, Any]:
     serving: dict[str, Any] = {"stream_channels": args.stream_channels,
-                               "requests_on_channel": args.requests_on_channel}
+                               "requests_on_channel": args.requests_on_channel,
+                               "ingress_on_main_loop": args.ingress_on_main_loop}
     if args.channel_transport is not None:
         serving["channel_transport"] = args.channel_transport
     if args.ingress_max_chunks_per_s is not None:

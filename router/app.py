@@ -91,6 +91,12 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # (router/group_channels.py). Off under autoscaling: Serve counts only its own calls as a
     # group's load.
     "requests_on_channel": True,
+    # Serve runs the ingress's code on the replica's own event loop, the one that writes to
+    # the clients' sockets, instead of a second loop on a thread of its own (Serve's default,
+    # RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD): no hand-over between the two loops (a
+    # wake-up, a queue and a turn of each loop) for every SSE chunk. The ingress never blocks
+    # its loop (tokenizing and Serve's status run on threads). False: Serve's default.
+    "ingress_on_main_loop": True,
     # Messages per second one ingress replica sends its clients, all streams together (with
     # stream_channels; 0 = no bound): each costs the ingress and Serve's proxy the same
     # whatever it holds, so past this a stream's tokens gather into fewer, larger messages
@@ -177,8 +183,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if serving["channel_transport"] not in CHANNEL_TRANSPORTS:
         raise ValueError(f"channel_transport: must be one of {', '.join(CHANNEL_TRANSPORTS)}, "
                          f"got {serving['channel_transport']!r}")
-    if not isinstance(serving["requests_on_channel"], bool):
-        raise ValueError(f"requests_on_channel: must be true or false, got {serving['requests_on_channel']!r}")
+    for name in ("requests_on_channel", "ingress_on_main_loop"):
+        if not isinstance(serving[name], bool):
+            raise ValueError(f"{name}: must be true or false, got {serving[name]!r}")
     if serving["kv_fetch"] not in FETCH_MODES:
         raise ValueError(f"kv_fetch: must be one of {', '.join(FETCH_MODES)}, got {serving['kv_fetch']!r}")
     group_options = {"kv_allocator": config.cache.enable_prefix_caching,
@@ -217,7 +224,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     ingress = OpenAIIngress.options(num_replicas=serving["ingress_num_replicas"],
                                     max_ongoing_requests=serving["ingress_max_ongoing_requests"],
                                     ray_actor_options={"num_cpus": serving["ingress_num_cpus"],
-                                                       **_runtime_env(serving)})
+                                                       **_runtime_env(serving, _ingress_env(serving))})
     return ingress.bind(group, ingress_config)
 
 
@@ -331,14 +338,20 @@ def _group_options(config: EngineConfig, serving: dict[str, Any]) -> dict[str, A
     return options
 
 
-def _runtime_env(serving: dict[str, Any]) -> dict[str, Any]:
-    """The `runtime_env` actor option that sets `env_vars` (nothing when there are none)."""
+def _runtime_env(serving: dict[str, Any], defaults: dict[str, str] | None = None) -> dict[str, Any]:
+    """The `runtime_env` actor option that sets `env_vars` over `defaults` (nothing when there
+    are none)."""
     env = serving["env_vars"]
-    if not env:
-        return {}
-    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+    if env and (not isinstance(env, dict)
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
         raise ValueError(f"env_vars: must map names to string values, got {env!r}")
-    return {"runtime_env": {"env_vars": dict(env)}}
+    env_vars = {**(defaults or {}), **(env or {})}
+    return {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+
+
+def _ingress_env(serving: dict[str, Any]) -> dict[str, str]:
+    """What the ingress's processes are given besides `env_vars` (which win)."""
+    return {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if serving["ingress_on_main_loop"] else {}
 
 
 def _router_kwargs(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any]:

@@ -100,9 +100,25 @@ def test_env_vars_reach_the_groups_and_the_ingress_and_are_checked():
             "env_vars": {"OTEL_TRACES_EXPORTER": "console"}}
     assert "runtime_env" not in options()["ray_actor_options"]
     app = build_app({"env_vars": {"OTEL_TRACES_EXPORTER": "console"}})
-    assert app._bound_deployment.ray_actor_options["runtime_env"] == {"env_vars": {"OTEL_TRACES_EXPORTER": "console"}}
+    assert app._bound_deployment.ray_actor_options["runtime_env"] == {"env_vars": {
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "OTEL_TRACES_EXPORTER": "console"}}
     with pytest.raises(ValueError, match="^env_vars: must map names to string values"):
         build_app({"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": 100}})
+
+
+def test_the_ingress_code_runs_on_its_replicas_main_loop_unless_asked_otherwise():
+    def ingress_env(**serving) -> dict | None:
+        runtime_env = build_app(serving)._bound_deployment.ray_actor_options.get("runtime_env")
+        return None if runtime_env is None else runtime_env["env_vars"]
+
+    assert ingress_env() == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    assert ingress_env(ingress_on_main_loop=False) is None
+    # env_vars win over what tandem sets
+    assert ingress_env(env_vars={"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}) == {
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}
+    assert "runtime_env" not in options()["ray_actor_options"]  # the groups: Serve's default
+    with pytest.raises(ValueError, match="^ingress_on_main_loop: must be true or false, got 1"):
+        build_app({"ingress_on_main_loop": 1})
 
 
 def test_ingress_replicas_default_to_one_per_8_cores_and_bad_counts_are_refused():
