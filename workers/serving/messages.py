@@ -170,27 +170,18 @@ class GroupDelta:
     def failure(request_id: str, group_id: str, message: str, kind: ErrorKind) -> GroupDelta:
         return GroupDelta(request_id, group_id, [], True, error=message, error_kind=kind)
 
-    @staticmethod
-    def join(deltas: list[GroupDelta]) -> GroupDelta:
-        """One delta that says what consecutive deltas of one request say: per sequence its
-        texts, token ids and logprobs joined (`join_outputs`), and the last one's finish and
-        figures (a stream's waiting deltas, joined once per message to its client)."""
-        joiner = DeltaJoiner(deltas[0])
-        for delta in deltas[1:]:
-            joiner.add(delta)
-        return joiner.result()
-
 
 class DeltaJoiner:
-    """`GroupDelta.join` as deltas arrive (a stream's deltas waiting for its next message):
-    it keeps the first delta while it is alone, and from the second on the joined lists
-    (`OutputJoiner`) and the latest delta, so waiting deltas are not kept as objects."""
+    """One delta that says what consecutive deltas of one request say, built as they arrive
+    (a stream's deltas waiting for its next message to the client): per sequence its texts,
+    token ids and logprobs joined (`OutputJoiner`), and the last one's finish and figures.
+    While one delta waits it is kept as it is; from the second on, the joined lists and the
+    latest delta, so waiting deltas are not kept as objects."""
 
-    __slots__ = ("_first", "_outputs", "_last", "_num_prompt_tokens", "_prompt_logprobs", "count")
+    __slots__ = ("_outputs", "_last", "_num_prompt_tokens", "_prompt_logprobs", "count")
 
     def __init__(self, first: GroupDelta) -> None:
-        self._first: GroupDelta | None = first
-        self._outputs: OutputJoiner | None = None
+        self._outputs: OutputJoiner | None = None  # from the second delta on
         self._last = first
         self._num_prompt_tokens = first.num_prompt_tokens
         self._prompt_logprobs = first.prompt_logprobs
@@ -204,7 +195,6 @@ class DeltaJoiner:
         if self._outputs is None:
             self._outputs = OutputJoiner()
             self._outputs.add(self._last.outputs)
-            self._first = None
         self._outputs.add(delta.outputs)
         self._last = delta
         self.count += 1
@@ -214,9 +204,8 @@ class DeltaJoiner:
             self._prompt_logprobs = delta.prompt_logprobs
 
     def result(self) -> GroupDelta:
-        if self._first is not None:
-            return self._first
-        assert self._outputs is not None
+        if self._outputs is None:
+            return self._last
         return dataclasses.replace(self._last, outputs=self._outputs.result(),
                                    num_prompt_tokens=self._num_prompt_tokens, prompt_logprobs=self._prompt_logprobs)
 

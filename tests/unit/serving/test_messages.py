@@ -57,13 +57,20 @@ def test_group_stats_come_back_from_a_dict_as_they_went() -> None:
     assert m.GroupStats.from_dict({**stats.as_dict(), "from_a_newer_group": 1}) == stats
 
 
+def joined(deltas: list[m.GroupDelta]) -> m.GroupDelta:
+    joiner = m.DeltaJoiner(deltas[0])
+    for delta in deltas[1:]:
+        joiner.add(delta)
+    return joiner.result()
+
+
 def test_a_delta_joined_with_a_later_one_says_both() -> None:
     lp = {5: Logprob(-0.5, 1, "a")}
     first = m.GroupDelta("r", "g0", [CompletionOutput(0, "a", [5], [lp]), CompletionOutput(1, "x", [9], [lp])],
                          False, num_prompt_tokens=3, prompt_logprobs=[None, lp])
     later = m.GroupDelta("r", "g0", [CompletionOutput(0, "b", [6], [lp], "stop", "b")], True, num_prompt_tokens=3,
                          num_cached_tokens=2)
-    both = m.GroupDelta.join([first, later])
+    both = joined([first, later])
     assert both.outputs == [CompletionOutput(0, "ab", [5, 6], [lp, lp], "stop", "b"),
                             CompletionOutput(1, "x", [9], [lp])]
     assert (both.finished, both.num_prompt_tokens, both.num_cached_tokens, both.prompt_logprobs) == (
@@ -85,8 +92,8 @@ def test_joining_many_deltas_keeps_every_sequences_order_and_the_last_finish() -
               m.GroupDelta("r", "g0", [CompletionOutput(1, "x", [7], [lp]), CompletionOutput(0, "b", [2], [lp])],
                            False),
               m.GroupDelta("r", "g0", [CompletionOutput(0, "c", [3], None, "length")], True, num_cached_tokens=16)]
-    joined = m.GroupDelta.join(deltas)
-    assert joined.outputs == [CompletionOutput(0, "abc", [1, 2, 3], [lp], "length"),
+    result = joined(deltas)
+    assert result.outputs == [CompletionOutput(0, "abc", [1, 2, 3], [lp], "length"),
                               CompletionOutput(1, "x", [7], [lp])]
-    assert (joined.finished, joined.num_prompt_tokens, joined.num_cached_tokens) == (True, 3, 16)
+    assert (result.finished, result.num_prompt_tokens, result.num_cached_tokens) == (True, 3, 16)
     assert deltas[0].outputs[0].token_ids == [1]  # the parts are not changed
