@@ -69,8 +69,7 @@ class ChannelStream:
 
     Deltas that arrive while the reader is busy are joined as they come (a `DeltaJoiner`), not
     queued as objects: at a GPU's step rate a stream gathers a few deltas between two of its
-    messages, and a queue of them is what the garbage collector walked, at every collection,
-    for every stream."""
+    messages, and queued objects would be walked by every young collection, for every stream."""
 
     def __init__(self, request_id: str, min_interval_s: Callable[[], float] = lambda: 0.0,
                  max_unread: int = MAX_UNREAD_DELTAS) -> None:

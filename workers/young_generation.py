@@ -4,8 +4,7 @@ CPython collects its youngest generation each time 700 more container objects ha
 made than freed. A serving process makes and frees thousands each step (a step's outputs,
 each stream's deltas, each flush's rows), so at the default it collects several times a
 step, and each collection walks whatever of the step is still alive (the deltas waiting to
-be sent) only to promote it: in the ingress at 128 streams that was 6% of a core and a
-steady stream of promotions into the older generations, whose collections walk more.
+be sent) only to promote it into the older generations, whose collections walk more.
 Objects that live for a step die by reference counting before a collection sees them once
 the threshold is a few steps' worth; garbage in cycles waits a little longer for its
 collection, which is all the threshold changes.
