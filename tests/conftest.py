@@ -147,7 +147,8 @@ _SHARED_RAY_MODULES: set[str] = set()
 # a Ray (a local one, a Cluster, `ray start` nodes) or a server process runs in one of them, one
 # test after another in collection order: two Rays at once would share two cores, and the shared
 # Ray's hand-over (tests/shared_ray.py) assumes one module after another. Those are the slow tests
-# of these folders and every test marked `ray`; the rest run on whichever lane is free.
+# of these folders (but those marked `no_ray`) and every test marked `ray`; the rest run on
+# whichever lane is free.
 RAY_DIRS = ("distributed", "serve", "deploy")
 RAY_LANE = "ray"
 
@@ -156,7 +157,8 @@ def _in_ray_lane(item) -> bool:
     if item.get_closest_marker("ray") is not None:
         return True
     parts = item.path.relative_to(item.config.rootpath).parts
-    return item.get_closest_marker("slow") is not None and len(parts) > 2 and parts[1] in RAY_DIRS
+    return item.get_closest_marker("slow") is not None and item.get_closest_marker("no_ray") is None \
+        and len(parts) > 2 and parts[1] in RAY_DIRS
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the lanes (its own hook, `--dist loadgroup`)
@@ -177,6 +179,9 @@ def pytest_collection_modifyitems(config, items):
     items[:] = ([item for item in items if item.module.__name__ not in _SHARED_RAY_MODULES]
                 + [item for item in items if item.module.__name__ in _SHARED_RAY_MODULES])
     for item in items:
+        if item.get_closest_marker("no_ray") is not None and (
+                item.get_closest_marker("ray") is not None or "shared_ray" in item.fixturenames):
+            raise pytest.UsageError(f"a test on Ray cannot be marked no_ray: {item.nodeid}")
         if _in_ray_lane(item):
             if item.get_closest_marker("slow") is None:
                 raise pytest.UsageError(f"a test that starts Ray or a server must be marked slow: {item.nodeid}")

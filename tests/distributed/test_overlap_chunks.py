@@ -40,7 +40,7 @@ def test_chunk_bounds() -> None:
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 @pytest.mark.parametrize("num_chunks", [2, 3])
 # The Triton kernels run interpreted on CPU: those cases are not in the fast loop.
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=[pytest.mark.slow, pytest.mark.no_ray])])
 def test_chunked_layers_match_transformers(chunked_everywhere, arch: str, num_chunks: int, backend: str) -> None:
     """On the Triton backend each chunk carries its own cut of the kernel tables (interpreted
     kernels on CPU)."""
