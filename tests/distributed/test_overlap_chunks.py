@@ -39,7 +39,8 @@ def test_chunk_bounds() -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 @pytest.mark.parametrize("num_chunks", [2, 3])
-# The Triton kernels run interpreted on CPU: those cases are not in the fast loop.
+# The Triton kernels run interpreted on CPU: those cases are not in the fast loop; they start no
+# Ray, so they run beside the suite's Ray lane (tests/conftest.py).
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=[pytest.mark.slow, pytest.mark.no_ray])])
 def test_chunked_layers_match_transformers(chunked_everywhere, arch: str, num_chunks: int, backend: str) -> None:
     """On the Triton backend each chunk carries its own cut of the kernel tables (interpreted
