@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of each transport, interleaved (the median)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     figures: dict[str, Any] = {"flushes": args.flushes, "rate": args.rate, "deltas": args.deltas,
                                "flush_bytes": len(_batch(args.deltas))}
     runs: dict[str, list[dict[str, float]]] = {"socket": [], "graph": []}

@@ -30,7 +30,13 @@ DRAINING_PERIOD_S = "2"
 # What every node of a cluster needs in its environment before `ray start` (deploy/: the
 # image, the launcher's start commands, the KubeRay pods; a test holds them to this).
 NODE_ENV = {**{name: "1" for name in SWITCHES}, DRAINING_PERIOD: DRAINING_PERIOD_S}
-LOCAL_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# Ports Ray binds on every node at fixed defaults: HAProxy's stats page and metrics endpoint
+# (8404, 9101), and the HTTP and gRPC ports of the Serve proxy that HAProxy falls back to (8500,
+# 9500). That proxy binds with SO_REUSEPORT, so a second Ray on the same machine binds the same
+# ports without an error, and the kernel hands each connection to either one: requests reach
+# the other Ray's applications.
+LOCAL_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+               "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 # The process whose local Ray the ports above were picked for: a child (`tandem serve` started
 # by a test or a script) inherits the variables, and must pick its own.
 LOCAL_OWNER = "TANDEM_HAPROXY_OWNER_PID"
@@ -77,10 +83,10 @@ def use_proxy(proxy: str) -> None:
 
 
 def _pick_local_haproxy() -> None:
-    """HAProxy's stats page and metrics endpoint have fixed ports by default (8404, 9101): a
-    second Ray on this machine would fail to start its HAProxy (its files are per node already).
-    A Ray started here takes free ports; a cluster's nodes keep the defaults (one HAProxy per
-    node). What a user set stays; what a parent process picked for its own Ray, and a child
+    """A Ray started here takes free ports for LOCAL_PORTS (HAProxy's files are per node
+    already), so that it neither fails to start its HAProxy nor shares its fallback proxy's
+    ports with another Ray on this machine; a cluster's nodes keep the defaults (one node per
+    machine). What a user set stays; what a parent process picked for its own Ray, and a child
     inherited, is picked again."""
     owner = os.environ.get(LOCAL_OWNER)
     if owner == str(os.getpid()):
@@ -89,5 +95,11 @@ def _pick_local_haproxy() -> None:
         for name in LOCAL_PORTS:
             os.environ.pop(name, None)
     os.environ[LOCAL_OWNER] = str(os.getpid())
+    taken = {os.environ[name] for name in LOCAL_PORTS if name in os.environ}
     for name in LOCAL_PORTS:
-        os.environ.setdefault(name, str(free_port()))
+        if name not in os.environ:
+            port = str(free_port())
+            while port in taken:  # free_port reserves nothing: two draws can agree
+                port = str(free_port())
+            taken.add(port)
+            os.environ[name] = port

@@ -143,14 +143,45 @@ def shared_ray(request):
 _SHARED_RAY_MODULES: set[str] = set()
 
 
-# The suite runs in two lanes (`-n 2 --dist loadgroup`, pytest-xdist; README.md). Whatever starts
-# a Ray (a local one, a Cluster, `ray start` nodes) or a server process runs in one of them, one
-# test after another in collection order: two Rays at once would share two cores, and the shared
-# Ray's hand-over (tests/shared_ray.py) assumes one module after another. Those are the slow tests
-# of these folders (but those marked `no_ray`) and every test marked `ray`; the rest run on
-# whichever lane is free.
+# The suite runs in two workers (`-n 2 --dist loadgroup`, pytest-xdist; README.md). Whatever
+# starts a Ray (a local one, a Cluster, `ray start` nodes) or a server process runs in a Ray lane,
+# one test after another in collection order: the shared Ray's hand-over (tests/shared_ray.py)
+# assumes one module after another. Those are the slow tests of these folders (but those marked
+# `no_ray`) and every test marked `ray`. There are two Ray lanes, one per worker, so that two Rays
+# run at once: tests/distributed and tests/serve in one, whole servers and clusters (tests/bench,
+# tests/deploy) in the other. Each worker's Ray gives its ingress replicas ports of their own
+# (`_isolate_worker`); the rest runs on whichever worker is free.
 RAY_DIRS = ("distributed", "serve", "deploy")
 RAY_LANE = "ray"
+SERVER_LANE = "ray-servers"
+SERVER_DIRS = ("bench", "deploy")
+
+
+def _isolate_worker() -> None:
+    """Serve gives each direct-ingress replica a port counted up from a fixed base (30000 for
+    HTTP, 40000 for gRPC), and HAProxy keeps forwarding to a replica's port for a moment after
+    the replica is gone: two Rays on one machine from the same base hand each other's requests
+    to the wrong application. Each xdist worker's Rays (and the servers they start, which
+    inherit the environment) count from a base of their own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return
+    span = 500  # a test's Rays start a handful of ingress replicas; Serve quarantines a freed port
+    base = int(worker[2:]) * span
+    for protocol, first in (("HTTP", 30000), ("GRPC", 40000)):
+        os.environ.setdefault(f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT", str(first + base))
+        os.environ.setdefault(f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT", str(first + base + span))
+
+
+_isolate_worker()
+
+
+def _lane(item) -> str | None:
+    """The Ray lane of a test (None: it starts neither a Ray nor a server)."""
+    if not _in_ray_lane(item):
+        return None
+    parts = item.path.relative_to(item.config.rootpath).parts
+    return SERVER_LANE if len(parts) > 2 and parts[1] in SERVER_DIRS else RAY_LANE
 
 
 def _in_ray_lane(item) -> bool:
@@ -163,14 +194,17 @@ def _in_ray_lane(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the lanes (its own hook, `--dist loadgroup`)
 def pytest_collection_modifyitems(config, items):
-    """The modules on the shared local Ray run last, one after another, so that one Ray serves
-    them all (tests/shared_ray.py); every other module keeps its place and order.
+    """The Ray lanes come first, each in collection order but for the modules on the shared
+    local Ray, which run last in theirs, one after another, so that one Ray serves them all
+    (tests/shared_ray.py); every other module keeps its order.
 
     A test on the shared Ray must be marked slow: the fast loop (-m "not slow") starts no Ray,
     and stays fast because nothing can slip into it that does.
 
-    Under `-n 2 --dist loadgroup` (the suite's command) the tests that start a Ray or a server
-    go to one worker, in this order (`_in_ray_lane`); the others to whichever is free."""
+    Under `-n 2 --dist loadgroup` (the suite's command) each worker starts with one Ray lane
+    (`_lane`): xdist hands out work in the order of the tests, and a worker does not take more
+    while it has more than two tests to run. Whichever finishes its lane first takes the other
+    tests, and the other worker joins it when its lane is done."""
     unmarked = [item.nodeid for item in items
                 if "shared_ray" in item.fixturenames and item.get_closest_marker("slow") is None]
     if unmarked:
@@ -185,27 +219,31 @@ def pytest_collection_modifyitems(config, items):
         if _in_ray_lane(item):
             if item.get_closest_marker("slow") is None:
                 raise pytest.UsageError(f"a test that starts Ray or a server must be marked slow: {item.nodeid}")
-            item.add_marker(pytest.mark.xdist_group(RAY_LANE))
+            item.add_marker(pytest.mark.xdist_group(_lane(item)))
+    lanes = {item.nodeid: _lane(item) for item in items}
+    items[:] = ([item for item in items if lanes[item.nodeid] == RAY_LANE]
+                + [item for item in items if lanes[item.nodeid] == SERVER_LANE]
+                + [item for item in items if lanes[item.nodeid] is None])
 
 
-# Tests of the Ray lane that pytest-xdist could not put in it (see pytest_collection_finish).
+# Tests of a Ray lane that pytest-xdist could not put in it (see pytest_collection_finish).
 _OUT_OF_LANE: set[str] = set()
 
 
 def pytest_collection_finish(session):
-    """The Ray lane holds only where xdist could put each test's lane into its id (`@ray`):
+    """The Ray lanes hold only where xdist could put each test's lane into its id (`@ray`):
     pytest 9.2 took that away from pytest-xdist 3.8 (hence the pin). Where it is lost again,
-    the lane's tests fail at once, saying why, rather than run two Rays at once."""
+    the lanes' tests fail at once, saying why, rather than run two Rays of a lane at once."""
     if getattr(session.config.option, "loadgroup", False):  # set on xdist's workers only
         _OUT_OF_LANE.update(item.nodeid for item in session.items
-                            if _in_ray_lane(item) and not item.nodeid.endswith(f"@{RAY_LANE}"))
+                            if _in_ray_lane(item) and not item.nodeid.endswith(f"@{_lane(item)}"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before its fixtures start a Ray
 def pytest_runtest_setup(item):
     if item.nodeid in _OUT_OF_LANE:
-        pytest.fail(f"pytest-xdist could not put this test in the Ray lane (pytest {pytest.__version__}, "
-                    f"--dist loadgroup): two Rays would run at once. Run it with -n 0.", pytrace=False)
+        pytest.fail(f"pytest-xdist could not put this test in its Ray lane (pytest {pytest.__version__}, "
+                    f"--dist loadgroup): two Rays of a lane would run at once. Run it with -n 0.", pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -20,8 +20,10 @@ def test_haproxy_turns_both_switches_on_with_a_short_drain_and_free_local_ports(
     assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
-    stats, metrics = (int(os.environ[name]) for name in direct_ingress.LOCAL_PORTS)
-    assert stats not in (8404, 9101) and metrics not in (8404, 9101) and stats > 0 and metrics > 0
+    ports = [int(os.environ[name]) for name in direct_ingress.LOCAL_PORTS]
+    # Ray's defaults: HAProxy's stats and metrics, and the fallback proxy's HTTP and gRPC.
+    assert len(ports) == 4 and not set(ports) & {8404, 9101, 8500, 9500}
+    assert len(set(ports)) == 4 and all(20000 <= port < 30000 for port in ports)
 
 
 def test_the_same_process_keeps_its_ports(clean_env):
