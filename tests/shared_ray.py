@@ -56,10 +56,14 @@ def acquire(keep_serve: bool = True) -> Any:
 
 
 def _startup_logs(tail_chars: int = 3000) -> str:
-    """The newest local Ray session's GCS and raylet logs (their ends): why a start failed."""
+    """The GCS and raylet logs (their ends) of the newest local Ray session this process
+    started: why a start failed. Ray names a session after the process that starts it, so the
+    other lane's Ray, starting at the same time, is not the one read."""
     import glob
+    import os
 
-    logs = "/tmp/ray/session_latest/logs"  # Ray points it at a session as it makes the session
+    sessions = sorted(glob.glob(f"/tmp/ray/session_*_{os.getpid()}"), key=os.path.getmtime)
+    logs = f"{sessions[-1]}/logs" if sessions else f"/tmp/ray/session_*_{os.getpid()}/logs"
     parts = []
     for path in sorted(glob.glob(f"{logs}/gcs_server*") + glob.glob(f"{logs}/raylet*")):
         with open(path, errors="replace") as f:
