@@ -151,7 +151,7 @@ def shared_ray(request):
 _SHARED_RAY_MODULES: set[str] = set()
 
 
-# The suite runs in two workers (`-n 2 --dist loadgroup`, pytest-xdist; README.md). Whatever
+# The suite runs on two workers (`-n 2 --dist loadgroup`, pytest-xdist; README.md). Whatever
 # starts a Ray (a local one, a Cluster, `ray start` nodes) or a server process runs in a Ray lane,
 # one test after another in collection order: the shared Ray's hand-over (tests/shared_ray.py)
 # assumes one module after another. Those are the slow tests of these folders (but those marked
