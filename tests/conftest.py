@@ -220,15 +220,16 @@ def pytest_collection_modifyitems(config, items):
     _SHARED_RAY_MODULES.update(item.module.__name__ for item in items if "shared_ray" in item.fixturenames)
     items[:] = ([item for item in items if item.module.__name__ not in _SHARED_RAY_MODULES]
                 + [item for item in items if item.module.__name__ in _SHARED_RAY_MODULES])
+    lanes: dict[str, str | None] = {}
     for item in items:
         if item.get_closest_marker("no_ray") is not None and (
                 item.get_closest_marker("ray") is not None or "shared_ray" in item.fixturenames):
             raise pytest.UsageError(f"a test on Ray cannot be marked no_ray: {item.nodeid}")
-        if _in_ray_lane(item):
+        lane = lanes[item.nodeid] = _lane(item)
+        if lane is not None:
             if item.get_closest_marker("slow") is None:
                 raise pytest.UsageError(f"a test that starts Ray or a server must be marked slow: {item.nodeid}")
-            item.add_marker(pytest.mark.xdist_group(_lane(item)))
-    lanes = {item.nodeid: _lane(item) for item in items}
+            item.add_marker(pytest.mark.xdist_group(lane))
     items[:] = ([item for item in items if lanes[item.nodeid] == RAY_LANE]
                 + [item for item in items if lanes[item.nodeid] == SERVER_LANE]
                 + [item for item in items if lanes[item.nodeid] is None])
