@@ -48,12 +48,34 @@ def _run(size: int, body: Callable[..., Any], *args: Any) -> list[Any]:
     return [results[r] for r in range(size)]
 
 
+def _own_shm_dirs(test_pid: int) -> str:
+    """Where the shared-memory directories of the ranks a test process spawns go (a glob)."""
+    return f"/dev/shm/tandem-tp-{test_pid}-*"
+
+
+def _name_shm_dirs_after_the_test() -> None:
+    """A rank's shared-memory directory takes the spawning test process's pid in its name, so
+    that checking what the test left in /dev/shm sees no other process's directories (a TP
+    group of a test running beside this one makes and removes its own)."""
+    import tempfile
+
+    real = tempfile.mkdtemp
+
+    def mkdtemp(suffix: str | None = None, prefix: str | None = None, dir: str | None = None) -> str:
+        if prefix == "tandem-tp-":
+            prefix = f"{prefix}{os.getppid()}-"
+        return real(suffix, prefix, dir)
+
+    tempfile.mkdtemp = mkdtemp
+
+
 def _rank_main(rank: int, size: int, init: str, queue: Any, body: Callable[..., Any], args: tuple) -> None:
     import torch
 
     from tandem.workers.distributed.parallel import init_groups
 
     torch.set_num_threads(1)
+    _name_shm_dirs_after_the_test()
     try:
         ctx = init_groups(rank, size, 1, "gloo", init, timeout_s=60, shm_slot_bytes=SLOT_BYTES,
                           num_overlap_chunks=2)
@@ -174,14 +196,14 @@ def _blind_rank_main(rank: int, size: int, init: str, queue: Any) -> None:
 
 # ---- tests ----------------------------------------------------------------------------------------
 @pytest.fixture
-def shm_dirs_unchanged():
-    before = set(glob.glob("/dev/shm/tandem-tp-*"))
+def shm_dirs_removed():
+    """The test's ranks leave none of their shared-memory directories behind."""
     yield
-    assert set(glob.glob("/dev/shm/tandem-tp-*")) == before
+    assert glob.glob(_own_shm_dirs(os.getpid())) == []
 
 
 @pytest.mark.parametrize("size", [2, 3])
-def test_all_reduce_and_gather_equal_gloo_on_every_rank(size: int, shm_dirs_unchanged) -> None:
+def test_all_reduce_and_gather_equal_gloo_on_every_rank(size: int, shm_dirs_removed) -> None:
     results = _run(size, _reduce_like_gloo)
     for key in results[0]:
         for rank in range(size):
@@ -190,23 +212,23 @@ def test_all_reduce_and_gather_equal_gloo_on_every_rank(size: int, shm_dirs_unch
 
 
 @pytest.mark.parametrize("wait_order", ["in_order", "newest_first"])
-def test_ops_in_flight_beyond_the_ring_depth(wait_order: str, shm_dirs_unchanged) -> None:
+def test_ops_in_flight_beyond_the_ring_depth(wait_order: str, shm_dirs_removed) -> None:
     for rank_ok in _run(2, _many_in_flight, wait_order):
         assert all(rank_ok)
 
 
-def test_a_partial_sum_computed_in_its_slot(shm_dirs_unchanged) -> None:
+def test_a_partial_sum_computed_in_its_slot(shm_dirs_removed) -> None:
     for result in _run(2, _claimed_slots):
         assert result == {"in_place_ok": True, "too_big": True,
                           "stale_error": "a claimed shared-memory slot was published after another op"}
 
 
-def test_a_peer_that_exits_fails_the_op(shm_dirs_unchanged) -> None:
+def test_a_peer_that_exits_fails_the_op(shm_dirs_removed) -> None:
     # Rank 1 never reports (it exited); rank 0's answer is all we wait for.
     [(rank, ok, message)] = _spawn(2, _rank_main, _exit_or_reduce, (), num_answers=1)
     assert (rank, ok) == (0, True)
     assert message == "TP rank 1 exited in the middle of a collective"
 
 
-def test_ranks_that_cannot_share_files_use_gloo(shm_dirs_unchanged) -> None:
+def test_ranks_that_cannot_share_files_use_gloo(shm_dirs_removed) -> None:
     assert sorted(_spawn(2, _blind_rank_main)) == [(0, True, True), (1, True, True)]
