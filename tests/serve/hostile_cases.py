@@ -58,6 +58,11 @@ def _nested(depth: int) -> bytes:
     return b'{"model": "tiny", "prompt": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"
 
 
+def _padded(body: bytes) -> bytes:
+    """`body` (a JSON object's text) with a 2 MiB "pad" string first."""
+    return b'{"pad": "' + b"p" * (2 << 20) + b'", ' + body[1:]
+
+
 BIG = 8 * 1024 * 1024 + 1  # one byte over the default max_request_body_bytes
 HTTP_CASES: list[HttpCase] = [
     # ---- /v1/completions: every field ---------------------------------------------------------
@@ -169,6 +174,11 @@ HTTP_CASES: list[HttpCase] = [
     raw("nested 100000 deep", 400, _nested(100_000), "invalid_json"),
     raw("unpaired surrogate escape in prompt", 400, b'{"prompt": "a\\udc00b"}', "invalid_utf8", param="prompt"),
     raw("unpaired surrogate in a key", 400, b'{"prompt": "hi", "\\ud800": 1}', "invalid_utf8"),
+    # From 1 MiB on a body is parsed on a thread (router/limits.py): the same answers.
+    raw("2 MiB nested 100 deep", 400, _padded(_nested(100)), "invalid_json"),
+    raw("2 MiB with an unpaired surrogate escape", 400, _padded(b'{"prompt": "a\\udc00b"}'), "invalid_utf8",
+        param="prompt"),
+    raw("2 MiB not JSON", 400, _padded(b'{"prompt": "hi",}'), "invalid_json"),
     raw("larger than the limit", 413, b'{"prompt": "' + b"a" * BIG + b'"}', "request_too_large"),
     raw("content type text/html", 415, json.dumps(COMPLETION).encode(), "unsupported_media_type",
         **{"content-type": "text/html"}),

@@ -4,11 +4,16 @@ admission charges for it (its sequences), and request ids that belong to the ser
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 
 import grpc
 import pytest
+from starlette.requests import Request
 
+from tandem.router import limits
 from tandem.router import tandem_pb2 as pb
+from tandem.router.body_budget import BodyBudget
 from tandem.router.limits import RequestLimits
 from tests.serve.fake_group import EchoGroup, FakeGrpcContext, ingress_server, serving
 
@@ -93,6 +98,36 @@ def test_bounds_beyond_what_the_api_allows_are_refused():
         with pytest.raises(ValueError, match=message):
             RequestLimits(**{field: value})
     assert RequestLimits().sequences(128, 2) == 256
+
+
+def test_a_large_body_is_parsed_on_a_thread_and_a_small_one_on_the_loop(monkeypatch):
+    parsed_on: list[int] = []
+    parse = limits.parse_json_object
+
+    def recording(body: bytes, max_depth: int) -> dict:
+        parsed_on.append(threading.get_ident())
+        return parse(body, max_depth)
+
+    monkeypatch.setattr(limits, "parse_json_object", recording)
+
+    async def read(body: bytes) -> tuple[dict, int]:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            return messages.pop(0)
+
+        request = Request({"type": "http", "method": "POST", "headers": [(b"content-type", b"application/json")]},
+                          receive)
+        budget = BodyBudget(1 << 30)
+        value = await limits.read_json_object(request, RequestLimits(), budget)
+        assert budget.held == 0
+        return value, threading.get_ident()
+
+    small, loop = asyncio.run(read(b'{"prompt": "hi"}'))
+    assert small == {"prompt": "hi"} and parsed_on == [loop]
+    prompt = "a" * limits.PARSE_ON_THREAD_BYTES
+    large, loop = asyncio.run(read(json.dumps({"prompt": prompt}).encode()))
+    assert large == {"prompt": prompt} and parsed_on[1] != loop
 
 
 def test_a_clients_grpc_request_id_is_a_label_the_engine_never_sees(tiny_llama, group):
