@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.bench.load_generator import arrival_offsets, httpx
+from tandem.bench.preemption_tally import PreemptionTally
 from tandem.bench.report import log_progress
 from tandem.bench.soak_client import OUTCOMES, GrpcClient, Outcome, send_grpc, send_http
 from tandem.bench.soak_faults import FAULT_KINDS, FaultInjector, FaultRecord
@@ -113,6 +114,7 @@ class Soak:
         self.groups_hurt: int | None = None  # in the hostile phase; None: not run, or no KV report
         self.phase_s: dict[str, float] = {}
         self.kv_report: dict[str, Any] | None = None
+        self.preemptions = PreemptionTally()  # every KV report read feeds it
         self.zero = time.monotonic()
         self._bar: Any = None
 
@@ -244,10 +246,13 @@ class Soak:
 
     async def _holdings(self) -> dict[str, Any]:
         if self.target.kv_holdings is not None and self.target.app_name is not None:
-            return await asyncio.to_thread(self.target.kv_holdings, self.target.app_name)
-        response = await self.http.get(self.target.url + "/admin/kv", timeout=30)
-        response.raise_for_status()
-        return response.json()
+            report = await asyncio.to_thread(self.target.kv_holdings, self.target.app_name)
+        else:
+            response = await self.http.get(self.target.url + "/admin/kv", timeout=30)
+            response.raise_for_status()
+            report = response.json()
+        self.preemptions.read(report)
+        return report
 
     async def _probe(self) -> bool:
         body = {"prompt": [7, 8, 9], "max_tokens": 2, "temperature": 0.0, "timeout": 10.0}
@@ -305,8 +310,8 @@ class Soak:
             for key in ("device_blocks_held", "host_blocks_held", "stale_lease_blocks", "requests_in_flight"):
                 figures[f"drained_{key}"] = self.kv_report[key]
             figures["drained_unreachable_groups"] = len(self.kv_report["unreachable_groups"])
-            # The groups' engines that ran to the end (a replaced group's count went with it).
-            figures["preemptions"] = sum(g.get("num_preemptions", 0) for g in self.kv_report["groups"].values())
+            # Every engine's, a rebuilt or replaced group's included (a lower bound: PreemptionTally).
+            figures["preemptions"] = self.preemptions.total
         valid = [o for o in outs if not o.request.invalid]
         figures["long_prompts"] = sum(1 for o in valid if len(o.request.prompt_token_ids) > LONG_PROMPT_FRACTION
                                       * self.target.max_model_len)

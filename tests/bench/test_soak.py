@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tandem.bench.preemption_tally import PreemptionTally
 from tandem.bench.soak import SoakConfig
 from tandem.bench.soak_client import OUTCOMES, _grpc_outcome, _http_error
 from tandem.bench.soak_mix import MixSpec, SoakRequest, make_mix
@@ -55,6 +56,22 @@ def test_grpc_outcomes() -> None:
     assert _grpc_outcome(valid, code.INTERNAL, "x", 0) == "unexpected_5xx"
     assert _grpc_outcome(bad, code.INVALID_ARGUMENT, "prompt: x", 0) == "invalid_answered"
     assert _grpc_outcome(bad, code.OK, "", 0) == "invalid_accepted"
+
+
+def test_preemptions_of_rebuilt_and_replaced_engines_are_all_counted() -> None:
+    tally = PreemptionTally()
+
+    def report(**groups: tuple[int, int]) -> dict:  # group id -> (rebuilds, preemptions)
+        return {"groups": {g: {"num_rebuilds": r, "num_preemptions": p} for g, (r, p) in groups.items()}}
+
+    tally.read(report(a=(0, 3), b=(0, 1)))
+    tally.read(report(a=(0, 5), b=(0, 1)))  # a's engine goes on: its highest count stands
+    assert tally.total == 6
+    tally.read(report(a=(1, 2), b=(0, 1)))  # a rebuilt in place: its first engine's 5 stay
+    tally.read(report(c=(0, 4)))  # b's replica replaced by c: b's 1 stays
+    assert tally.total == 5 + 2 + 1 + 4
+    tally.read({"groups": {"c": {}}})  # a group that reports no figures adds nothing
+    assert tally.total == 12
 
 
 def test_config_checks_fault_names() -> None:
