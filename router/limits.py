@@ -28,10 +28,10 @@ from tandem.router.body_budget import BodyBudget
 from tandem.router.protocol import MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, OpenAIError
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-# Parsing and checking a body costs about 1 ms a MiB here (json's parse and the surrogate scan:
-# C calls that each hold the GIL). From this size on it runs on a thread, so the event loop
-# (every stream this replica serves) gets its turns between those calls instead of waiting
-# for all of them.
+# Parsing and checking a text body costs about 1.6 ms a MiB here (json's parse, the bracket
+# count, the surrogate scan: C calls that each hold the GIL). From this size on it runs on a
+# thread, so the event loop (every stream this replica serves) gets its turns between those
+# calls instead of waiting for all of them.
 PARSE_ON_THREAD_BYTES = 1 << 20
 
 
@@ -107,9 +107,9 @@ def parse_json_object(body: bytes, max_depth: int) -> dict[str, Any]:
         raise OpenAIError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
     if not isinstance(value, dict):
         raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
-    # The walk visits each container once (a few for a usual body): cheaper than counting the
-    # body's brackets first (4.6 ms for 8 MiB here), which would walk the same trees anyway.
-    if _depth(value, max_depth) > max_depth:
+    # Counting brackets is C-fast and bounds the depth: walk the tree only when it could be deep
+    # (the walk looks at every item of every list: 0.2 s for a list of 4M token ids).
+    if body.count(b"[") + body.count(b"{") > max_depth and _depth(value, max_depth) > max_depth:
         raise _too_deep(max_depth)
     if _SURROGATE_ESCAPE.search(body):
         path = _unpaired_surrogate(value, "")

@@ -130,6 +130,22 @@ def test_a_large_body_is_parsed_on_a_thread_and_a_small_one_on_the_loop(monkeypa
     assert large == {"prompt": prompt} and parsed_on[1] != loop
 
 
+def test_the_depth_walk_runs_only_for_bodies_with_more_brackets_than_the_depth(monkeypatch):
+    walked: list[object] = []
+    depth = limits._depth
+
+    def recording(value: object, limit: int) -> int:
+        walked.append(value)
+        return depth(value, limit)
+
+    monkeypatch.setattr(limits, "_depth", recording)
+    ids = b"[" + b",".join(b"7" for _ in range(100_000)) + b"]"  # a long prompt of ids: never walked
+    assert limits.parse_json_object(b'{"prompt": ' + ids + b"}", 4)["prompt"] == [7] * 100_000
+    assert walked == []
+    many = {"prompt": [[1], [2], [3], [4]]}  # five lists, two deep: walked, and within the bound
+    assert limits.parse_json_object(json.dumps(many).encode(), 4) == many and walked == [many]
+
+
 def test_a_clients_grpc_request_id_is_a_label_the_engine_never_sees(tiny_llama, group):
     server = ingress_server(tiny_llama, group)
 
