@@ -94,8 +94,21 @@ async def read_json_object(request: Request, limits: RequestLimits, budget: Body
     with budget.hold() as take:
         body = await _read_bounded(request, limits.max_body_bytes, take)
         if len(body) >= PARSE_ON_THREAD_BYTES:
-            return await asyncio.to_thread(parse_json_object, body, limits.max_json_depth)
+            return await _parse_on_thread(body, limits.max_json_depth)
         return parse_json_object(body, limits.max_json_depth)
+
+
+async def _parse_on_thread(body: bytes, max_depth: int) -> dict[str, Any]:
+    parsing = asyncio.get_running_loop().run_in_executor(None, parse_json_object, body, max_depth)
+    try:
+        return await asyncio.shield(parsing)
+    except asyncio.CancelledError:
+        # The request was cancelled (its client left), but the thread goes on with the body:
+        # its bytes stay counted against the budget until the thread lets them go.
+        await asyncio.wait([parsing])
+        if not parsing.cancelled():
+            parsing.exception()  # retrieved: the request is gone, its error with it
+        raise
 
 
 def parse_json_object(body: bytes, max_depth: int) -> dict[str, Any]:

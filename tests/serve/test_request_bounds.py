@@ -130,6 +130,41 @@ def test_a_large_body_is_parsed_on_a_thread_and_a_small_one_on_the_loop(monkeypa
     assert large == {"prompt": prompt} and parsed_on[1] != loop
 
 
+def test_a_request_cancelled_while_its_body_parses_holds_the_budget_until_the_parse_ends(monkeypatch):
+    started, release = threading.Event(), threading.Event()
+    parse = limits.parse_json_object
+
+    def slow(body: bytes, max_depth: int) -> dict:
+        started.set()
+        release.wait(timeout=30)
+        return parse(body, max_depth)
+
+    monkeypatch.setattr(limits, "parse_json_object", slow)
+    body = json.dumps({"prompt": "a" * limits.PARSE_ON_THREAD_BYTES}).encode()
+
+    async def main() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            return messages.pop(0)
+
+        request = Request({"type": "http", "method": "POST", "headers": [(b"content-type", b"application/json")]},
+                          receive)
+        budget = BodyBudget(1 << 30)
+        reading = asyncio.create_task(limits.read_json_object(request, RequestLimits(), budget))
+        await asyncio.to_thread(started.wait, 30)
+        reading.cancel()
+        for _ in range(20):  # the cancellation is delivered; the thread still has the body
+            await asyncio.sleep(0)
+        assert not reading.done() and budget.held == len(body)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        assert budget.held == 0
+
+    asyncio.run(main())
+
+
 def test_the_depth_walk_runs_only_for_bodies_with_more_brackets_than_the_depth(monkeypatch):
     walked: list[object] = []
     depth = limits._depth
