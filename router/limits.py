@@ -5,6 +5,8 @@
     a Content-Type that is not JSON                 415 (none at all is taken as JSON)
     not UTF-8, not JSON, NaN / Infinity literals    400 invalid_json
     nesting deeper than max_json_depth              400 (json's own recursion never runs out)
+    more than MAX_JSON_CONTAINERS arrays and objects  400, before parsing (json.loads of a few
+                                                    million holds the GIL for a second)
     a string with an unpaired surrogate (\\ud800)    400: it is no text, and no tokenizer takes it
     not an object                                   400
 
@@ -28,6 +30,12 @@ from tandem.router.body_budget import BodyBudget
 from tandem.router.protocol import MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, OpenAIError
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+# Arrays and objects in one body. A legitimate one holds hundreds (messages, content parts,
+# prompts of token ids, tool schemas; 2,048 messages of two content parts are 8,192); an 8 MiB
+# body of empty arrays holds 2.8 million, whose parse alone holds the GIL, and with it every
+# stream of the replica, for 0.8 s here. At this bound a body under PARSE_ON_THREAD_BYTES,
+# parsed on the loop, holds it for ~12 ms at most.
+MAX_JSON_CONTAINERS = 16_384
 # Parsing and checking a text body costs about 1.6 ms a MiB here (json's parse, the bracket
 # count, the surrogate scan: C calls that each hold the GIL). From this size on it runs on a
 # thread, so the event loop (every stream this replica serves) gets its turns between those
@@ -111,7 +119,13 @@ async def _parse_on_thread(body: bytes, max_depth: int) -> dict[str, Any]:
         raise
 
 
-def parse_json_object(body: bytes, max_depth: int) -> dict[str, Any]:
+def parse_json_object(body: bytes, max_depth: int, max_containers: int = MAX_JSON_CONTAINERS) -> dict[str, Any]:
+    # Counting brackets is C-fast; strings' brackets count too, so a count past a bound is
+    # checked again without them.
+    brackets = body.count(b"[") + body.count(b"{")
+    if brackets > max_containers and _containers(body) > max_containers:
+        raise OpenAIError(400, f"the request body holds more than {max_containers} JSON arrays and objects",
+                          code="invalid_json")
     try:
         value = json.loads(body, parse_constant=_refuse_constant)
     except RecursionError:
@@ -120,9 +134,9 @@ def parse_json_object(body: bytes, max_depth: int) -> dict[str, Any]:
         raise OpenAIError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
     if not isinstance(value, dict):
         raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
-    # Counting brackets is C-fast and bounds the depth: walk the tree only when it could be deep
-    # (the walk looks at every item of every list: 0.2 s for a list of 4M token ids).
-    if body.count(b"[") + body.count(b"{") > max_depth and _depth(value, max_depth) > max_depth:
+    # The count bounds the depth: walk the tree only when it could be deep (the walk looks at
+    # every item of every list: 0.2 s for a list of 4M token ids).
+    if brackets > max_depth and _depth(value, max_depth) > max_depth:
         raise _too_deep(max_depth)
     if _SURROGATE_ESCAPE.search(body):
         path = _unpaired_surrogate(value, "")
@@ -165,6 +179,14 @@ async def _read_bounded(request: Request, max_bytes: int, take: Callable[[int], 
         raise OpenAIError(400, "the client closed the connection before the body ended",
                           code="invalid_json") from None
     return b"".join(chunks)
+
+
+def _containers(body: bytes) -> int:
+    """The '[' and '{' of a JSON text outside its strings, in C-speed passes: without its escaped
+    backslashes and quotes, every other piece between two quotes is outside a string."""
+    plain = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(plain.split(b'"')[::2])
+    return outside.count(b"[") + outside.count(b"{")
 
 
 def _too_large(max_bytes: int) -> OpenAIError:

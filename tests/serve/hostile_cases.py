@@ -179,6 +179,7 @@ HTTP_CASES: list[HttpCase] = [
     raw("2 MiB with an unpaired surrogate escape", 400, _padded(b'{"prompt": "a\\udc00b"}'), "invalid_utf8",
         param="prompt"),
     raw("2 MiB not JSON", 400, _padded(b'{"prompt": "hi",}'), "invalid_json"),
+    raw("100,000 empty arrays", 400, b'{"prompt": "hi", "x": [' + b"[]," * 100_000 + b"[]]}", "invalid_json"),
     raw("larger than the limit", 413, b'{"prompt": "' + b"a" * BIG + b'"}', "request_too_large"),
     raw("content type text/html", 415, json.dumps(COMPLETION).encode(), "unsupported_media_type",
         **{"content-type": "text/html"}),

@@ -165,6 +165,23 @@ def test_a_request_cancelled_while_its_body_parses_holds_the_budget_until_the_pa
     asyncio.run(main())
 
 
+def test_arrays_and_objects_past_the_bound_are_refused_before_parsing_but_brackets_in_strings_are_text():
+    bound = limits.MAX_JSON_CONTAINERS
+    empty = b'{"prompt": "hi", "x": [' + b"[]," * bound + b"[]]}"  # bound + 2 arrays
+    with pytest.raises(limits.OpenAIError) as refused:
+        limits.parse_json_object(empty, 32)
+    error = refused.value.body.error
+    assert (refused.value.status, error.code, error.message) == (
+        400, "invalid_json", f"the request body holds more than {bound} JSON arrays and objects")
+    at_bound = b'{"x": [' + b"{}," * (bound - 3) + b"{}]}"  # the body, its array and bound - 2 objects
+    assert len(limits.parse_json_object(at_bound, 32)["x"]) == bound - 2
+    # Brackets, escaped quotes and backslashes inside strings are no containers.
+    text = '[{"a": "\\"}] ' * bound
+    assert limits.parse_json_object(json.dumps({"prompt": text, "stop": ["]\\", '"[']}).encode(), 32) == {
+        "prompt": text, "stop": ["]\\", '"[']}
+    assert limits._containers(json.dumps({"p": text, "q": [[1], {"r": '\\"{'}]}).encode()) == 4
+
+
 def test_the_depth_walk_runs_only_for_bodies_with_more_brackets_than_the_depth(monkeypatch):
     walked: list[object] = []
     depth = limits._depth
