@@ -96,6 +96,8 @@ def _http_invalid(prompt: list[int], max_model_len: int) -> dict[str, Any]:
         "logprobs_huge": {"prompt": prompt, "logprobs": 10**6},
         "repetition_penalty_tiny": {"prompt": prompt, "repetition_penalty": 1e-30},
         "stop_list_long": {"prompt": prompt, "stop": ["x"] * 10_000},
+        # 300 KB whose parse would hold the ingress's GIL: refused before it (router/limits.py).
+        "arrays_100k": b'{"prompt": [1], "logit_bias": [' + b"[]," * 100_000 + b"[]]}",
     }
 
 
@@ -111,8 +113,8 @@ _GRPC_INVALID = {
 }
 # The refusals a hostile client draws (counted in `hostile_requests` with the valid hostile ones).
 HOSTILE_INVALID = frozenset({"n_huge", "n_times_prompts", "logprobs_huge", "repetition_penalty_tiny",
-                             "stop_list_long", "grpc_n_huge", "grpc_logprobs_huge", "grpc_repetition_penalty_tiny",
-                             "grpc_stop_list_long"})
+                             "stop_list_long", "arrays_100k", "grpc_n_huge", "grpc_logprobs_huge",
+                             "grpc_repetition_penalty_tiny", "grpc_stop_list_long"})
 # gRPC client ids a hostile or careless client sends: one shared by many, one shaped like a sample id.
 HOSTILE_CLIENT_IDS = ("dup", "x#1")
 HOSTILE_TEMPERATURE = 1e-40  # greedy on the server (below 1e-5), so the output is still checked
