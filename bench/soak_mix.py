@@ -76,6 +76,11 @@ class SoakRequest:
         return not self.invalid and not self.abandon_after and not self.chat
 
 
+# 300 KB whose parse would hold the ingress's GIL: refused before it (router/limits.py). Built
+# once: the table below is made for every invalid request drawn.
+_ARRAYS_100K = b'{"prompt": [1], "logit_bias": [' + b"[]," * 100_000 + b"[]]}"
+
+
 # name -> (HTTP body, or raw bytes; built around a valid prompt)
 def _http_invalid(prompt: list[int], max_model_len: int) -> dict[str, Any]:
     return {
@@ -96,8 +101,7 @@ def _http_invalid(prompt: list[int], max_model_len: int) -> dict[str, Any]:
         "logprobs_huge": {"prompt": prompt, "logprobs": 10**6},
         "repetition_penalty_tiny": {"prompt": prompt, "repetition_penalty": 1e-30},
         "stop_list_long": {"prompt": prompt, "stop": ["x"] * 10_000},
-        # 300 KB whose parse would hold the ingress's GIL: refused before it (router/limits.py).
-        "arrays_100k": b'{"prompt": [1], "logit_bias": [' + b"[]," * 100_000 + b"[]]}",
+        "arrays_100k": _ARRAYS_100K,
     }
 
 

@@ -245,7 +245,7 @@ def pytest_collection_finish(session):
     the lanes' tests fail at once, saying why, rather than run two Rays of a lane at once."""
     if getattr(session.config.option, "loadgroup", False):  # set on xdist's workers only
         _OUT_OF_LANE.update(item.nodeid for item in session.items
-                            if _in_ray_lane(item) and not item.nodeid.endswith(f"@{_lane(item)}"))
+                            if (lane := _lane(item)) is not None and not item.nodeid.endswith(f"@{lane}"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before its fixtures start a Ray

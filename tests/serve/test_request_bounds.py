@@ -100,6 +100,16 @@ def test_bounds_beyond_what_the_api_allows_are_refused():
     assert RequestLimits().sequences(128, 2) == 256
 
 
+def _json_request(body: bytes) -> Request:
+    """A POST of `body` as JSON, its body in one message."""
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    return Request({"type": "http", "method": "POST", "headers": [(b"content-type", b"application/json")]}, receive)
+
+
 def test_a_large_body_is_parsed_on_a_thread_and_a_small_one_on_the_loop(monkeypatch):
     parsed_on: list[int] = []
     parse = limits.parse_json_object
@@ -111,15 +121,8 @@ def test_a_large_body_is_parsed_on_a_thread_and_a_small_one_on_the_loop(monkeypa
     monkeypatch.setattr(limits, "parse_json_object", recording)
 
     async def read(body: bytes) -> tuple[dict, int]:
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> dict:
-            return messages.pop(0)
-
-        request = Request({"type": "http", "method": "POST", "headers": [(b"content-type", b"application/json")]},
-                          receive)
         budget = BodyBudget(1 << 30)
-        value = await limits.read_json_object(request, RequestLimits(), budget)
+        value = await limits.read_json_object(_json_request(body), RequestLimits(), budget)
         assert budget.held == 0
         return value, threading.get_ident()
 
@@ -143,15 +146,8 @@ def test_a_request_cancelled_while_its_body_parses_holds_the_budget_until_the_pa
     body = json.dumps({"prompt": "a" * limits.PARSE_ON_THREAD_BYTES}).encode()
 
     async def main() -> None:
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> dict:
-            return messages.pop(0)
-
-        request = Request({"type": "http", "method": "POST", "headers": [(b"content-type", b"application/json")]},
-                          receive)
         budget = BodyBudget(1 << 30)
-        reading = asyncio.create_task(limits.read_json_object(request, RequestLimits(), budget))
+        reading = asyncio.create_task(limits.read_json_object(_json_request(body), RequestLimits(), budget))
         await asyncio.to_thread(started.wait, 30)
         reading.cancel()
         for _ in range(20):  # the cancellation is delivered; the thread still has the body
