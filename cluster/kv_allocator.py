@@ -142,10 +142,18 @@ class KVAllocatorState:
         return self.started_at
 
     def is_idle(self) -> bool:
-        """No group has registered, published or left for `idle_exit_s` (a live group publishes
-        every ~0.1 s): the application that used this allocator is gone. Reads one float, so
-        the actor's timer thread may ask it while a call runs."""
-        return self.idle_exit_s is not None and self._clock() - self._last_active >= self.idle_exit_s
+        """The application that used this allocator is gone: no group has registered, published
+        or left for `idle_exit_s`, and a group still registered has been silent long enough to
+        count as dead (`group_timeout_s`) before that. A registered group is never idled out by
+        a late publish (a loaded host can delay one by seconds); only its silence past the
+        group timeout starts the idle clock. Reads a float and a dict's size, so the actor's
+        timer thread may ask it while a call runs."""
+        if self.idle_exit_s is None:
+            return False
+        silent_s = self._clock() - self._last_active
+        if self.groups:
+            silent_s -= self.group_timeout_s
+        return silent_s >= self.idle_exit_s
 
 
 # An allocator with no group this long ends itself (its application was stopped without

@@ -53,7 +53,7 @@ def test_a_group_silent_past_the_timeout_is_dropped_with_its_leases() -> None:
     assert a.publish("killed", [], {}) is False  # had it only been slow: it registers again
 
 
-def test_idle_only_after_no_group_has_spoken_for_idle_exit_s() -> None:
+def test_idle_only_after_no_live_group_has_spoken_for_idle_exit_s() -> None:
     now = [0.0]
     a = KVAllocatorState(group_timeout_s=10.0, clock=lambda: now[0], idle_exit_s=600.0)
     now[0] = 599.0
@@ -63,14 +63,17 @@ def test_idle_only_after_no_group_has_spoken_for_idle_exit_s() -> None:
     a.register("g", "m", 16, 10, "n")
     now[0] = 5000.0
     assert a.publish("g", [], {}) and not a.is_idle()
+    now[0] = 5609.0  # a publish late by more than idle_exit_s: the group is still alive
+    assert not a.is_idle()
+    now[0] = 5000.0
     a.unregister("g")
     now[0] = 5599.0
     assert not a.is_idle()
     now[0] = 5600.0
     assert a.is_idle()
     a.register("killed", "m", 16, 10, "n")  # never speaks again (its process was killed)
-    now[0] = 6199.0
-    assert not a.is_idle()
-    now[0] = 6200.0
+    now[0] = 6209.0
+    assert not a.is_idle()  # a registered group counts as alive until its group timeout
+    now[0] = 6210.0
     assert a.is_idle()
     assert not KVAllocatorState(clock=lambda: now[0]).is_idle()  # idle_exit_s None: never
