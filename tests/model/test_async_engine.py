@@ -144,6 +144,28 @@ def test_leaving_a_final_only_request_before_it_ends_aborts_it(engine):
     engine.engine.pool.check_all_free()
 
 
+def test_a_stream_holding_its_first_token_finds_the_step_that_made_it_counted(engine, monkeypatch):
+    """`last_stats` (the KV report's and the router's figures) is taken before a step's outputs
+    go out: a slow `stats()` would otherwise let the client read the idle engine's figures."""
+    import time
+
+    fast = engine.engine.stats
+
+    def slow() -> dict:
+        time.sleep(0.05)
+        return fast()
+
+    monkeypatch.setattr(engine.engine, "stats", slow)
+    wait_for(lambda: engine.last_stats["num_running"] == 0, timeout_s=30)
+
+    async def running_at_each_delta() -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        return [engine.last_stats["num_running"]
+                async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "counted")]
+
+    assert asyncio.run(running_at_each_delta()) == [1, 1, 0]
+
+
 def test_multi_step_streams_concurrent_requests_to_their_greedy_tokens(llama_dir: str):
     from tandem.workers.config import EngineConfig
 

@@ -357,8 +357,9 @@ class AsyncEngine:
         self._streams.clear()
         self._after_step()
 
-    def _after_step(self) -> None:
-        self.last_stats = self.engine.stats()
+    def _after_step(self, stats_taken: bool = False) -> None:
+        if not stats_taken:
+            self.last_stats = self.engine.stats()
         for listener in self._step_listeners:
             try:
                 listener(self.engine)
@@ -386,6 +387,9 @@ class AsyncEngine:
                 outputs = self.engine.fail(f"{type(exc).__name__}: {exc}")
             finally:
                 self._step_started = None
+            # The figures before the outputs: a stream's client that has its token must find
+            # the step that made it counted (the KV report, the router's load), not the last.
+            self.last_stats = self.engine.stats()
             self._deliver(outputs)
-            self._after_step()
+            self._after_step(stats_taken=True)
             self._tell_failure()
