@@ -130,9 +130,17 @@ class _FakeAsyncEngine:
 
     silent: list[str] = []  # ranks that answer no probe
     step_for: float = 0.0  # seconds the step running now has taken (0: between steps)
+    num_probes: int = 0
 
     def probe_workers(self) -> WorkerProbe:
+        self.num_probes += 1
         return WorkerProbe(silent=list(self.silent))
+
+    def probed(self) -> None:
+        """Waits for two more probes: the second ran wholly after what the test just changed
+        (a sleep would not do: a loaded host can hold the healer's thread for longer)."""
+        target = self.num_probes + 2
+        assert _wait(lambda: self.num_probes >= target, timeout_s=30)
 
     def step_running_for(self) -> float:
         return self.step_for
@@ -214,19 +222,19 @@ def test_a_worker_silent_between_steps_for_silent_s_fails_the_group_and_it_heals
     try:
         fake.step_for = 3.0  # a step runs: silence does not count
         now[0] = 50.0
-        time.sleep(0.2)
+        fake.probed()
         assert fake.engine.dead_error is None
         fake.step_for = 0.0
-        time.sleep(0.2)  # the first silent probe between steps starts the count
+        fake.probed()  # the first silent probe between steps starts the count
         now[0] = 59.0
-        time.sleep(0.2)
+        fake.probed()
         assert fake.engine.dead_error is None and not rebuilt  # silent 9 s of 10
         fake.silent = []  # it answered: the count starts again
-        time.sleep(0.2)
+        fake.probed()
         fake.silent = ["pp_rank=0 tp_rank=1"]
-        time.sleep(0.2)
+        fake.probed()
         now[0] = 68.0
-        time.sleep(0.2)
+        fake.probed()
         assert not rebuilt
         now[0] = 69.5
         assert _wait(lambda: rebuilt and fake.engine is rebuilt[0], timeout_s=10)
