@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import math
@@ -252,7 +251,7 @@ def token_slice(prompt: list[int], outputs: list[int], start: int, end: int) -> 
 PENDING_TOKEN = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -304,7 +303,10 @@ class OutputJoiner:
             joined[o.index] = (texts, token_ids, logprobs, o)
 
     def result(self) -> list[CompletionOutput]:
-        return [dataclasses.replace(o, text="".join(texts), token_ids=token_ids, logprobs=logprobs)
+        # Built field by field, not with dataclasses.replace (which walks the fields each time):
+        # this runs for every streamed message of every request.
+        return [CompletionOutput(o.index, "".join(texts), token_ids, logprobs, o.finish_reason, o.stop_reason,
+                                 o.cumulative_logprob)
                 for texts, token_ids, logprobs, o in (self._joined[i] for i in sorted(self._joined))]
 
 

@@ -206,8 +206,10 @@ class DeltaJoiner:
     def result(self) -> GroupDelta:
         if self._outputs is None:
             return self._last
-        return dataclasses.replace(self._last, outputs=self._outputs.result(),
-                                   num_prompt_tokens=self._num_prompt_tokens, prompt_logprobs=self._prompt_logprobs)
+        last = self._last  # field by field, not dataclasses.replace: once per streamed message
+        return GroupDelta(last.request_id, last.group_id, self._outputs.result(), last.finished,
+                          self._num_prompt_tokens, last.num_cached_tokens, self._prompt_logprobs, last.error,
+                          last.error_kind)
 
 
 @dataclass(frozen=True)

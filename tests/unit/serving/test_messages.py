@@ -77,6 +77,25 @@ def test_a_delta_joined_with_a_later_one_says_both() -> None:
         True, 3, 2, [None, lp])
 
 
+def test_a_joined_delta_keeps_every_field_of_the_last_one() -> None:
+    """The joiner builds its result field by field: a field added to GroupDelta or
+    CompletionOutput must be added there too, or it would be dropped here."""
+    import dataclasses
+
+    lp = {5: Logprob(-0.5, 1, "a")}
+    last_output = {"index": 1, "text": "y", "token_ids": [6], "logprobs": [lp], "finish_reason": "stop",
+                   "stop_reason": "y", "cumulative_logprob": -1.0}
+    last = {"request_id": "r", "group_id": "g1", "outputs": [CompletionOutput(**last_output)], "finished": True,
+            "num_prompt_tokens": 3, "num_cached_tokens": 2, "prompt_logprobs": [None, lp], "error": "worker died",
+            "error_kind": "unavailable"}
+    assert set(last) == {f.name for f in dataclasses.fields(m.GroupDelta)}
+    assert set(last_output) == {f.name for f in dataclasses.fields(CompletionOutput)}
+    first = m.GroupDelta("r", "g1", [CompletionOutput(1, "x", [5], [lp])], False)
+    both = joined([first, m.GroupDelta(**last)])
+    assert both == m.GroupDelta(**{**last, "outputs": [CompletionOutput(
+        **{**last_output, "text": "xy", "token_ids": [5, 6], "logprobs": [lp, lp]})]})
+
+
 def test_a_delta_batch_crosses_as_rows_and_comes_back_whole() -> None:
     lp = {5: Logprob(-0.5, 1, "a")}
     every_field = m.GroupDelta("r", "g1", [CompletionOutput(1, "x", [5], [lp], "stop", "x", -0.5)], True,
