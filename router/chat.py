@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from tandem.router.chat_tools import ChoiceCalls, ToolCalling, ToolPlan, template_message
+from tandem.router.chunk_json import ChunkJson
 from tandem.router.engine_client import EngineClient, sampling_params
 from tandem.router.protocol import (
     AssistantMessage,
@@ -98,6 +99,8 @@ class ChatServing:
         finished: set[int] = set()  # the group repeats a finished choice of n > 1 until all end
         readers: dict[int, ChoiceCalls] = {i: plan.choice() for i in range(req.n)} if plan.reads_calls else {}
 
+        plain = ChunkJson("chat.completion.chunk", request_id, created, model)
+
         def chunk(choice: ChatChunkChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
 
@@ -115,7 +118,10 @@ class ChatServing:
                 logprobs = _logprobs(out.token_ids, out.logprobs or [], req) if req.logprobs else None
                 reader = readers.get(out.index)
                 if reader is None:
-                    if out.text or out.finish_reason or (logprobs and logprobs.content):
+                    if logprobs is None:
+                        if out.text or out.finish_reason:
+                            yield plain.chat(out.index, out.text or None, out.finish_reason, out.stop_reason)
+                    elif out.text or out.finish_reason or logprobs.content:
                         yield chunk(ChatChunkChoice(
                             index=out.index, delta=DeltaMessage(content=out.text or None), logprobs=logprobs,
                             finish_reason=out.finish_reason, stop_reason=out.stop_reason))

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from tandem.router.chunk_json import ChunkJson
 from tandem.router.engine_client import EngineClient, sampling_params
 from tandem.router.protocol import (
     CompletionChoice,
@@ -120,7 +121,11 @@ class CompletionServing:
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
         finished: set[int] = set()  # the group repeats a finished choice of n > 1 until all end
 
+        plain = ChunkJson("text_completion", request_id, created, model)
+
         def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+            if logprobs is None:
+                return plain.completion(index, text, finish_reason, stop_reason)
             return sse(CompletionResponse(id=request_id, created=created, model=model, choices=[CompletionChoice(
                 index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
                 stop_reason=stop_reason)]))
