@@ -249,7 +249,8 @@ def test_timeout_aborts_the_request_with_408(http, group):
                                      "type": "timeout_error", "param": "timeout", "code": "request_timeout"}
         assert group.responses[-1].cancelled  # the group aborts it and frees its KV
     group.scripts = [[delta("a", 10), 5.0, delta("b", 11, "stop")]]
-    r = post(http, {"prompt": "hi", "timeout": 0.2, "stream": True})
+    # 1 s, not 0.2: the first delta must come before the deadline on a loaded host too.
+    r = post(http, {"prompt": "hi", "timeout": 1.0, "stream": True})
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert json.loads(events[0])["choices"][0]["text"] == "a"
     assert json.loads(events[1])["error"]["code"] == "request_timeout" and events[2] == "[DONE]"
@@ -262,7 +263,8 @@ def test_timeout_aborts_the_request_with_408(http, group):
 def test_a_request_without_a_timeout_gets_the_servers(tiny_llama, group):
     from tests.serve.fake_group import ingress_server, serving
 
-    with serving(ingress_server(tiny_llama, group, request_timeout_s=0.2)) as client:
+    # 1 s: the first delta comes well before the deadline on a loaded host too.
+    with serving(ingress_server(tiny_llama, group, request_timeout_s=1.0)) as client:
         group.scripts = [[delta("a", 10), 5.0, delta("b", 11, "stop")]] * 2
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
         assert (r.status_code, r.json()["error"]["code"]) == (408, "request_timeout")
