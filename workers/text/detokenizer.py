@@ -27,6 +27,10 @@ except ImportError:  # tokenizers < 0.21: the Python window does it all
 # same spacing it has in context.
 _PROMPT_WINDOW = 5
 _REPLACEMENT = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
+# The text is kept as committed pieces and a live tail: appending to one growing string copies
+# it whole each time (an attribute's `+=` is never done in place), quadratic in the output's
+# length. The tail is committed once it is longer than this.
+_TAIL_CHARS = 2048
 
 
 def find_stop(text: str, start: int, stop: list[str]) -> tuple[str, int] | None:
@@ -82,8 +86,18 @@ class IncrementalDetokenizer:
         self._stream_due = self._backend is not None
         self._unread = False  # add_tokens_unread was called: the stream has not seen those ids
         self._num_output_tokens = 0
+        # The text: `_done` (committed pieces, `_base` characters in all) then `_text`, the tail,
+        # which holds everything a stop string or its holdback can still touch (the last
+        # `_lookback` characters) and, once streaming, what stream_delta has not handed out.
+        # Offsets below (old_len, _streamed) count from the tail's start.
         self._text = ""
-        self._streamed = 0  # chars of _text already handed out by stream_delta
+        self._done: list[str] = []
+        self._base = 0
+        self._lookback = max((len(s) for s in self._stop), default=1) - 1
+        self._streaming = False  # stream_delta has been called
+        # Chars of the tail already handed out by stream_delta; negative when text committed
+        # before the first call was never handed out.
+        self._streamed = 0
         self._stopped: str | None = None
         self._flushed = False
 
@@ -182,8 +196,16 @@ class IncrementalDetokenizer:
         return self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> str | None:
-        if not self._stop or self._num_output_tokens < self._min_tokens:
-            return None
+        """After text was added (the tail was old_len characters before): the stop string it
+        completed, if any; then the tail is committed if it has grown long."""
+        stop = self._find_stop(old_len) if self._stop and self._num_output_tokens >= self._min_tokens else None
+        if len(self._text) > _TAIL_CHARS:
+            self._commit()
+        return stop
+
+    def _find_stop(self, old_len: int) -> str | None:
+        # The tail holds at least `_lookback` characters before old_len (or all of the text):
+        # every stop string that ends after old_len starts in it.
         if len(self._text) == old_len:
             return None
         found = find_stop(self._text, old_len, self._stop)
@@ -196,10 +218,26 @@ class IncrementalDetokenizer:
 
     # -- outputs ----------------------------------------------------------------------
 
+    def _commit(self) -> None:
+        """Move the tail's head into `_done`, keeping what a stop string can still reach and,
+        once streaming, what stream_delta has not handed out."""
+        cut = len(self._text) - self._lookback
+        if self._streaming:
+            cut = min(cut, self._streamed)
+        if cut > 0:
+            self._done.append(self._text[:cut])
+            self._text = self._text[cut:]
+            self._base += cut
+            self._streamed -= cut
+
     @property
     def output_text(self) -> str:
         """Full text so far (after any stop truncation)."""
-        return self._text
+        if not self._done:
+            return self._text
+        if len(self._done) > 1:
+            self._done = ["".join(self._done)]  # joined once; a later call joins two pieces
+        return self._done[0] + self._text
 
     @property
     def num_output_tokens(self) -> int:
@@ -231,8 +269,12 @@ class IncrementalDetokenizer:
         # A held-back suffix is never shown, and a stop string can only start inside
         # one, so truncation never cuts below _streamed; max() just guards the invariant.
         end = max(end, self._streamed)
-        delta = self._text[self._streamed : end]
+        if self._streamed >= 0:
+            delta = self._text[self._streamed : end]
+        else:  # the first call after text was committed unstreamed (a caller that streams late)
+            delta = self.output_text[self._base + self._streamed : self._base + end]
         self._streamed = end
+        self._streaming = True
         return delta
 
     def decode_token(self, token_id: int) -> str:

@@ -391,3 +391,48 @@ def test_stop_random_property(tok: PreTrainedTokenizerFast) -> None:
         assert found == stop, (ids, stop)
         cut = full.index(stop) + (len(stop) if include else 0)
         assert detok.output_text == full[:cut] == streamed, (ids, stop)
+
+
+@pytest.mark.parametrize("read", ["stream", "cumulative", "at_the_end", "stream_late"])
+def test_the_text_committed_as_it_grows_says_the_same(tok: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch,
+                                                      read: str) -> None:
+    """The text lives as committed pieces and a tail (appending to one string is quadratic in
+    its length). With the tail committed after every token, each way of reading the text (a
+    stream's deltas, the whole text each step, the text at the end, a stream that starts late)
+    gives the full decode cut at the first stop string, never showing part of one."""
+    monkeypatch.setattr(detokenizer, "_TAIL_CHARS", 0)
+    rng = random.Random(5)
+    base = enc(tok, SAMPLE + " " + SAMPLE[::-1])
+    for _ in range(150):
+        ids = _random_sequence(rng, tok, base)
+        full = tok.decode(ids, skip_special_tokens=True)
+        if len(full) < 2:
+            continue
+        # One stop string (of two, the one completed first wins, not the first in the full text).
+        a = rng.randrange(len(full) - 1)
+        stops = [full[a: a + rng.randrange(1, 6)]] if rng.random() < 0.8 else []
+        include = rng.random() < 0.5
+        detok = IncrementalDetokenizer(tok, [], stop=stops, include_stop_str_in_output=include)
+        streamed, found = "", None
+        for k, i in enumerate(ids):
+            found = detok.add_tokens([i])
+            if read == "stream" or (read == "stream_late" and k >= len(ids) // 2):
+                streamed += detok.stream_delta(finished=found is not None)
+            elif read == "cumulative":
+                streamed = detok.output_text
+            if found:
+                break
+        if not found:
+            found = detok.finish()
+        if read in ("stream", "stream_late"):
+            streamed += detok.stream_delta(finished=True)
+        else:
+            streamed = detok.output_text
+        if stops:
+            assert found == stops[0], (ids, stops)
+            expected = full[:full.index(stops[0]) + (len(stops[0]) if include else 0)]
+        else:
+            expected = full
+        assert detok.output_text == expected == streamed, (ids, stops, read)
+        if read == "stream" and not include:
+            assert not any(s in streamed for s in stops)
