@@ -35,6 +35,10 @@ Target = Steps | str  # what a literal between calls leads to: steps, or the nam
 
 _CONTENT, _STEPS, _CALL, _BETWEEN, _PLAIN = range(5)
 _AFTER_CALL = "after_call"
+# Text already sent (as content or a call) is dropped from the stream's buffer once it is this
+# long: appending to one growing string copies it whole, so a long answer read with tools
+# offered would cost the ingress's loop time quadratic in its length.
+_TRIM_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,7 @@ class CallStream:
         self._text += text
         self._run()
         self._flush()
+        self._trim()
         return self._take()
 
     def finish(self, text: str = "") -> list[Event]:
@@ -300,6 +305,18 @@ class CallStream:
             self._events[-1] = Content(self._events[-1].text + text)
         else:
             self._events.append(Content(text))
+
+    def _trim(self) -> None:
+        """Drop the sent text nothing reads again: before `_committed` (a mismatch or a failed
+        call goes back no further) and, in a call, before its "{" (its arguments are sliced
+        from there). Every position counts from the buffer's start, so each moves with it."""
+        cut = min(self._committed, self._call_at) if self._mode == _CALL else self._committed
+        if cut > _TRIM_CHARS:
+            self._text = self._text[cut:]
+            self._pos -= cut
+            self._committed -= cut
+            self._call_at -= cut
+            self._args_sent -= cut
 
     def _take(self) -> list[Event]:
         events, self._events = self._events, []

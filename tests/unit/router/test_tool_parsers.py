@@ -166,3 +166,22 @@ def test_registry_and_markers():
     assert HERMES.markers == ("</tool_call>", "<tool_call>")
     assert LLAMA3_JSON.markers == ("<|python_tag|>",)
     assert MISTRAL.markers == ("[TOOL_CALLS]",)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "cut short" not in c and "malformed" not in c] +
+                         ["hermes no name", "mistral no array"])
+def test_a_stream_that_drops_what_it_sent_after_every_piece_says_the_same(case, monkeypatch):
+    """The stream drops the text it has sent once that is long (appending to one growing string
+    is quadratic in a long answer's length); dropped after every piece, long content before the
+    calls and every split into three pieces give the whole output's content and calls."""
+    from tandem.router.tool_parsers import call_stream
+
+    monkeypatch.setattr(call_stream, "_TRIM_CHARS", 0)
+    parser, text, content, calls = CASES[case]
+    prose = "Some prose that comes first. " * 40 if parser is HERMES or "content before" in case else ""
+    whole = prose + text
+    expected = ((prose + (content or "")) or None, calls) if calls else (prose + content, calls)
+    for i in range(0, len(whole) + 1, 7):
+        for j in range(i, len(whole) + 1, 5):
+            assert _streamed(parser, [whole[:i], whole[i:j], whole[j:]]) == expected, (i, j)
+    assert _streamed(parser, list(whole) + [""]) == expected
