@@ -357,9 +357,11 @@ class AsyncEngine:
         self._streams.clear()
         self._after_step()
 
-    def _after_step(self, stats_taken: bool = False) -> None:
-        if not stats_taken:
-            self.last_stats = self.engine.stats()
+    def _after_step(self) -> None:
+        self.last_stats = self.engine.stats()
+        self._tell_step_listeners()
+
+    def _tell_step_listeners(self) -> None:
         for listener in self._step_listeners:
             try:
                 listener(self.engine)
@@ -391,5 +393,5 @@ class AsyncEngine:
             # the step that made it counted (the KV report, the router's load), not the last.
             self.last_stats = self.engine.stats()
             self._deliver(outputs)
-            self._after_step(stats_taken=True)
+            self._tell_step_listeners()
             self._tell_failure()

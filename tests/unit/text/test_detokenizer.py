@@ -365,19 +365,23 @@ def test_find_stop() -> None:
     assert find_stop("abab", 0, ["ab", "a"]) == ("ab", 0)  # tie: first listed wins
 
 
-def test_stop_random_property(tok: PreTrainedTokenizerFast) -> None:
-    """With one stop string, the result is the full decode cut at its first occurrence,
-    and the streamed text is exactly that with no partial stop string ever shown."""
-    rng = random.Random(0)
+def _random_stop_cases(tok: PreTrainedTokenizerFast, seed: int, count: int, max_stop_len: int):
+    """(ids, their full decode, a stop string cut from it, include_stop_str_in_output), random."""
+    rng = random.Random(seed)
     base = enc(tok, SAMPLE + " " + SAMPLE[::-1])
-    for _ in range(200):
+    for _ in range(count):
         ids = _random_sequence(rng, tok, base)
         full = tok.decode(ids, skip_special_tokens=True)
         if len(full) < 2:
             continue
         a = rng.randrange(len(full) - 1)
-        stop = full[a : a + rng.randrange(1, 5)]
-        include = rng.random() < 0.5
+        yield ids, full, full[a : a + rng.randrange(1, max_stop_len)], rng.random() < 0.5
+
+
+def test_stop_random_property(tok: PreTrainedTokenizerFast) -> None:
+    """With one stop string, the result is the full decode cut at its first occurrence,
+    and the streamed text is exactly that with no partial stop string ever shown."""
+    for ids, full, stop, include in _random_stop_cases(tok, seed=0, count=200, max_stop_len=5):
         detok = IncrementalDetokenizer(tok, [], stop=[stop], include_stop_str_in_output=include)
         streamed, found = "", None
         for i in ids:
@@ -401,17 +405,11 @@ def test_the_text_committed_as_it_grows_says_the_same(tok: PreTrainedTokenizerFa
     stream's deltas, the whole text each step, the text at the end, a stream that starts late)
     gives the full decode cut at the first stop string, never showing part of one."""
     monkeypatch.setattr(detokenizer, "_TAIL_CHARS", 0)
-    rng = random.Random(5)
-    base = enc(tok, SAMPLE + " " + SAMPLE[::-1])
-    for _ in range(150):
-        ids = _random_sequence(rng, tok, base)
-        full = tok.decode(ids, skip_special_tokens=True)
-        if len(full) < 2:
-            continue
-        # One stop string (of two, the one completed first wins, not the first in the full text).
-        a = rng.randrange(len(full) - 1)
-        stops = [full[a: a + rng.randrange(1, 6)]] if rng.random() < 0.8 else []
-        include = rng.random() < 0.5
+    # One stop string (of two, the one completed first wins, not the first in the full text);
+    # every fifth case none.
+    cases = _random_stop_cases(tok, seed=5, count=150, max_stop_len=6)
+    for n, (ids, full, stop, include) in enumerate(cases):
+        stops = [stop] if n % 5 else []
         detok = IncrementalDetokenizer(tok, [], stop=stops, include_stop_str_in_output=include)
         streamed, found = "", None
         for k, i in enumerate(ids):
