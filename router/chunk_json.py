@@ -3,9 +3,9 @@ calls, no role, no usage) written as strings, byte for byte what pydantic's
 `model_dump_json` writes for the same `CompletionResponse` / `ChatCompletionChunk`.
 
 A streamed request sends one such chunk per message to its client, for every stream of the
-ingress: building and dumping the pydantic models was an eighth of the ingress's CPU at 128
-streams. The part every chunk of a stream shares (id, object, created, model) is written
-once. Every other chunk (logprobs, tool calls, the role's first chunk, usage) keeps the
+ingress: building and dumping the pydantic models costs about ten times what writing the
+string does (bench/RESULTS.md). The part every chunk of a stream shares (id, object, created,
+model) is written once. Every other chunk (logprobs, tool calls, the role's first chunk, usage) keeps the
 models. tests/unit/router/test_chunk_json.py holds the two to the same bytes.
 """
 
