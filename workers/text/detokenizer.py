@@ -7,16 +7,23 @@ its neighbours. So, like vLLM and TGI, we decode a short sliding window of ids:
 ``ids[prefix_offset:read_offset]`` is text already emitted, ``ids[prefix_offset:]``
 is that text plus the new part, and the difference between the two is the new text.
 
-With a fast tokenizer, tokenizers' `DecodeStream` runs that same window in Rust, seeded with
-the same prompt tail: one call a token where the Python window makes two decodes and their
-list slices. Text it holds back (an incomplete character, a skipped special token) is what
-`finish` flushes, from the ids this class keeps either way.
+A byte-level BPE tokenizer needs no window: its tokens' bytes do not depend on their
+neighbours, so each token's bytes go to an incremental UTF-8 decoder (`byte_tokens.py`), which
+holds back only an incomplete character. Any other fast tokenizer takes tokenizers'
+`DecodeStream`, which runs the window in Rust, seeded with the same prompt tail: one call a
+token where the Python window makes two decodes and their list slices. Text it holds back (an
+incomplete character, a skipped special token) is what `finish` flushes, from the ids this
+class keeps either way.
 """
 from __future__ import annotations
 
+import codecs
+from collections.abc import Callable
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from tandem.workers.text.byte_tokens import byte_tokens
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -83,7 +90,12 @@ class IncrementalDetokenizer:
         # tokenizers' stream is built at the first `add_tokens`: a request that only wants its
         # final text (`add_tokens_unread`, one decode at the end) never pays for one.
         self._stream = None
-        self._stream_due = self._backend is not None
+        # A byte-level vocabulary's tokens as bytes (None: another tokenizer); the UTF-8 decoder
+        # they go through is made at the first `add_tokens`, like the stream.
+        self._tables = byte_tokens(tokenizer)
+        self._bytes = None if self._tables is None else self._tables.table(skip_special_tokens)
+        self._utf8: Callable[..., str] | None = None
+        self._stream_due = self._backend is not None and self._bytes is None
         self._unread = False  # add_tokens_unread was called: the stream has not seen those ids
         self._num_output_tokens = 0
         # The text: `_done` (committed pieces, `_base` characters in all) then `_text`, the tail,
@@ -140,6 +152,21 @@ class IncrementalDetokenizer:
             raise RuntimeError("add_tokens called after the request finished")
         old_len = len(self._text)
         self._num_output_tokens += len(new_token_ids)
+        if self._bytes is not None:
+            decode = self._utf8
+            if decode is None:
+                assert not self._unread, "a request's tokens are either all read or all unread"
+                decode = self._utf8 = codecs.getincrementaldecoder("utf-8")("replace").decode
+            table = self._bytes
+            try:
+                data = table[new_token_ids[0]] if len(new_token_ids) == 1 else b"".join(
+                    [table[tid] for tid in new_token_ids])
+            except IndexError:  # an id past the vocabulary (a model's padded rows) decodes to nothing
+                data = b"".join([table[tid] for tid in new_token_ids if tid < len(table)])
+            text = decode(data)
+            if text:
+                self._text += text
+            return self._check_stop(old_len)
         if self._stream_due:
             self._stream_due = False
             if not self._unread:  # the ids are still the prompt's tail alone
@@ -176,7 +203,7 @@ class IncrementalDetokenizer:
         same text. Only for a request that watches no stop string (that needs the text as it
         grows) and streams nothing."""
         assert not self._stop, "stop strings need the text as it grows"
-        assert self._stream is None, "a request's tokens are either all read or all unread"
+        assert self._stream is None and self._utf8 is None, "a request's tokens are either all read or all unread"
         self._unread = True
         self._ids.extend(new_token_ids)
         self._num_output_tokens += len(new_token_ids)
@@ -189,9 +216,12 @@ class IncrementalDetokenizer:
         if self._flushed or self._stopped is not None:
             return self._stopped
         self._flushed = True
+        old_len = len(self._text)
+        if self._utf8 is not None:  # bytes of an incomplete character, as U+FFFD
+            self._text += self._utf8(b"", True)
+            return self._check_stop(old_len)
         if self._read_offset == len(self._ids):
             return None
-        old_len = len(self._text)
         self._text += self._step(flush=True) or ""
         return self._check_stop(old_len)
 
@@ -280,6 +310,8 @@ class IncrementalDetokenizer:
     def decode_token(self, token_id: int) -> str:
         """Text of a single token for logprobs display (special tokens shown, and a
         token holding part of a character shows U+FFFD)."""
+        if self._tables is not None and 0 <= token_id < len(self._tables.all):
+            return self._tables.all[token_id].decode("utf-8", "replace")
         return self._tokenizer.decode(
             [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
