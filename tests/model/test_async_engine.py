@@ -270,3 +270,51 @@ def test_a_stalled_engine_fails_its_requests_at_once_and_takes_no_more(llama_dir
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_a_sink_takes_each_steps_outputs_on_the_engines_thread_and_deliver_the_errors(engine, llama_dir: str):
+    """Requests submitted with a sink: each step's outputs of them reach it in one call, on the
+    engine's thread, adding up to the greedy tokens; a refusal still reaches `deliver` on the
+    loop. A sink that raises fails its requests (aborted, their blocks freed) and nothing else."""
+    prompts = mixed_prompts(seed=47, lengths=(9, 5))
+    expected = hf_greedy(llama_dir, prompts, 8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, output_kind="delta")
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        calls: list[tuple[int, list[str]]] = []
+        tokens: dict[str, list[int]] = {"a": [], "b": []}
+        done = asyncio.Event()
+
+        def sink(items) -> None:
+            calls.append((threading.get_ident(), [out.request_id for _, out in items]))
+            for _, out in items:
+                tokens[out.request_id].extend(out.outputs[0].token_ids)
+                if out.finished and out.request_id == "b":
+                    loop.call_soon_threadsafe(done.set)
+
+        errors: dict[str, asyncio.Future] = {r: loop.create_future() for r in ("a", "b", "bad", "boom")}
+        for request_id, prompt in zip("ab", prompts):
+            engine.submit({"prompt_token_ids": prompt}, params, request_id, errors[request_id].set_result, sink)
+        engine.submit({"prompt_token_ids": []}, params, "bad", errors["bad"].set_result, sink)
+        refused = await asyncio.wait_for(errors["bad"], 30)
+        await asyncio.wait_for(done.wait(), 60)
+
+        def broken(items) -> None:
+            raise OSError("the wire broke")
+
+        engine.submit({"prompt_token_ids": prompts[0]}, params, "boom", errors["boom"].set_result, broken)
+        failed = await asyncio.wait_for(errors["boom"], 30)
+        after = [out async for out in engine.generate({"prompt_token_ids": prompts[1]}, params, "after")]
+        return [calls, tokens, type(refused).__name__, failed, after, errors["a"].done() or errors["b"].done()]
+
+    calls, tokens, refused, failed, after, a_or_b_erred = asyncio.run(run())
+    assert {thread for thread, _ in calls} == {engine._thread.ident}
+    assert sorted(set(r for _, ids in calls for r in ids)) == ["a", "b"]
+    assert any(len(ids) == 2 for _, ids in calls)  # the two requests' outputs of a step: one call
+    assert [tokens["a"], tokens["b"]] == expected
+    assert refused == "ValueError" and not a_or_b_erred
+    assert isinstance(failed, RuntimeError) and "the wire broke" in str(failed)
+    assert sum((d.outputs[0].token_ids for d in after), []) == expected[1]
+    assert wait_for(lambda: engine.engine.pool.num_free_blocks == engine.engine.pool.num_blocks, 10)
+    engine.engine.pool.check_all_free()

@@ -30,12 +30,16 @@ logger = logging.getLogger(__name__)
 
 
 Deliver = Callable[[RequestOutput | BaseException], None]  # called on the caller's event loop
+# Called on the engine's thread after each step with the step's outputs of the requests
+# submitted with it, each beside its `deliver` (which still gets their errors, on the loop).
+StepSink = Callable[[list[tuple[Deliver, RequestOutput]]], None]
 
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     deliver: Deliver
+    sink: StepSink | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.deliver, item)
@@ -181,12 +185,15 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def submit(self, prompt: Prompt, params: SamplingParams, request_id: str, deliver: Deliver) -> None:
+    def submit(self, prompt: Prompt, params: SamplingParams, request_id: str, deliver: Deliver,
+               sink: StepSink | None = None) -> None:
         """Start a request whose outputs (delta or final, as `params` say) go to `deliver`, on
         the calling event loop, each step's with one wake-up of the loop for all requests; an
         error (a refusal, a dead engine) is delivered as the exception. No task per request:
-        for a caller that hands outputs on as they come (a group's outboxes). `abort` ends it."""
-        stream = _Stream(asyncio.get_running_loop(), deliver)
+        for a caller that hands outputs on as they come (a group's outboxes). `abort` ends it.
+        With `sink`, its outputs go to `sink` instead, on the engine's thread, with the step's
+        other outputs for it, and no turn of the loop; errors still go to `deliver`."""
+        stream = _Stream(asyncio.get_running_loop(), deliver, sink)
         if self.stalled_error is not None:  # the engine thread will not come back for it
             stream.put(EngineDeadError(self.stalled_error))
             return
@@ -321,16 +328,30 @@ class AsyncEngine:
         self._deliver(self.engine.give_up(error))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs to their streams: one wake-up of each event loop for all of them,
-        so the loop sees the whole step at once (and a group's channel flushes it as one
-        message, workers/serving/outbox.py), at one cross-thread call per step, not per request."""
+        """A step's outputs to their streams: to each sink its requests' outputs in one call,
+        here on the engine's thread (a group's channels, workers/serving/outbox.py); the rest
+        with one wake-up of each event loop for all of them, so the loop sees the whole step at
+        once, at one cross-thread call per step, not per request."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Deliver, RequestOutput]]] = {}
+        by_sink: dict[StepSink, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.deliver, out))
+                if stream.sink is None:
+                    by_loop.setdefault(stream.loop, []).append((stream.deliver, out))
+                else:
+                    by_sink.setdefault(stream.sink, []).append((stream, out))
                 if out.finished:
                     del self._streams[out.request_id]
+        for sink, pairs in by_sink.items():
+            try:
+                sink([(stream.deliver, out) for stream, out in pairs])
+            except Exception as exc:  # a sink's fault must not stop the engine: its requests fail
+                logger.exception("step sink failed")
+                for stream, out in pairs:
+                    if self._streams.pop(out.request_id, None) is not None:
+                        self.engine.abort_request(out.request_id)
+                    stream.put(RuntimeError(f"the step's outputs were lost: {type(exc).__name__}: {exc}"))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver_all, items)
 

@@ -20,7 +20,9 @@ bounded in size and time), nor anything on a channel whose id did not first reac
 through Ray (a request's `channel_id` on a Serve call): a stranger who reaches the port can
 read nothing but a channel whose 128-bit random id it knows, and can hurt nothing.
 
-Everything here runs on the group's event loop.
+Everything here runs on the group's event loop but a connection's `SocketSink`, through
+which the engine's thread writes a step's deltas itself while nothing of the channel waits
+(outbox.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
+import threading
 from contextlib import aclosing, suppress
 from typing import Protocol
 
@@ -104,6 +108,54 @@ async def _read_hello(reader: asyncio.StreamReader) -> ChannelOpen:
             or not all(isinstance(v, str) for v in fields.values()):
         raise ValueError("not a channel hello")
     return ChannelOpen(fields["target_group"], fields["channel_id"])
+
+
+class SocketSink:
+    """A connection's socket as the engine's thread writes to it (`outbox.Sink`; called under
+    the outboxes' lock). It writes through a duplicate of the connection's descriptor, so the
+    transport closing its own never leaves that thread a number the process may reuse; the
+    duplicate closes when the connection ends, after the outbox let go of the sink. What the
+    socket does not take at once (an ingress that reads slowly) the event loop writes through
+    the transport before anything else of the channel."""
+
+    def __init__(self, writer: asyncio.StreamWriter, lock: threading.Lock) -> None:
+        self.busy = 0
+        self._transport = writer.transport
+        self._lock = lock
+        self._loop = asyncio.get_running_loop()
+        self._sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
+        self._sock.setblocking(False)
+        self._rest = b""
+
+    def ready(self) -> bool:
+        return self._transport.get_write_buffer_size() == 0 and not self._transport.is_closing()
+
+    def send(self, batch: DeltaBatch) -> None:
+        payload = frame(encode_batch(batch))
+        try:
+            sent = self._sock.send(payload)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # the connection broke: its reader ends, and the ingress fails its streams
+            return
+        if sent < len(payload):
+            self._rest = payload[sent:]
+            self.busy += 1
+            with suppress(RuntimeError):  # the loop closed: the replica is stopping
+                self._loop.call_soon_threadsafe(self.write_rest)
+
+    def write_rest(self) -> None:
+        """On the loop: the end of a frame the socket did not take, before anything else."""
+        with self._lock:
+            if self._rest:
+                self._transport.write(self._rest)
+                self._rest = b""
+                self.busy -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._rest = b""
+            self._sock.close()
 
 
 class ChannelServer:
@@ -231,7 +283,12 @@ class ChannelServer:
                 requests.submit(message)
 
     async def _write_all(self, channel_id: str, writer: asyncio.StreamWriter) -> None:
-        async with aclosing(self.outboxes.flushes(channel_id)) as flushes:
-            async for batch in flushes:
-                writer.write(frame(encode_batch(batch)))
-                await writer.drain()  # an ingress that reads slowly: the next flush gathers more
+        sink = SocketSink(writer, self.outboxes.lock)
+        try:
+            async with aclosing(self.outboxes.flushes(channel_id, sink)) as flushes:
+                async for batch in flushes:
+                    sink.write_rest()  # a frame the engine's thread began goes first
+                    writer.write(frame(encode_batch(batch)))
+                    await writer.drain()  # an ingress that reads slowly: the next flush gathers more
+        finally:
+            sink.close()

@@ -29,6 +29,7 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
 from dataclasses import replace
 from typing import Any
 
@@ -38,7 +39,7 @@ from tandem.cluster.allocator_client import AllocatorClient, GroupIdentity
 from tandem.cluster.kv_allocator import get_or_create_allocator
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.request import RequestOutput
-from tandem.workers.engine.async_engine import AsyncEngine
+from tandem.workers.engine.async_engine import AsyncEngine, Deliver
 from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
 from tandem.workers.engine.kv_transfer import kv_layout
 from tandem.workers.serving import tracer
@@ -265,22 +266,28 @@ class GroupServer:
         """Submit `request` to the engine, its outputs to `channel_id`'s outbox; `end()` once its
         last delta is in. Outputs that come after `ended()` (it was aborted) are dropped."""
 
-        def deliver(item: RequestOutput | BaseException) -> None:
-            if ended():  # ended (or left) already
-                return
-            if isinstance(item, BaseException):  # refused by add_request, or the engine died
-                kind: ErrorKind = "invalid_request" if isinstance(item, ValueError) else "unavailable"
-                self.outboxes.put(channel_id, self._failure(request, str(item), kind))
-                end()
-                return
-            if item.finished and item.metrics is not None:
-                self._observe(request, item)
-            self.outboxes.put(channel_id, self._delta(item))
-            if item.finished:
-                end()
-
         self.engine.submit({"prompt_token_ids": request.prompt_token_ids},
-                           replace(request.sampling, output_kind="delta"), request.request_id, deliver)
+                           replace(request.sampling, output_kind="delta"), request.request_id,
+                           _ChannelDelivery(self, request, channel_id, ended, end, asyncio.get_running_loop()),
+                           self._take_step)
+
+    def _take_step(self, items: list[tuple[Deliver, RequestOutput]]) -> None:
+        """On the engine's thread: a step's outputs of requests streamed on channels, to their
+        outboxes at once (outbox.py: written to a channel's socket from here while nothing of
+        it waits); the loop hears only of the requests that ended."""
+        by_channel: dict[str, list[GroupDelta]] = {}
+        ended: list[tuple[_ChannelDelivery, RequestOutput]] = []
+        for delivery, out in items:
+            assert isinstance(delivery, _ChannelDelivery)
+            if delivery.ended():  # aborted (the client left) before the engine heard of it
+                continue
+            by_channel.setdefault(delivery.channel_id, []).append(self._delta(out))
+            if out.finished:
+                ended.append((delivery, out))
+        self.outboxes.put_step(by_channel)
+        if ended:
+            with suppress(RuntimeError):  # the loop closed: the replica is stopping
+                ended[0][0].loop.call_soon_threadsafe(_end_all, ended)
 
     # ---- requests sent on a channel (ChannelRequests, channel_server.py) -----------------------
     def accepts(self, channel_id: str) -> bool:
@@ -459,10 +466,45 @@ class GroupServer:
 
     # ---- deltas ------------------------------------------------------------------------------------
     def _delta(self, out: RequestOutput) -> GroupDelta:
-        return GroupDelta(out.request_id, self.group_id, out.outputs, out.finished,
-                          num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
-                          prompt_logprobs=out.prompt_logprobs, error=out.error,
-                          error_kind="unavailable" if out.error else None)
+        # Positional: a keyword call costs twice as much, and this runs for every streamed token.
+        return GroupDelta(out.request_id, self.group_id, out.outputs, out.finished, len(out.prompt_token_ids),
+                          out.num_cached_tokens, out.prompt_logprobs, out.error,
+                          "unavailable" if out.error else None)
 
     def _failure(self, request: GroupRequest, message: str, kind: ErrorKind) -> GroupDelta:
         return GroupDelta.failure(request.request_id, self.group_id, message, kind)
+
+
+class _ChannelDelivery:
+    """One request streamed on a channel, as its outputs reach the group (`_take_step` on the
+    engine's thread; called, on the loop, with an error: a refusal or a dead engine)."""
+
+    __slots__ = ("server", "request", "channel_id", "ended", "end", "loop")
+
+    def __init__(self, server: GroupServer, request: GroupRequest, channel_id: str, ended: Callable[[], bool],
+                 end: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
+        self.server, self.request, self.channel_id = server, request, channel_id
+        self.ended, self.end, self.loop = ended, end, loop
+
+    def __call__(self, item: RequestOutput | BaseException) -> None:
+        if self.ended():  # ended (or left) already
+            return
+        if isinstance(item, BaseException):
+            kind: ErrorKind = "invalid_request" if isinstance(item, ValueError) else "unavailable"
+            self.server.outboxes.put(self.channel_id, self.server._failure(self.request, str(item), kind))
+            self.end()
+            return
+        self.server._take_step([(self, item)])  # not reached from the engine (it calls the sink)
+
+    def finished(self, out: RequestOutput) -> None:
+        """On the loop, after its last delta went to the outbox: its figures, and its end."""
+        if self.ended():
+            return
+        if out.metrics is not None:
+            self.server._observe(self.request, out)
+        self.end()
+
+
+def _end_all(ended: list[tuple[_ChannelDelivery, RequestOutput]]) -> None:
+    for delivery, out in ended:
+        delivery.finished(out)

@@ -15,32 +15,64 @@ channel closes.
 A channel carrying no request for `idle_s` closes itself with a last, empty `closing`
 batch: a call that never ends would hold the replica's graceful shutdown (Serve waits for
 every call) for its whole timeout. The ingress opens it again with its next request there.
+
+The engine's thread hands each step's deltas over itself (`put_step`), without a turn of the
+event loop: to a channel whose socket connection is attached (`Sink`, channel_server.py) and
+has nothing waiting, it writes them as one frame at once; otherwise they wait in the outbox
+and the loop is woken once. Everything that reaches a channel's byte stream, from either
+thread, passes one lock, and the engine's thread writes only while no earlier delta waits and
+the loop has nothing of the channel's in hand: so a channel's deltas leave in the order they
+were put. The loop's per-token work, and its wake-up and its turn for the GIL each step, are
+gone from the served path; the loop still flushes what waits (a connection that reads slowly,
+the first deltas before a connection opens, the Serve-call channels).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from tandem.workers.serving.messages import DeltaBatch, GroupDelta
 
 
+class Sink(Protocol):
+    """A channel's connection, as the engine's thread writes to it (called under the lock)."""
+
+    busy: int  # the loop holds deltas of the channel it has not written yet: nothing may pass them
+
+    def ready(self) -> bool:
+        """Nothing of the connection's waits to be written (a frame written now goes next)."""
+
+    def send(self, batch: DeltaBatch) -> None:
+        """Write `batch` as the connection's next frame; what the socket does not take at once
+        the connection writes before anything else (it is busy until then)."""
+
+
 class _Outbox:
+    __slots__ = ("deltas", "ready", "closed", "sink")
+
     def __init__(self) -> None:
         self.deltas: list[GroupDelta] = []
         self.ready = asyncio.Event()
         self.closed = False  # a newer call of the same channel took over
+        self.sink: Sink | None = None  # the channel's socket connection, while one reads it
 
 
 class Outboxes:
-    """The outboxes of one group, by channel id (touched on the group's event loop only)."""
+    """The outboxes of one group, by channel id: the event loop's, but for `put_step`, which the
+    engine's thread calls (the boxes' deltas and sinks are touched under `lock`)."""
 
     def __init__(self, idle_s: float = 1.0) -> None:
         self._boxes: dict[str, _Outbox] = {}
-        self._running: dict[str, int] = {}  # requests in flight per channel
+        self._running: dict[str, int] = {}  # requests in flight per channel (the loop's alone)
+        self.lock = threading.Lock()  # the boxes' deltas and sinks, and what a sink writes
+        self._loop: asyncio.AbstractEventLoop | None = None  # the flushes' loop, from the first one
         self.idle_s = idle_s
         self.num_flushes = 0
         self.num_deltas = 0
+        self.num_direct = 0  # frames the engine's thread wrote itself
 
     def begin(self, channel_id: str) -> None:
         """A request whose deltas go to `channel_id` started: the channel stays open until it ends."""
@@ -54,47 +86,101 @@ class Outboxes:
             self._running.pop(channel_id, None)
 
     def put(self, channel_id: str, delta: GroupDelta) -> None:
-        box = self._boxes.get(channel_id)
-        if box is None:
-            box = self._boxes[channel_id] = _Outbox()
-        box.deltas.append(delta)
+        """One delta, from the event loop."""
+        with self.lock:
+            box = self._boxes.get(channel_id)
+            if box is None:
+                box = self._boxes[channel_id] = _Outbox()
+            box.deltas.append(delta)
         box.ready.set()
 
-    async def flushes(self, channel_id: str) -> AsyncIterator[DeltaBatch]:
+    def put_step(self, deltas: dict[str, list[GroupDelta]]) -> None:
+        """One engine step's deltas by channel, from the engine's thread (see the module)."""
+        wake = []
+        with self.lock:
+            for channel_id, news in deltas.items():
+                box = self._boxes.get(channel_id)
+                if box is None:
+                    box = self._boxes[channel_id] = _Outbox()
+                sink = box.sink
+                if sink is not None and not box.deltas and not sink.busy and sink.ready():
+                    self.num_flushes += 1
+                    self.num_deltas += len(news)
+                    self.num_direct += 1
+                    sink.send(DeltaBatch(news))
+                    continue
+                if not box.deltas:
+                    wake.append(box)
+                box.deltas.extend(news)
+            loop = self._loop
+        if loop is not None:  # else no flush has started: the first one takes what waits
+            for box in wake:
+                try:
+                    loop.call_soon_threadsafe(box.ready.set)
+                except RuntimeError:  # the loop has closed: the replica is stopping
+                    return
+
+    async def flushes(self, channel_id: str, sink: Sink | None = None) -> AsyncIterator[DeltaBatch]:
         """Everything put for `channel_id`, one batch per wake-up, until the caller stops.
+        With `sink` (the channel's socket connection), the engine's thread writes to it
+        directly while nothing waits; a batch yielded here holds it busy until the caller
+        asks for the next one, having written it.
 
         A second call for the same channel (its ingress reopened it) takes over: the first
         one ends, and what waited goes out on the second."""
         box = _Outbox()
-        old = self._boxes.get(channel_id)
-        if old is not None:
-            box.deltas, old.deltas = old.deltas, []
-            old.closed = True
-            old.ready.set()
-        if box.deltas:
-            box.ready.set()
-        self._boxes[channel_id] = box
+        box.sink = sink
+        with self.lock:
+            self._loop = asyncio.get_running_loop()
+            old = self._boxes.get(channel_id)
+            if old is not None:
+                box.deltas, old.deltas = old.deltas, []
+                old.closed = True
+                old.sink = None
+                old.ready.set()
+            if box.deltas:
+                box.ready.set()
+            self._boxes[channel_id] = box
         try:
             while True:
                 try:
                     await asyncio.wait_for(box.ready.wait(), self.idle_s)
                 except TimeoutError:
-                    if not box.deltas and channel_id not in self._running:
-                        # Unlisted first: a delta put while the last batch goes out starts a new box.
-                        del self._boxes[channel_id]
+                    with self.lock:
+                        closing = not box.deltas and channel_id not in self._running
+                        if closing:
+                            # Unlisted first: a delta put while the last batch goes out starts a
+                            # new box, and the engine's thread writes nothing after the close.
+                            del self._boxes[channel_id]
+                            box.sink = None
+                    if closing:
                         yield DeltaBatch([], closing=True)
                         return
                     continue
                 if box.closed:
                     return
                 box.ready.clear()
-                deltas, box.deltas = box.deltas, []
-                self.num_flushes += 1
-                self.num_deltas += len(deltas)
-                yield DeltaBatch(deltas)
+                with self.lock:
+                    deltas, box.deltas = box.deltas, []
+                    held = box.sink
+                    if held is not None and deltas:
+                        held.busy += 1
+                    if deltas:
+                        self.num_flushes += 1
+                        self.num_deltas += len(deltas)
+                if not deltas:  # a late wake-up: the engine's thread wrote them itself
+                    continue
+                try:
+                    yield DeltaBatch(deltas)
+                finally:
+                    if held is not None:
+                        with self.lock:
+                            held.busy -= 1
         finally:
-            if self._boxes.get(channel_id) is box:
-                del self._boxes[channel_id]
+            with self.lock:
+                box.sink = None
+                if self._boxes.get(channel_id) is box:
+                    del self._boxes[channel_id]
 
     def __len__(self) -> int:
         return len(self._boxes)

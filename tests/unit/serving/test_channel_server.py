@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+import socket
+import threading
 from dataclasses import replace
 
 import pytest
 
 from tandem.router.group_channels import ChannelLost, GroupChannels
-from tandem.workers.core.request import SamplingParams
+from tandem.workers.core.request import CompletionOutput, SamplingParams
+from tandem.workers.serving import channel_server
 from tandem.workers.serving.channel_server import ChannelServer, frame, hello
 from tandem.workers.serving.messages import (
     ChannelOpen,
@@ -333,3 +336,55 @@ def test_a_request_that_crosses_the_idle_close_still_runs() -> None:
         return [closing.closing, requests.submitted, requests.lost_channels, waiting]
 
     assert asyncio.run(run()) == [True, ["late"], [], 1]
+
+
+def test_steps_the_engines_thread_writes_reach_a_slow_reader_whole_and_in_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's thread writes each step to the socket itself; an ingress that stops reading
+    fills the socket, so frames go in part, the loop writes their ends, and later steps wait in
+    the outbox: every delta arrives, in order, in frames that parse."""
+    tune = channel_server.tune
+
+    def small_buffers(sock) -> None:
+        tune(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+    monkeypatch.setattr(channel_server, "tune", small_buffers)
+    held: list[int] = []
+    write_rest = channel_server.SocketSink.write_rest
+
+    def counted(sink) -> None:
+        if sink._rest:
+            held.append(len(sink._rest))
+        write_rest(sink)
+
+    monkeypatch.setattr(channel_server.SocketSink, "write_rest", counted)
+
+    def step(n: int) -> list[GroupDelta]:
+        return [GroupDelta(f"r{k}", "g0", [CompletionOutput(0, f"{n}:" + "x" * 1000, [n], None)], False)
+                for k in range(2)]
+
+    async def run() -> list:
+        outboxes, server, address = await group()
+        outboxes.begin("chan")
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(frame(json.dumps({"target_group": "g0", "channel_id": "chan"}).encode()))
+        ready = await read_frame(reader)
+        await until(lambda: getattr(outboxes._boxes.get("chan"), "sink", None) is not None)
+        thread = threading.Thread(target=lambda: [outboxes.put_step({"chan": step(n)}) for n in range(200)])
+        thread.start()
+        await asyncio.sleep(0.3)  # the ingress reads nothing meanwhile: the socket fills
+        got: list[tuple[str, int]] = []
+        while len(got) < 400:
+            batch = await asyncio.wait_for(read_frame(reader), 10)
+            got.extend((d.request_id, d.outputs[0].token_ids[0]) for d in batch.deltas)
+            assert all(d.outputs[0].text.startswith(f"{d.outputs[0].token_ids[0]}:") for d in batch.deltas)
+        thread.join()
+        writer.close()
+        server.close()
+        return [ready, got, outboxes.num_direct > 0, outboxes.num_flushes > outboxes.num_direct]
+
+    ready, got, direct, flushed = asyncio.run(run())
+    assert ready == DeltaBatch([])
+    assert got == [(f"r{k}", n) for n in range(200) for k in range(2)]
+    assert direct and flushed and held

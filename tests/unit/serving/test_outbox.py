@@ -1,12 +1,19 @@
 """A group's outboxes: what waits for a channel goes out in one batch per flush, in order,
-and a reopened channel takes over what its old call had not sent."""
+and a reopened channel takes over what its old call had not sent; a step the engine's thread
+puts goes straight to the channel's connection while nothing waits, and in order whichever
+thread puts what."""
 
 from __future__ import annotations
 
 import asyncio
+import random
+import threading
+import time
+
+import pytest
 
 from tandem.workers.core.request import CompletionOutput
-from tandem.workers.serving.messages import GroupDelta
+from tandem.workers.serving.messages import DeltaBatch, GroupDelta
 from tandem.workers.serving.outbox import Outboxes
 
 
@@ -104,3 +111,138 @@ def test_a_channel_with_no_request_closes_itself_after_idle_s() -> None:
         return [ids(first), still_open, last.deltas, last.closing, ended, len(boxes)]
 
     assert asyncio.run(run()) == [[("a", 1)], True, [], True, True, 0]
+
+
+class RecordingSink:
+    """A connection as the engine's thread sees it: frames land in `wire` in the order a socket
+    would carry them. `partial(i)`: whether the socket takes only the first half of frame i (the
+    loop writes the rest, as SocketSink does)."""
+
+    def __init__(self, boxes: Outboxes, partial=lambda i: False) -> None:
+        self.busy = 0
+        self.wire: list[tuple[int, str, list]] = []  # (frame, "whole" | "head" | "tail", deltas)
+        self.threads: set[str] = set()
+        self._boxes, self._partial, self._rest = boxes, partial, None
+        self._frames = 0
+        self._loop = asyncio.get_running_loop()
+
+    def ready(self) -> bool:
+        return True
+
+    def send(self, batch) -> None:
+        self.threads.add(threading.current_thread().name)
+        i, self._frames = self._frames, self._frames + 1
+        if not self._partial(i):
+            self.wire.append((i, "whole", ids(batch)))
+            return
+        self.wire.append((i, "head", []))
+        self._rest = (i, ids(batch))
+        self.busy += 1
+        self._loop.call_soon_threadsafe(self.write_rest)
+
+    def write_rest(self) -> None:
+        with self._boxes.lock:
+            if self._rest is not None:
+                i, deltas = self._rest
+                self.wire.append((i, "tail", deltas))
+                self._rest = None
+                self.busy -= 1
+
+    def write(self, batch) -> None:
+        """The loop's write of a flush (ChannelServer._write_all)."""
+        self.write_rest()
+        self.wire.append((-1, "whole", ids(batch)))
+
+
+def test_a_step_goes_out_from_the_engines_thread_while_nothing_waits() -> None:
+    async def run() -> list:
+        boxes = Outboxes()
+        sink = RecordingSink(boxes)
+        flushes = boxes.flushes("c1", sink)
+        waiting = asyncio.ensure_future(anext(flushes))
+        await asyncio.sleep(0)
+        await asyncio.to_thread(boxes.put_step, {"c1": [delta("a", 1), delta("b", 2)]})
+        await asyncio.sleep(0.01)
+        off_the_loop = sink.threads - {"MainThread"} == sink.threads != set()
+        direct = [list(sink.wire), waiting.done(), boxes.num_direct, off_the_loop]
+        # Something put on the loop first: the step waits behind it, in the next flush.
+        boxes.put("c1", delta("a", 3))
+        boxes.put_step({"c1": [delta("b", 4)]})
+        sink.write(await waiting)
+        waiting.cancel()
+        await flushes.aclose()
+        return [*direct, sink.wire[1:], boxes.num_flushes, boxes.num_deltas]
+
+    assert asyncio.run(run()) == [[(0, "whole", [("a", 1), ("b", 2)])], False, 1, True,
+                                  [(-1, "whole", [("a", 3), ("b", 4)])], 2, 4]
+
+
+def test_a_channel_without_a_connection_keeps_the_step_for_its_first_flush() -> None:
+    async def run() -> list:
+        boxes = Outboxes()
+        await asyncio.to_thread(boxes.put_step, {"c1": [delta("a", 1)], "c2": [delta("b", 2)]})
+        one, two = boxes.flushes("c1"), boxes.flushes("c2")
+        got = [ids(await anext(one)), ids(await anext(two)), boxes.num_direct]
+        waiting = asyncio.ensure_future(anext(one))
+        await asyncio.sleep(0)
+        await asyncio.to_thread(boxes.put_step, {"c1": [delta("a", 5)]})  # wakes the flush
+        got.append(ids(await asyncio.wait_for(waiting, 5)))
+        await one.aclose()
+        await two.aclose()
+        return got
+
+    assert asyncio.run(run()) == [[("a", 1)], [("b", 2)], 0, [("a", 5)]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_from_both_threads_a_channels_deltas_reach_the_wire_in_order(seed: int) -> None:
+    """An engine thread puts 400 steps while the loop puts deltas of its own (errors, the
+    first deltas of a request) and flushes what waits; the socket takes some frames only in
+    part. On the wire every delta is where it was put, and no frame is split by another."""
+
+    async def run() -> tuple[list, list, int]:
+        boxes = Outboxes()
+        rng = random.Random(seed)
+        sink = RecordingSink(boxes, partial=lambda i: rng.random() < 0.3)
+        put: list[tuple[str, int]] = []  # the order of putting, from either thread
+        order = threading.Lock()
+        done = threading.Event()
+
+        def engine() -> None:
+            for step in range(400):
+                news = [delta(f"e{step}", k) for k in range(rng.randrange(1, 4))]
+                with order:
+                    put.extend(ids(DeltaBatch(news)))
+                    boxes.put_step({"c1": news})
+                if step % 7 == 0:
+                    time.sleep(0.0005)
+            done.set()
+
+        async def write_flushes() -> None:
+            async for batch in boxes.flushes("c1", sink):
+                sink.write(batch)
+                await asyncio.sleep(0)
+
+        writer = asyncio.ensure_future(write_flushes())
+        await asyncio.sleep(0)
+        thread = threading.Thread(target=engine)
+        thread.start()
+        n = 0
+        while not done.is_set():
+            with order:
+                boxes.put("c1", delta("loop", n))
+                put.append(("loop", n))
+            n += 1
+            await asyncio.sleep(0.001)
+        thread.join()
+        await asyncio.sleep(0.05)
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+        return put, sink.wire, boxes.num_direct
+
+    put, wire, num_direct = asyncio.run(run())
+    assert [d for _, _, deltas in wire for d in deltas] == put
+    for k, (frame, part, _) in enumerate(wire):
+        if part == "head":  # its tail comes next, before anything else
+            assert wire[k + 1][:2] == (frame, "tail")
+    assert num_direct > 0 and any(part == "head" for _, part, _ in wire)
