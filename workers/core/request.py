@@ -310,7 +310,7 @@ class OutputJoiner:
                 for texts, token_ids, logprobs, o in (self._joined[i] for i in sorted(self._joined))]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -146,6 +146,6 @@ class OutputProcessor:
             if not (delta and state.prompt_logprobs_sent):
                 prompt_logprobs = state.prompt_logprobs
                 state.prompt_logprobs_sent = True
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
-                             finished=state.finished, num_cached_tokens=state.num_cached_tokens,
-                             error=state.error, prompt_logprobs=prompt_logprobs)
+        # Positional: made for every request every step, and a keyword call costs twice as much.
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished,
+                             state.num_cached_tokens, state.error, prompt_logprobs)
