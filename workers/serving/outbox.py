@@ -22,9 +22,9 @@ has nothing waiting, it writes them as one frame at once; otherwise they wait in
 and the loop is woken once. Everything that reaches a channel's byte stream, from either
 thread, passes one lock, and the engine's thread writes only while no earlier delta waits and
 the loop has nothing of the channel's in hand: so a channel's deltas leave in the order they
-were put. The loop's per-token work, and its wake-up and its turn for the GIL each step, are
-gone from the served path; the loop still flushes what waits (a connection that reads slowly,
-the first deltas before a connection opens, the Serve-call channels).
+were put. So on the served path the loop does no work per token and takes no turn of the GIL
+per step; it flushes what waits (a connection that reads slowly, the first deltas before a
+connection opens, the Serve-call channels).
 """
 
 from __future__ import annotations
