@@ -360,14 +360,17 @@ def test_steps_the_engines_thread_writes_reach_a_slow_reader_whole_and_in_order(
 
     monkeypatch.setattr(channel_server.SocketSink, "write_rest", counted)
 
-    def step(n: int) -> list[GroupDelta]:
-        return [GroupDelta(f"r{k}", "g0", [CompletionOutput(0, f"{n}:" + "x" * 1000, [n], None)], False)
-                for k in range(2)]
-
     async def run() -> list:
         outboxes, server, address = await group()
         outboxes.begin("chan")
         reader, writer = await asyncio.open_connection(*address)
+        # Four times what the two sockets' buffers hold, however large this kernel makes them.
+        size = max(1000, writer.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 100)
+
+        def step(n: int) -> list[GroupDelta]:
+            return [GroupDelta(f"r{k}", "g0", [CompletionOutput(0, f"{n}:" + "x" * size, [n], None)], False)
+                    for k in range(2)]
+
         writer.write(frame(json.dumps({"target_group": "g0", "channel_id": "chan"}).encode()))
         ready = await read_frame(reader)
         await until(lambda: getattr(outboxes._boxes.get("chan"), "sink", None) is not None)
@@ -379,7 +382,7 @@ def test_steps_the_engines_thread_writes_reach_a_slow_reader_whole_and_in_order(
             batch = await asyncio.wait_for(read_frame(reader), 10)
             got.extend((d.request_id, d.outputs[0].token_ids[0]) for d in batch.deltas)
             assert all(d.outputs[0].text.startswith(f"{d.outputs[0].token_ids[0]}:") for d in batch.deltas)
-        thread.join()
+        await asyncio.to_thread(thread.join)
         writer.close()
         server.close()
         return [ready, got, outboxes.num_direct > 0, outboxes.num_flushes > outboxes.num_direct]

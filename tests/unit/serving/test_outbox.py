@@ -234,8 +234,10 @@ def test_from_both_threads_a_channels_deltas_reach_the_wire_in_order(seed: int) 
                 put.append(("loop", n))
             n += 1
             await asyncio.sleep(0.001)
-        thread.join()
-        await asyncio.sleep(0.05)
+        await asyncio.to_thread(thread.join)
+        deadline = time.monotonic() + 30
+        while sum(len(deltas) for _, _, deltas in sink.wire) < len(put) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)  # the loop flushes what waits
         writer.cancel()
         await asyncio.gather(writer, return_exceptions=True)
         return put, sink.wire, boxes.num_direct
