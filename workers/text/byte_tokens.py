@@ -50,10 +50,10 @@ class ByteTokens:
     __slots__ = ("all", "skipping", "__weakref__")
 
     def __init__(self, backend: Tokenizer) -> None:
-        special = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
+        added = backend.get_added_tokens_decoder()
+        special = {token.content for token in added.values() if token.special}
         self.all: list[bytes] = []
         self.skipping: list[bytes] = []
-        added = backend.get_added_tokens_decoder()
         size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
         for token_id in range(size):
             token = backend.id_to_token(token_id)
