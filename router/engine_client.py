@@ -129,7 +129,7 @@ class EngineClient:
         self._app_name = getattr(handle, "app_name", "")
         self._deployment_name = getattr(handle, "deployment_name", group_deployment)
         self._handle = handle.options(stream=True)
-        self.channels = GroupChannels(self._handle, max_chunks_per_s) if channels else None
+        self.channels = GroupChannels(self._handle, max_chunks_per_s, self._num_known_groups) if channels else None
         self.tokenizer = tokenizer
         self.text = TextWork(tokenizer, max_model_len)  # tokenizing off the event loop
         self.grammar = GrammarCheck(self.text, vocab_size, eos_token_ids)  # structured outputs, compiled here first
@@ -250,7 +250,7 @@ class EngineClient:
                     yield delta
             return
         stream = channels.open(request.request_id)
-        response = self._handle.generate.remote(replace(request, channel_id=channels.channel_id))
+        response = self._handle.generate.remote(channels.with_channel(request))
         watcher: asyncio.Task | None = None
         finished = False
         try:
@@ -270,6 +270,9 @@ class EngineClient:
                 watcher.cancel()
             if not finished:
                 response.cancel()  # the group aborts it and frees its blocks
+
+    def _num_known_groups(self) -> int:
+        return len(known_groups(self._app_name, self._deployment_name))
 
     def _send_on_channel(self, request: GroupRequest, channels: GroupChannels) -> ChannelStream | None:
         """The request's stream, sent on the channel to the only group the router knows; None

@@ -16,10 +16,13 @@ group's socket channel (`submit`), not on a call of its own, whenever that chann
 leaving it early sends an abort there (`abort`). A `hold` call to the group stays open with
 the connection, so that Serve's graceful stop of the group waits for these requests too.
 
-Each message a stream sends costs the ingress, Serve's proxy and Ray the same whatever it
-holds, so the streams share a budget of messages per second (`max_chunks_per_s`): with
-few streams nothing waits (a token goes out when its step ends); with many, each stream's
-tokens gather between its messages (see `GroupChannels.min_interval_s`).
+Each message a stream sends costs the ingress and HAProxy the same whatever it holds, so
+the streams share a budget of messages per second (`max_chunks_per_s`), split evenly
+between the groups the router knows. Each request sent on a channel names its group's share
+(`GroupRequest.chunks_per_s`), and the group paces the channel's streams to it
+(workers/serving/outbox.py): with few streams nothing waits (a token goes out when its step
+ends); with many, each stream's tokens gather in the engine between its messages, which
+then cost the group, the channel and this ingress one delta each, not one a token.
 
 Everything here runs on the ingress's event loop.
 """
@@ -67,12 +70,11 @@ class SlowReader(Exception):
 class ChannelStream:
     """One request's deltas as its channel delivers them (each delta in order).
 
-    Deltas that arrive while the reader is busy are joined as they come (a `DeltaJoiner`), not
-    queued as objects: at a GPU's step rate a stream gathers a few deltas between two of its
-    messages, and queued objects would be walked by every young collection, for every stream."""
+    Deltas that arrive while the reader is busy (writing to a slow client) are joined as they
+    come (a `DeltaJoiner`), not queued as objects: queued objects would be walked by every
+    young collection, for every stream."""
 
-    def __init__(self, request_id: str, min_interval_s: Callable[[], float] = lambda: 0.0,
-                 max_unread: int = MAX_UNREAD_DELTAS) -> None:
+    def __init__(self, request_id: str, max_unread: int = MAX_UNREAD_DELTAS) -> None:
         self.request_id = request_id
         self.group_id: str | None = None
         # In order: deltas joined while they wait (a finish closes one), and errors.
@@ -80,8 +82,6 @@ class ChannelStream:
         self._open: DeltaJoiner | None = None  # the last of `_waiting` while later deltas may join it
         self.num_unread = 0  # deltas waiting
         self._wakeup: asyncio.Future | None = None  # the reader's, while it waits for a delta
-        self._min_interval_s = min_interval_s
-        self._last_sent: float | None = None
         self._any_put = False
         self._max_unread = max_unread
         self._reader: asyncio.Task | None = None  # the task that reads this stream (the response's)
@@ -124,41 +124,33 @@ class ChannelStream:
 
     async def next(self) -> GroupDelta:
         """The next delta, joined with every later one that came while the reader was busy:
-        one message for the client however many flushes arrived meanwhile (a finish or an
-        error stays the last thing it says). The first goes alone, at once (time to first
-        token); after it, a delta is held until `min_interval_s()` has passed since the one
-        before, and gathers what arrives meanwhile."""
+        one message for the client however many arrived meanwhile (a finish or an error stays
+        the last thing it says; the first delta goes alone)."""
         self._reader = asyncio.current_task()
-        loop = asyncio.get_running_loop()
         while not self._waiting:
-            self._wakeup = loop.create_future()
+            self._wakeup = asyncio.get_running_loop().create_future()
             try:
                 await self._wakeup
             finally:
                 self._wakeup = None
-        head = self._waiting[0]
+        head = self._waiting.popleft()
         if isinstance(head, BaseException):
-            self._waiting.popleft()
             raise head
-        if self._last_sent is not None and not head.finished:
-            wait = self._last_sent + self._min_interval_s() - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)  # what arrives meanwhile joins `head`
-            if self.overflowed:  # dropped meanwhile: what waits now is the reason
-                raise self._waiting.popleft()
-        self._waiting.popleft()
         if self._open is head:
             self._open = None
         self.num_unread -= head.count
-        self._last_sent = loop.time()
         return head.result()
 
+
 class GroupChannels:
-    def __init__(self, handle: Any, max_chunks_per_s: float = 0.0) -> None:
+    def __init__(self, handle: Any, max_chunks_per_s: float = 0.0,
+                 num_groups: Callable[[], int] = lambda: 1) -> None:
         """`handle`: the groups' deployment handle, streaming. `max_chunks_per_s` (0: no bound):
-        what the ingress sends on, all streams together; see `min_interval_s`."""
+        the messages a second this ingress sends, all streams together, split between the
+        `num_groups()` groups there are now (see `chunks_per_s`)."""
         self._handle = handle
         self.max_chunks_per_s = max_chunks_per_s
+        self._num_groups = num_groups
         # This ingress process, to every group; unguessable: it is all a channel socket asks for.
         self.channel_id = f"ingress-{secrets.token_hex(16)}"
         self._streams: dict[str, ChannelStream] = {}
@@ -174,18 +166,20 @@ class GroupChannels:
         """A stream for a request about to be sent; ValueError if that id is already in flight."""
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        stream = self._streams[request_id] = ChannelStream(request_id, self.min_interval_s)
+        stream = self._streams[request_id] = ChannelStream(request_id)
         return stream
 
-    def min_interval_s(self) -> float:
-        """The least time between two of a stream's messages after its first: the ingress's
-        streams share `max_chunks_per_s`. Every message costs the ingress and Serve's proxy the
-        same whatever it holds, so under load a stream's tokens gather into fewer, larger
-        ones, and the path's cost stops growing with streams x steps. One stream (or a
-        few) waits for nothing: its interval is shorter than a step."""
+    def chunks_per_s(self) -> float:
+        """One group's share of the budget, for the requests sent there now (0: no bound). The
+        group gives each of the channel's streams an equal part of it, so every stream of this
+        ingress gets about `streams / max_chunks_per_s` seconds between its messages."""
         if not self.max_chunks_per_s:
             return 0.0
-        return len(self._streams) / self.max_chunks_per_s
+        return self.max_chunks_per_s / max(1, self._num_groups())
+
+    def with_channel(self, request: GroupRequest) -> GroupRequest:
+        """`request` as it goes to a group with its deltas on this ingress's channel."""
+        return replace(request, channel_id=self.channel_id, chunks_per_s=self.chunks_per_s())
 
     def accepted(self, stream: ChannelStream, group_id: str, address: tuple[str, int] | None = None) -> None:
         """Its group took the request: read that group's channel (opened now if it is not open),
@@ -223,7 +217,7 @@ class GroupChannels:
         closed meanwhile (nothing was sent)."""
         stream = self.open(request.request_id)
         stream.group_id = group_id
-        if not sender.send(replace(request, channel_id=self.channel_id)):
+        if not sender.send(self.with_channel(request)):
             self.close(stream)
             return None
         stream.sent_on_channel = True

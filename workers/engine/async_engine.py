@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tandem.workers.core.output_pace import OutputPace
 from tandem.workers.core.request import RequestOutput, SamplingParams, join_outputs
 from tandem.workers.device_peaks import DevicePeaks
 from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
@@ -149,36 +150,27 @@ class AsyncEngine:
         """Stream delta outputs of one request. Leaving the loop early aborts it.
 
         Deltas that are already waiting are merged into one. With `stream_interval_s` > 0,
-        after the first delta (time to first token is never held back) each delta also
-        gathers what arrives within that interval of the previous one: fewer, larger
-        messages for everything downstream, whose cost is per message, not per token.
+        after the first delta (time to first token is never held back) the engine makes at
+        most one output per interval, which says everything since the one before
+        (workers/core/output_pace.py): fewer, larger messages for everything downstream,
+        whose cost is per message, not per token.
 
         `final_only`: one output, when the request finishes, holding everything (a caller
         that answers only at the end: the engine then makes no per-step output, and decodes
         the text once, at the end, unless a stop string needs it as it grows).
         """
         params = replace(params, output_kind="final" if final_only else "delta")
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.submit(prompt, params, request_id, outputs.put_nowait)
+        self.submit(prompt, params, request_id, outputs.put_nowait,
+                    pace=OutputPace(stream_interval_s) if stream_interval_s > 0 else None)
         finished = False
-        last_sent: float | None = None
         try:
             while True:
                 item = _checked(await outputs.get())
                 while not item.finished and not outputs.empty():
                     item = merge_deltas(item, _checked(outputs.get_nowait()))
-                if stream_interval_s > 0 and last_sent is not None:
-                    deadline = last_sent + stream_interval_s
-                    while not item.finished and (remaining := deadline - loop.time()) > 0:
-                        try:
-                            more = await asyncio.wait_for(outputs.get(), remaining)
-                        except TimeoutError:
-                            break
-                        item = merge_deltas(item, _checked(more))
                 finished = item.finished
                 yield item
-                last_sent = loop.time()
                 if finished:
                     return
         finally:
@@ -186,20 +178,21 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def submit(self, prompt: Prompt, params: SamplingParams, request_id: str, deliver: Deliver,
-               sink: StepSink | None = None) -> None:
+               sink: StepSink | None = None, pace: OutputPace | None = None) -> None:
         """Start a request whose outputs (delta or final, as `params` say) go to `deliver`, on
         the calling event loop, each step's with one wake-up of the loop for all requests; an
         error (a refusal, a dead engine) is delivered as the exception. No task per request:
         for a caller that hands outputs on as they come (a group's outboxes). `abort` ends it.
         With `sink`, its outputs go to `sink` instead, on the engine's thread, with the step's
-        other outputs for it, and no turn of the loop; errors still go to `deliver`."""
+        other outputs for it, and no turn of the loop; errors still go to `deliver`. `pace`: at
+        most one output per its interval after the first token (workers/core/output_pace.py)."""
         stream = _Stream(asyncio.get_running_loop(), deliver, sink)
         if self.stalled_error is not None:  # the engine thread will not come back for it
             stream.put(EngineDeadError(self.stalled_error))
             return
         self._pending[id(stream)] = stream
         if params.structured is None:
-            self._post(lambda: self._add(request_id, prompt, params, stream))
+            self._post(lambda: self._add(request_id, prompt, params, stream, pace))
             return
         # A grammar compiles on a worker thread (milliseconds for a schema, once per schema), so
         # the step loop's own compile at add_request finds it compiled and no step waits for it.
@@ -207,7 +200,7 @@ class AsyncEngine:
 
         def queue(done: asyncio.Future) -> None:
             done.exception()  # retrieved: add_request compiles again and hands the caller the same error
-            self._post(lambda: self._add(request_id, prompt, params, stream))
+            self._post(lambda: self._add(request_id, prompt, params, stream, pace))
 
         compiled.add_done_callback(queue)
 
@@ -308,11 +301,12 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    def _add(self, request_id: str, prompt: Prompt, params: SamplingParams, stream: _Stream) -> None:
+    def _add(self, request_id: str, prompt: Prompt, params: SamplingParams, stream: _Stream,
+             pace: OutputPace | None) -> None:
         if self._pending.pop(id(stream), None) is None:  # failed by `fail_stalled` while it waited
             return
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, pace)
         except Exception as exc:  # bad input or a dead group: the caller gets the error
             stream.put(exc)
             return

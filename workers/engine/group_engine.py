@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.block_pool import BlockPool, LocalCapacity
+from tandem.workers.core.output_pace import OutputPace
 from tandem.workers.core.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.workers.core.scheduler import Scheduler, StepUpdate
 from tandem.workers.core.scheduler_output import PendingOutput, SchedulerOutput
@@ -98,7 +99,10 @@ class GroupEngine:
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    pace: OutputPace | None = None) -> None:
+        """Queue a request. `pace`: in delta mode, at most one output per its interval once the
+        first token went (workers/core/output_pace.py)."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the replica group has failed: {self.dead_error}")
         if request_id in self.states:
@@ -110,6 +114,7 @@ class GroupEngine:
             self.grammars.add([sequence_id(request_id, params.n, i) for i in range(params.n)], params.structured)
         state = self.outputs.new_state(request_id, text, token_ids, params)
         state.arrival_time = arrival = time.monotonic()
+        state.pace = pace
         self.states[request_id] = state
         capacity = self.pool.num_blocks * self.config.cache.block_size - self.config.scheduler.num_lookahead_slots
         eos = () if params.ignore_eos else self.hf_config.eos_token_ids
@@ -352,6 +357,11 @@ class GroupEngine:
                 continue
             if state.params.output_kind == "final":
                 continue  # its one output comes when it finishes
+            pace = state.pace
+            if pace is not None and state.first_token_time:  # the first token is never held
+                if now < state.next_output_time:
+                    continue  # its tokens wait in its sequences: the next output says them
+                state.next_output_time = now + pace.interval_s
             outputs.append(self.outputs.make_output(state))
         return outputs
 

@@ -38,6 +38,7 @@ from ray import serve
 from tandem.cluster.allocator_client import AllocatorClient, GroupIdentity
 from tandem.cluster.kv_allocator import get_or_create_allocator
 from tandem.workers.config import EngineConfig
+from tandem.workers.core.output_pace import OutputPace
 from tandem.workers.core.request import RequestOutput
 from tandem.workers.engine.async_engine import AsyncEngine, Deliver
 from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
@@ -98,7 +99,8 @@ class GroupServer:
         self.group_id = context.replica_id.unique_id
         self.num_requests = 0
         self.num_aborted = 0  # left before the end (a client that went away)
-        self.outboxes = Outboxes()  # streamed deltas, per ingress channel
+        self.stream_interval_s = group_options.get("stream_interval_ms", 0) / 1e3
+        self.outboxes = Outboxes(min_interval_s=self.stream_interval_s)  # streamed deltas, per ingress channel
         self._channels_seen: set[str] = set()  # channel ids named on Serve calls (through Ray)
         self._channelled: dict[str, str] = {}  # request id -> channel id, of those sent on a channel, running
         self._fetching: set[asyncio.Task] = set()
@@ -108,7 +110,6 @@ class GroupServer:
         self._channel_address: asyncio.Task | None = None  # the socket's start, once
         self.allocator: AllocatorClient | None = None
         self.fetcher: KVFetcher | None = None
-        self.stream_interval_s = group_options.get("stream_interval_ms", 0) / 1e3
         self.step_timeout_s = group_options.get("step_timeout_s", DEFAULT_STEP_TIMEOUT_S)
         host_bytes = config.cache.host_kv_cache_memory
         if group_options.get("kv_allocator", True) and config.cache.enable_prefix_caching:
@@ -209,13 +210,10 @@ class GroupServer:
             return
         self._channels_seen.add(request.channel_id)
         yield Accepted(self.group_id, await self._channel_socket())
-        self.outboxes.begin(request.channel_id)  # the channel stays open until this request ends
+        # The channel stays open until this request ends; its streams share the ingress's budget.
+        pace = self.outboxes.begin(request.channel_id, request.chunks_per_s)
         try:
-            if self.stream_interval_s > 0:  # each delta held for the interval: a task per request
-                async for delta in self._deltas(request):
-                    self.outboxes.put(request.channel_id, delta)
-            else:
-                await self._to_outbox(request, request.channel_id)
+            await self._to_outbox(request, request.channel_id, pace)
         finally:
             self.outboxes.end(request.channel_id)
 
@@ -245,7 +243,7 @@ class GroupServer:
         self.channel_server = server
         return address
 
-    async def _to_outbox(self, request: GroupRequest, channel_id: str) -> None:
+    async def _to_outbox(self, request: GroupRequest, channel_id: str, pace: OutputPace) -> None:
         """Run a request whose outputs go straight into its channel's outbox as the engine hands
         them over (no task, no queue per request: a step's outputs are one loop callback);
         returns when it ends. Cancelled, it aborts the request."""
@@ -253,7 +251,7 @@ class GroupServer:
         if self.fetcher is not None:
             await self.fetcher.fetch_for(request.prompt_token_ids)
         done = asyncio.get_running_loop().create_future()  # cancelled with this call, if it is
-        self._start_to_outbox(request, channel_id, done.done, lambda: done.set_result(True))
+        self._start_to_outbox(request, channel_id, pace, done.done, lambda: done.set_result(True))
         try:
             await done
         finally:
@@ -261,15 +259,16 @@ class GroupServer:
                 self.engine.abort(request.request_id)
                 self.num_aborted += 1
 
-    def _start_to_outbox(self, request: GroupRequest, channel_id: str, ended: Callable[[], bool],
-                         end: Callable[[], None]) -> None:
-        """Submit `request` to the engine, its outputs to `channel_id`'s outbox; `end()` once its
-        last delta is in. Outputs that come after `ended()` (it was aborted) are dropped."""
+    def _start_to_outbox(self, request: GroupRequest, channel_id: str, pace: OutputPace,
+                         ended: Callable[[], bool], end: Callable[[], None]) -> None:
+        """Submit `request` to the engine, its outputs to `channel_id`'s outbox at the channel's
+        `pace`; `end()` once its last delta is in. Outputs that come after `ended()` (it was
+        aborted) are dropped."""
 
         self.engine.submit({"prompt_token_ids": request.prompt_token_ids},
                            replace(request.sampling, output_kind="delta"), request.request_id,
                            _ChannelDelivery(self, request, channel_id, ended, end, asyncio.get_running_loop()),
-                           self._take_step)
+                           self._take_step, pace)
 
     def _take_step(self, items: list[tuple[Deliver, RequestOutput]]) -> None:
         """On the engine's thread: a step's outputs of requests streamed on channels, to their
@@ -303,7 +302,7 @@ class GroupServer:
         self._channelled[request_id] = channel_id
         self.num_requests += 1
         self.num_channel_requests += 1
-        self.outboxes.begin(channel_id)  # the channel stays open until it ends
+        pace = self.outboxes.begin(channel_id, request.chunks_per_s)  # the channel stays open until it ends
 
         def ended() -> bool:
             return self._channelled.get(request_id) != channel_id
@@ -314,18 +313,19 @@ class GroupServer:
                 self.outboxes.end(channel_id)
 
         if self.fetcher is None:
-            self._start_to_outbox(request, channel_id, ended, end)
+            self._start_to_outbox(request, channel_id, pace, ended, end)
         else:  # the prefix's blocks from another group first: a task (rare: host tier, several groups)
-            task = asyncio.get_running_loop().create_task(self._fetch_then_start(request, channel_id, ended, end))
+            task = asyncio.get_running_loop().create_task(
+                self._fetch_then_start(request, channel_id, pace, ended, end))
             self._fetching.add(task)  # held: the loop keeps only a weak reference to a task
             task.add_done_callback(self._fetching.discard)
 
-    async def _fetch_then_start(self, request: GroupRequest, channel_id: str, ended: Callable[[], bool],
-                                end: Callable[[], None]) -> None:
+    async def _fetch_then_start(self, request: GroupRequest, channel_id: str, pace: OutputPace,
+                                ended: Callable[[], bool], end: Callable[[], None]) -> None:
         assert self.fetcher is not None
         await self.fetcher.fetch_for(request.prompt_token_ids)
         if not ended():
-            self._start_to_outbox(request, channel_id, ended, end)
+            self._start_to_outbox(request, channel_id, pace, ended, end)
 
     def abort(self, request_id: str) -> None:
         channel_id = self._channelled.pop(request_id, None)

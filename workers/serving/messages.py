@@ -65,6 +65,9 @@ class GroupRequest:
     trace_context: dict[str, str] | None = None  # a W3C carrier: the ingress span, when tracing
     avoid_group: str | None = None  # a retry: the group that failed it goes last
     channel_id: str | None = None  # deltas go over this ingress's channel, not the call
+    # With a channel: the messages a second its ingress takes on that channel, all its streams
+    # there together (0: no bound); the group paces the channel's streams to it (outbox.py).
+    chunks_per_s: float = 0.0
 
 
 @dataclass(frozen=True)

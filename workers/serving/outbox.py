@@ -16,6 +16,12 @@ A channel carrying no request for `idle_s` closes itself with a last, empty `clo
 batch: a call that never ends would hold the replica's graceful shutdown (Serve waits for
 every call) for its whole timeout. The ingress opens it again with its next request there.
 
+Each channel's streams share the budget of messages a second its ingress names on every
+request (`GroupRequest.chunks_per_s`): the channel has one `OutputPace`
+(workers/core/output_pace.py) whose interval is its streams over that budget, and the
+engine makes a paced request's output at most once per interval, so under load a step
+brings deltas of a few of the channel's streams, each saying several tokens.
+
 The engine's thread hands each step's deltas over itself (`put_step`), without a turn of the
 event loop: to a channel whose socket connection is attached (`Sink`, channel_server.py) and
 has nothing waiting, it writes them as one frame at once; otherwise they wait in the outbox
@@ -34,6 +40,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from tandem.workers.core.output_pace import OutputPace
 from tandem.workers.serving.messages import DeltaBatch, GroupDelta
 
 
@@ -64,9 +71,14 @@ class Outboxes:
     """The outboxes of one group, by channel id: the event loop's, but for `put_step`, which the
     engine's thread calls (the boxes' deltas and sinks are touched under `lock`)."""
 
-    def __init__(self, idle_s: float = 1.0) -> None:
+    def __init__(self, idle_s: float = 1.0, min_interval_s: float = 0.0) -> None:
+        """`min_interval_s`: the least time between two outputs of a stream after its first,
+        whatever its channel's budget (the group's `stream_interval_ms`)."""
         self._boxes: dict[str, _Outbox] = {}
         self._running: dict[str, int] = {}  # requests in flight per channel (the loop's alone)
+        self._paces: dict[str, OutputPace] = {}  # per channel: its streams' (read by the engine's thread)
+        self._budgets: dict[str, float] = {}  # per channel: messages a second, as its ingress last said
+        self.min_interval_s = min_interval_s
         self.lock = threading.Lock()  # the boxes' deltas and sinks, and what a sink writes
         self._loop: asyncio.AbstractEventLoop | None = None  # the flushes' loop, from the first one
         self.idle_s = idle_s
@@ -74,16 +86,36 @@ class Outboxes:
         self.num_deltas = 0
         self.num_direct = 0  # frames the engine's thread wrote itself
 
-    def begin(self, channel_id: str) -> None:
-        """A request whose deltas go to `channel_id` started: the channel stays open until it ends."""
+    def begin(self, channel_id: str, chunks_per_s: float = 0.0) -> OutputPace:
+        """A request whose deltas go to `channel_id` started: the channel stays open until it ends.
+        `chunks_per_s`: the messages a second its ingress takes on this channel, all streams
+        together (0: no bound). Returns the pace of the channel's streams, for the engine."""
         self._running[channel_id] = self._running.get(channel_id, 0) + 1
+        self._budgets[channel_id] = chunks_per_s
+        return self._repace(channel_id)
 
     def end(self, channel_id: str) -> None:
         left = self._running.get(channel_id, 0) - 1
         if left > 0:
             self._running[channel_id] = left
+            self._repace(channel_id)
         else:
             self._running.pop(channel_id, None)
+            self._paces.pop(channel_id, None)  # the engine may still hold it: it is only read
+            self._budgets.pop(channel_id, None)
+
+    def _repace(self, channel_id: str) -> OutputPace:
+        """The channel's streams share its budget: each makes at most one output per `streams /
+        budget` seconds (and `min_interval_s`). Under load a stream's tokens gather into fewer,
+        larger messages, so the cost of the path stops growing with streams x steps; one
+        stream, or a few, waits for nothing (its interval is shorter than a step)."""
+        pace = self._paces.get(channel_id)
+        if pace is None:
+            pace = self._paces[channel_id] = OutputPace()
+        budget = self._budgets.get(channel_id, 0.0)
+        shared = self._running.get(channel_id, 0) / budget if budget > 0 else 0.0
+        pace.interval_s = max(self.min_interval_s, shared)  # one float's store: the engine reads it any time
+        return pace
 
     def put(self, channel_id: str, delta: GroupDelta) -> None:
         """One delta, from the event loop."""

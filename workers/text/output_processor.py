@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.workers.core.output_pace import OutputPace
 from tandem.workers.core.request import (
     CompletionOutput,
     PositionLogprobs,
@@ -43,6 +44,10 @@ class RequestState:
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False  # delta mode: they go out once
+    # Delta mode, paced (workers/core/output_pace.py): no output before this monotonic time
+    # once the first token went, but the last.
+    pace: OutputPace | None = None
+    next_output_time: float = 0.0
     # Monitoring (workers/core/stats.py): monotonic seconds; 0.0 = not yet.
     arrival_time: float = 0.0
     first_token_time: float = 0.0

@@ -256,3 +256,19 @@ def test_a_reader_that_keeps_up_is_never_ended() -> None:
         return tokens
 
     assert asyncio.run(run()) == list(range(20))
+
+
+def test_each_request_names_its_groups_share_of_the_ingress_budget() -> None:
+    from tandem.workers.core.request import SamplingParams
+    from tandem.workers.serving.messages import GroupRequest
+
+    groups = [1]
+    channels = GroupChannels(FakeHandle(), max_chunks_per_s=2000.0, num_groups=lambda: groups[0])
+    request = GroupRequest("r", [1, 2], SamplingParams())
+    sent = channels.with_channel(request)
+    assert (sent.channel_id, sent.chunks_per_s) == (channels.channel_id, 2000.0)
+    groups[0] = 4  # the router knows four groups now: each paces its streams to a quarter
+    assert channels.with_channel(request).chunks_per_s == 500.0
+    groups[0] = 0  # before the router's first word: all of it
+    assert channels.with_channel(request).chunks_per_s == 2000.0
+    assert GroupChannels(FakeHandle()).with_channel(request).chunks_per_s == 0.0  # no bound

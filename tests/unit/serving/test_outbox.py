@@ -248,3 +248,27 @@ def test_from_both_threads_a_channels_deltas_reach_the_wire_in_order(seed: int) 
         if part == "head":  # its tail comes next, before anything else
             assert wire[k + 1][:2] == (frame, "tail")
     assert num_direct > 0 and any(part == "head" for _, part, _ in wire)
+
+
+def test_a_channels_streams_share_its_budget_and_the_groups_floor() -> None:
+    boxes = Outboxes(min_interval_s=0.010)
+    pace = boxes.begin("c1", chunks_per_s=2000.0)
+    assert pace.interval_s == 0.010  # one stream: 0.5 ms of the budget, but the floor is 10 ms
+    for _ in range(99):
+        assert boxes.begin("c1", chunks_per_s=2000.0) is pace  # one pace for the channel's streams
+    assert pace.interval_s == 100 / 2000
+    other = boxes.begin("c2")  # no budget: no bound but the floor
+    assert other is not pace and other.interval_s == 0.010
+    assert boxes.begin("c1", chunks_per_s=1000.0).interval_s == 101 / 1000  # the ingress's latest word
+    for _ in range(51):
+        boxes.end("c1")
+    assert pace.interval_s == 50 / 1000
+    for _ in range(50):
+        boxes.end("c1")
+    assert boxes.begin("c1").interval_s == 0.010  # every stream ended: a fresh pace, no budget said
+
+
+def test_without_a_budget_or_floor_every_step_goes_out() -> None:
+    boxes = Outboxes()
+    assert boxes.begin("c1").interval_s == 0.0
+    assert boxes.begin("c1", chunks_per_s=0.0).interval_s == 0.0
