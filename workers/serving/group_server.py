@@ -1,8 +1,9 @@
 """GroupServer: the Serve deployment whose one replica is one replica group.
 
 A thin shim over `AsyncEngine`: a `GroupRequest` in, `GroupDelta`s out (messages.py;
-tensors never leave the group). A streamed request's deltas go into its ingress's outbox
-(outbox.py) and leave on that ingress's channel, one batch per flush for all its streams:
+tensors never leave the group). A streamed request's deltas, made at its channel's pace (the
+ingress's budget shared by the channel's streams), go into its ingress's outbox (outbox.py)
+and leave on that ingress's channel, one batch per flush for all its streams:
 a connection to the group's channel socket (channel_server.py; `channel_transport`
 "socket", the default) or a `channel` call ("serve"). A request answered whole gets its one
 delta as the call's answer. An ingress may also send streamed requests on its socket
