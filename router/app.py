@@ -75,8 +75,8 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "host_kv_memory_per_node": None,  # bytes of host KV tier the groups of one node may lease
     "kv_fetch": "auto",  # fetch a missed prefix from another group: "auto" (when cheaper), "always", "never"
     # A streamed request's tokens are sent at most this often (first token at once): fewer,
-    # larger messages through Serve. 0 = every step's tokens as they come (merging only what
-    # is already waiting).
+    # larger messages. 0 = no floor: the ingress's chunk budget alone paces its streams (every
+    # step's tokens while few streams run; workers/core/output_pace.py).
     "stream_interval_ms": 0,
     # Streamed requests' deltas travel over one channel per ingress replica and group, one
     # message per flush for all of its streams (workers/serving/outbox.py); False: each
