@@ -12,6 +12,9 @@ import socket
 # by any process started between the choice and the bind (a test's ray.init did so).
 PORT_RANGE = (20000, 30000)
 _TRIES = 64
+# Every port this process has handed out: several chosen one after another, before any is bound
+# (a server's HTTP, gRPC and metrics ports), are never the same one.
+_handed_out: set[int] = set()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -21,11 +24,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     rng = random.SystemRandom()
     for _ in range(_TRIES):
         port = rng.randrange(*PORT_RANGE)
-        if _bindable(host, port):
+        if port not in _handed_out and _bindable(host, port):
+            _handed_out.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is full: any port
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 def _bindable(host: str, port: int) -> bool:

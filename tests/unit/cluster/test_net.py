@@ -29,3 +29,12 @@ def test_a_taken_range_falls_back_to_any_free_port(monkeypatch) -> None:
         assert chosen != port
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", chosen))
+
+
+def test_ports_chosen_one_after_another_before_any_is_bound_are_all_different(monkeypatch) -> None:
+    # A server's HTTP, gRPC and metrics ports are chosen together and bound later: two equal ones
+    # would fail the second bind (a proxy's gRPC port taken by the metrics agent).
+    monkeypatch.setattr(net, "PORT_RANGE", (24000, 24040))
+    monkeypatch.setattr(net, "_handed_out", set())
+    ports = [net.free_port() for _ in range(30)]
+    assert len(set(ports)) == 30
