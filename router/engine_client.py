@@ -129,7 +129,8 @@ class EngineClient:
         self._app_name = getattr(handle, "app_name", "")
         self._deployment_name = getattr(handle, "deployment_name", group_deployment)
         self._handle = handle.options(stream=True)
-        self.channels = GroupChannels(self._handle, max_chunks_per_s, self._num_known_groups) if channels else None
+        self.channels = (GroupChannels(self._handle, max_chunks_per_s, lambda: len(self._known_groups()))
+                         if channels else None)
         self.tokenizer = tokenizer
         self.text = TextWork(tokenizer, max_model_len)  # tokenizing off the event loop
         self.grammar = GrammarCheck(self.text, vocab_size, eos_token_ids)  # structured outputs, compiled here first
@@ -271,8 +272,9 @@ class EngineClient:
             if not finished:
                 response.cancel()  # the group aborts it and frees its blocks
 
-    def _num_known_groups(self) -> int:
-        return len(known_groups(self._app_name, self._deployment_name))
+    def _known_groups(self) -> frozenset[str]:
+        """The groups this process's router for the deployment knows now (router/known_groups.py)."""
+        return known_groups(self._app_name, self._deployment_name)
 
     def _send_on_channel(self, request: GroupRequest, channels: GroupChannels) -> ChannelStream | None:
         """The request's stream, sent on the channel to the only group the router knows; None
@@ -280,7 +282,7 @@ class EngineClient:
         share of the group's requests on the channel reached)."""
         if request.avoid_group is not None or self.max_sent_on_channel <= 0:
             return None
-        groups = known_groups(self._app_name, self._deployment_name)
+        groups = self._known_groups()
         if len(groups) != 1:
             return None
         (group_id,) = groups

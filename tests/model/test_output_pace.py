@@ -5,6 +5,7 @@ the outputs say together is exactly what an unpaced request's say."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
@@ -44,8 +45,6 @@ def _said(deltas: list[RequestOutput], index: int = 0) -> tuple[str, list[int], 
 
 
 def _delta(params: SamplingParams) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, output_kind="delta")
 
 
