@@ -149,7 +149,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         # A pending token (scheduled ahead, value unknown) cannot be hashed yet.
-        num_full = min(req.num_computed_tokens, req.num_tokens - req.num_pending) // self.block_size
+        num_known = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_pending
+        num_full = min(req.num_computed_tokens, num_known) // self.block_size
         done = self._num_cached_blocks.get(req.request_id, 0)
         if num_full <= done:
             return

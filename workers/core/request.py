@@ -226,6 +226,16 @@ class Request:
             limit = min(limit, self.num_prompt_tokens + self.sampling_params.max_tokens)
         return limit
 
+    @functools.cached_property
+    def max_output_tokens(self) -> int:
+        return self.max_total_tokens - self.num_prompt_tokens
+
+    @functools.cached_property
+    def ending_token_ids(self) -> frozenset[int]:
+        """The ids that end it (once it has min_tokens): its stop ids, and EOS unless ignore_eos."""
+        params = self.sampling_params
+        return frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+
     def token_at(self, position: int) -> int:
         return token_at(self.prompt_token_ids, self.output_token_ids, position)
 

@@ -130,6 +130,7 @@ class Scheduler:
                 decoding.append((req, num_tokens, lookahead))
         scheduled: list[Request] = []
         running = RequestStatus.RUNNING
+        block_size = self.block_size
         for req, num_tokens, num_lookahead in decoding + prefilling:
             if budget <= 0:
                 break
@@ -144,7 +145,9 @@ class Scheduler:
                 fits = num_new == 1 and budget > len(req.spec_token_ids)
                 req.spec_token_ids = req.spec_token_ids[:max(0, room)] if fits else []
                 num_new += len(req.spec_token_ids)
-            allocated = self.kv.allocate_slots(req, num_new, num_lookahead=num_lookahead) is not None
+            # A decode whose blocks still have room (15 steps in 16 at block size 16) needs no call.
+            allocated = req.num_computed_tokens + num_new + num_lookahead <= len(req.block_ids) * block_size or \
+                self.kv.allocate_slots(req, num_new, num_lookahead=num_lookahead) is not None
             while not allocated and not ahead:  # ahead: no preemption on guessed tokens; it waits
                 victim = max((r for r in candidates if r.status is running), key=lambda r: r.arrival_seq)
                 self._preempt(victim)
@@ -162,7 +165,8 @@ class Scheduler:
             scheduled.append(req)
             budget -= num_new
             out.num_scheduled_tokens[req.request_id] = num_new
-        for req in placeholders:  # left out of this step after all: the token comes by update()
+        left_out = placeholders if len(scheduled) < len(candidates) else ()
+        for req in left_out:  # left out of this step after all: the token comes by update()
             if req.request_id not in out.num_scheduled_tokens:
                 del req.output_token_ids[-req.num_pending:]
                 req.num_pending = 0
@@ -171,8 +175,7 @@ class Scheduler:
             budget = self._admit_waiting(out, scheduled, budget, slot, num_slots)
         if max_steps > 1 and scheduled and not preempted and len(scheduled) == num_running:
             out.num_steps = self._num_steps(out, scheduled, max_steps)
-        for req in scheduled:
-            self._add_to_output(out, req)
+        self._add_to_output(out, scheduled)
         out.finished_req_ids, self._finished_since_last_step = self._finished_since_last_step, set()
         out.host_saves, out.host_loads = self.kv.drain_host_copies()
         return out
@@ -259,39 +262,48 @@ class Scheduler:
             return False
         return True
 
-    def _add_to_output(self, out: SchedulerOutput, req: Request) -> None:
-        # Runs for every scheduled request every step: the lengths are read once.
-        req_id = req.request_id
-        num_new = out.num_scheduled_tokens[req_id]
-        prompt, outputs, block_ids = req.prompt_token_ids, req.output_token_ids, req.block_ids
-        num_prompt = len(prompt)
-        num_tokens = num_prompt + len(outputs)
-        computed = req.num_computed_tokens
-        sent = self._sent_tokens.get(req_id)
-        if sent is None:
-            out.new_requests.append(NewRequestData(
-                req_id, list(prompt), list(outputs), req.sampling_params, list(block_ids), computed))
-        else:
-            n_blocks = self._block_ids_sent[req_id]
-            out.cached_requests.append(CachedRequestData(req_id, token_slice(prompt, outputs, sent, num_tokens),
-                                                         block_ids[n_blocks:], computed, n_blocks))
-        self._sent_tokens[req_id] = num_tokens
-        self._block_ids_sent[req_id] = len(block_ids)
-        if req.spec_token_ids:
-            out.spec_token_ids[req_id] = list(req.spec_token_ids)
-        if computed < num_prompt:
-            req.num_prefill_chunks += 1
-        # Model cost figures: the KV this step reads, and its (query, key) pairs.
+    def _add_to_output(self, out: SchedulerOutput, scheduled: list[Request]) -> None:
+        """What the workers need of each scheduled request: the whole request when they have not
+        seen it, else the tokens and blocks new since its last step; and the step's model-cost
+        figures. Runs over every scheduled request every step: lengths are read once, and the
+        dicts and sums are locals."""
+        num_scheduled, sent_tokens, blocks_sent = out.num_scheduled_tokens, self._sent_tokens, self._block_ids_sent
         steps = out.num_steps
-        if steps == 1:
-            out.num_context_tokens += computed + num_new
-            out.num_attention_pairs += num_new * computed + num_new * (num_new + 1) // 2
-            req.num_computed_tokens = computed + num_new
-        else:  # one token a pass, each attending to the keys before it and itself
-            keys = steps * (computed + 1) + steps * (steps - 1) // 2
-            out.num_context_tokens += keys
-            out.num_attention_pairs += keys
-            req.num_computed_tokens = computed + steps
+        context, pairs = out.num_context_tokens, out.num_attention_pairs
+        for req in scheduled:
+            req_id = req.request_id
+            num_new = num_scheduled[req_id]
+            prompt, outputs, block_ids = req.prompt_token_ids, req.output_token_ids, req.block_ids
+            num_prompt = len(prompt)
+            num_tokens = num_prompt + len(outputs)
+            computed = req.num_computed_tokens
+            sent = sent_tokens.get(req_id)
+            if sent is None:
+                out.new_requests.append(NewRequestData(
+                    req_id, list(prompt), list(outputs), req.sampling_params, list(block_ids), computed))
+            else:
+                n_blocks = blocks_sent[req_id]
+                new_tokens = outputs[sent - num_prompt:] if sent >= num_prompt else \
+                    token_slice(prompt, outputs, sent, num_tokens)
+                out.cached_requests.append(
+                    CachedRequestData(req_id, new_tokens, block_ids[n_blocks:], computed, n_blocks))
+            sent_tokens[req_id] = num_tokens
+            blocks_sent[req_id] = len(block_ids)
+            if req.spec_token_ids:
+                out.spec_token_ids[req_id] = list(req.spec_token_ids)
+            if computed < num_prompt:
+                req.num_prefill_chunks += 1
+            # Model cost figures: the KV this step reads, and its (query, key) pairs.
+            if steps == 1:
+                context += computed + num_new
+                pairs += num_new * computed + num_new * (num_new + 1) // 2
+                req.num_computed_tokens = computed + num_new
+            else:  # one token a pass, each attending to the keys before it and itself
+                keys = steps * (computed + 1) + steps * (steps - 1) // 2
+                context += keys
+                pairs += keys
+                req.num_computed_tokens = computed + steps
+        out.num_context_tokens, out.num_attention_pairs = context, pairs
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -354,11 +366,9 @@ class Scheduler:
         """Append a step's tokens to the request (into its placeholders first, where a step was
         scheduled ahead on them) up to the first that ends it: how many it keeps, and why it
         ends, if it does (EOS, a stop id, its length limit; min_tokens counts known tokens)."""
-        params = req.sampling_params
-        stop_ids = params.stop_token_ids
-        eos = () if params.ignore_eos else req.eos_token_ids
-        min_tokens = params.min_tokens
-        max_outputs = req.max_total_tokens - len(req.prompt_token_ids)
+        ending = req.ending_token_ids
+        min_tokens = req.sampling_params.min_tokens
+        max_outputs = req.max_output_tokens
         outputs = req.output_token_ids
         pending = req.num_pending
         num_known = len(outputs) - pending  # output tokens known before these
@@ -372,7 +382,7 @@ class Scheduler:
             else:
                 outputs.append(token)
             num_known += 1
-            if num_known >= min_tokens and (token in stop_ids or token in eos):
+            if token in ending and num_known >= min_tokens:
                 status = RequestStatus.FINISHED_STOPPED
                 break
             if num_known >= max_outputs:

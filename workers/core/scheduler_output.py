@@ -24,7 +24,7 @@ class NewRequestData:
     num_computed_tokens: int  # before this step
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     req_id: str
     new_token_ids: list[int]  # output tokens the workers have not seen yet

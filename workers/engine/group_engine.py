@@ -327,7 +327,8 @@ class GroupEngine:
             state = self.states.get(req.parent_id)
             if state is None:
                 continue
-            state.num_cached_tokens = max(state.num_cached_tokens, req.num_cached_prompt_tokens)
+            if req.num_cached_prompt_tokens > state.num_cached_tokens:
+                state.num_cached_tokens = req.num_cached_prompt_tokens
             if update.new_token_ids:
                 if state.first_token_time:
                     had_decode = True

@@ -62,12 +62,20 @@ def tokenizer_special_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-@dataclass
+@dataclass(slots=True)
 class _SimRequest:
     key: int  # seeds its tokens (prompt_key)
     prompt_token_ids: list[int]
     params: SamplingParams
     num_tokens: int  # prompt and output tokens sent so far (placeholders of a step ahead included)
+    # What a GPU runner asks of every row every step (`_tokens_on_device`), read once.
+    plain: bool = False  # greedy, no penalties, no logprobs
+    penalized: bool = False
+
+    def __post_init__(self) -> None:
+        params = self.params
+        self.penalized = params.needs_penalties
+        self.plain = params.is_greedy and not self.penalized and params.logprobs is None
 
 
 class SimulatedExecutor(InProcess):
@@ -163,6 +171,7 @@ class SimulatedExecutor(InProcess):
         sampled: list[list[int]] = []
         logprobs: list[list[PositionLogprobs] | None] = []
         prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = {}
+        has_masks = bool(step.token_masks)  # a dict of grammar rows' masks, or the call that makes it
         for req_id, num in step.num_scheduled_tokens.items():
             req, start = self.requests[req_id], computed[req_id]
             params, num_prompt = req.params, len(req.prompt_token_ids)
@@ -176,7 +185,7 @@ class SimulatedExecutor(InProcess):
                 logprobs.append(None)
                 continue
             token = self.token(req.key, req.num_tokens - num_prompt)
-            mask = step.resolved_token_masks().get(req_id)
+            mask = step.resolved_token_masks().get(req_id) if has_masks else None
             if mask is not None:  # a grammar's: the same hash, over the tokens it allows
                 allowed = allowed_tokens(mask[:1], self.vocab_size, torch.device("cpu"))[0].nonzero()[:, 0].tolist()
                 token = allowed[splitmix64(req.key + (req.num_tokens - num_prompt + 1) * _GOLDEN) % len(allowed)]
@@ -190,18 +199,18 @@ class SimulatedExecutor(InProcess):
         ahead (ModelRunner.launch_batch): every scored one when the step is all plain greedy
         with no prompt logprobs, or all decodes without penalties; otherwise none."""
         scored = [req_id for req_id, tokens in zip(output.req_ids, output.sampled_token_ids) if tokens]
-        if not scored or step.token_masks or any(self.requests[r].params.logit_bias for r in scored):
+        requests = self.requests
+        rows = [requests[req_id] for req_id in scored]
+        if not scored or step.token_masks or any(row.params.logit_bias for row in rows):
             # Logit biases are the host sampler's; grammar rows' tokens a GPU runner may keep on the
             # device, but this device keeps them on the host: the step after them is collected first.
             return None
-        params = {req_id: self.requests[req_id].params for req_id in scored}
-        greedy = not output.prompt_logprobs and all(
-            p.is_greedy and not p.needs_penalties and p.logprobs is None
-            and self.requests[req_id].num_tokens - len(self.requests[req_id].prompt_token_ids) >= p.min_tokens
-            for req_id, p in params.items())
-        decodes = all(num == 1 and computed[req_id] >= len(self.requests[req_id].prompt_token_ids)
+        if not output.prompt_logprobs and all(
+                row.plain and row.num_tokens - len(row.prompt_token_ids) >= row.params.min_tokens for row in rows):
+            return frozenset(scored)  # plain greedy
+        decodes = all(num == 1 and computed[req_id] >= len(requests[req_id].prompt_token_ids)
                       for req_id, num in step.num_scheduled_tokens.items())
-        if greedy or (decodes and not any(p.needs_penalties for p in params.values())):
+        if decodes and not any(row.penalized for row in rows):
             return frozenset(scored)
         return None
 

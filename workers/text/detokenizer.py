@@ -97,6 +97,7 @@ class IncrementalDetokenizer:
         self._utf8: Callable[..., str] | None = None
         self._stream_due = self._backend is not None and self._bytes is None
         self._unread = False  # add_tokens_unread was called: the stream has not seen those ids
+        self._held: list[int] = []  # a byte-level vocabulary's ids not decoded yet (no stop strings)
         self._num_output_tokens = 0
         # The text: `_done` (committed pieces, `_base` characters in all) then `_text`, the tail,
         # which holds everything a stop string or its holdback can still touch (the last
@@ -150,23 +151,18 @@ class IncrementalDetokenizer:
         not be made."""
         if self._stopped is not None or self._flushed:
             raise RuntimeError("add_tokens called after the request finished")
-        old_len = len(self._text)
         self._num_output_tokens += len(new_token_ids)
         if self._bytes is not None:
-            decode = self._utf8
-            if decode is None:
-                assert not self._unread, "a request's tokens are either all read or all unread"
-                decode = self._utf8 = codecs.getincrementaldecoder("utf-8")("replace").decode
-            table = self._bytes
-            try:
-                data = table[new_token_ids[0]] if len(new_token_ids) == 1 else b"".join(
-                    [table[tid] for tid in new_token_ids])
-            except IndexError:  # an id past the vocabulary (a model's padded rows) decodes to nothing
-                data = b"".join([table[tid] for tid in new_token_ids if tid < len(table)])
-            text = decode(data)
-            if text:
-                self._text += text
+            if not self._stop:
+                # No stop string reads the text as it grows, and a token's bytes do not depend on
+                # its neighbours: the ids wait for the next reader, which decodes them in one call
+                # (a paced stream's output carries several steps' tokens).
+                self._held += new_token_ids
+                return None
+            old_len = len(self._text)
+            self._add_bytes(new_token_ids)
             return self._check_stop(old_len)
+        old_len = len(self._text)
         if self._stream_due:
             self._stream_due = False
             if not self._unread:  # the ids are still the prompt's tail alone
@@ -198,6 +194,28 @@ class IncrementalDetokenizer:
         self._text += "".join(parts)
         return self._check_stop(old_len)
 
+    def _add_bytes(self, token_ids: list[int]) -> None:
+        """A byte-level vocabulary's tokens, through the incremental UTF-8 decoder, onto the text."""
+        decode = self._utf8
+        if decode is None:
+            assert not self._unread, "a request's tokens are either all read or all unread"
+            decode = self._utf8 = codecs.getincrementaldecoder("utf-8")("replace").decode
+        table = self._bytes
+        try:
+            data = table[token_ids[0]] if len(token_ids) == 1 else b"".join([table[tid] for tid in token_ids])
+        except IndexError:  # an id past the vocabulary (a model's padded rows) decodes to nothing
+            data = b"".join([table[tid] for tid in token_ids if tid < len(table)])
+        text = decode(data)
+        if text:
+            self._text += text
+
+    def _read_held(self) -> None:
+        """Decode the ids `add_tokens` held (before anything reads the text)."""
+        held, self._held = self._held, []
+        self._add_bytes(held)
+        if len(self._text) > _TAIL_CHARS:
+            self._commit()
+
     def add_tokens_unread(self, new_token_ids: list[int]) -> None:
         """Append tokens without decoding them; `finish` decodes them all in one pass, to the
         same text. Only for a request that watches no stop string (that needs the text as it
@@ -215,6 +233,8 @@ class IncrementalDetokenizer:
         a stop string if the flushed text completed one."""
         if self._flushed or self._stopped is not None:
             return self._stopped
+        if self._held:
+            self._read_held()
         self._flushed = True
         old_len = len(self._text)
         if self._utf8 is not None:  # bytes of an incomplete character, as U+FFFD
@@ -263,6 +283,8 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """Full text so far (after any stop truncation)."""
+        if self._held:
+            self._read_held()
         if not self._done:
             return self._text
         if len(self._done) > 1:
@@ -295,6 +317,8 @@ class IncrementalDetokenizer:
             self.finish()
             end = len(self._text)
         else:
+            if self._held:
+                self._read_held()
             end = len(self._text) - self._holdback()
         # A held-back suffix is never shown, and a stop string can only start inside
         # one, so truncation never cuts below _streamed; max() just guards the invariant.

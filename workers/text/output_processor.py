@@ -106,18 +106,19 @@ class OutputProcessor:
                     entry.decoded_token = seq.detok.decode_token(token_id)
                 seq.logprobs.append(lp)
                 seq.cumulative_logprob += lp[token].logprob
+        finished = req.status.is_finished
         if state.params.output_kind == "final" and not state.params.stop:
             seq.detok.add_tokens_unread(new_token_ids)  # decoded once, at the end
-            if req.status.is_finished:
+            if finished:
                 self.finish(state, req.index, req.status, req)
             return False
         stop = seq.detok.add_tokens(new_token_ids)
-        if stop is None and req.status.is_finished:
+        if stop is None and finished:
             stop = seq.detok.finish()
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
             return True
-        if req.status.is_finished:
+        if finished:
             self.finish(state, req.index, req.status, req)
         return False
 

@@ -439,3 +439,27 @@ def test_the_text_committed_as_it_grows_says_the_same(tok: PreTrainedTokenizerFa
         assert detok.output_text == expected == streamed, (ids, stops, read)
         if read == "stream" and not include:
             assert not any(s in streamed for s in stops)
+
+
+@pytest.mark.parametrize("every", [1, 3, 7])
+def test_a_stream_read_every_few_steps_says_what_one_read_every_step_says(tok: PreTrainedTokenizerFast, window: str,
+                                                                          every: int) -> None:
+    """A paced stream reads its text once per several steps. Without stop strings a byte-level
+    vocabulary's ids wait undecoded until then; the text read, whenever it is read, is the one
+    read step by step (which holds a split character back), and nothing is lost at the end."""
+    rng = random.Random(every)
+    for _ in range(60):
+        ids = enc(tok, SAMPLE)[rng.randrange(8):]
+        each, paced = IncrementalDetokenizer(tok, enc(tok, "prompt:")), IncrementalDetokenizer(tok, enc(tok, "prompt:"))
+        deltas = []
+        for k, tid in enumerate(ids):
+            assert each.add_tokens([tid]) is None and paced.add_tokens([tid]) is None
+            each.stream_delta(finished=False)
+            if k % every == every - 1:
+                deltas.append(paced.stream_delta(finished=False))
+                assert "".join(deltas) == each.output_text
+        assert bool(paced._held) == (window == "byte-table" and len(ids) % every != 0)
+        assert paced.output_text == each.output_text  # the text read between outputs says the same
+        assert paced.num_output_tokens == len(ids)
+        deltas.append(paced.stream_delta(finished=True))
+        assert "".join(deltas) == tok.decode(ids) == paced.output_text
