@@ -29,7 +29,6 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._num_cached_blocks: dict[str, int] = {}  # req_id -> leading blocks already published
         self.host: HostKVTier | None = None
 
     def enable_host_tier(self, num_slots: int) -> None:
@@ -141,7 +140,7 @@ class KVCacheManager:
             self.pool.cache(block_id, block_hash, req.block_hashes[index - 1] if index else None)
         if num_hits:
             # Hits are already published; don't publish them again.
-            self._num_cached_blocks[req.request_id] = num_hits
+            req.num_published_blocks = num_hits
         return new_blocks
 
     def cache_blocks(self, req: Request) -> None:
@@ -151,14 +150,14 @@ class KVCacheManager:
         # A pending token (scheduled ahead, value unknown) cannot be hashed yet.
         num_known = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_pending
         num_full = min(req.num_computed_tokens, num_known) // self.block_size
-        done = self._num_cached_blocks.get(req.request_id, 0)
+        done = req.num_published_blocks
         if num_full <= done:
             return
         self._update_hashes(req, num_full * self.block_size)
         for i in range(done, num_full):
             parent = req.block_hashes[i - 1] if i > 0 else None
             self.pool.cache(req.block_ids[i], req.block_hashes[i], parent)
-        self._num_cached_blocks[req.request_id] = num_full
+        req.num_published_blocks = num_full
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Free tail blocks beyond what num_tokens need (after rejected speculative tokens)."""
@@ -178,4 +177,4 @@ class KVCacheManager:
         # Tail first: when these become evictable, the prefix head goes last.
         self.pool.free(req.block_ids[::-1])
         req.block_ids = []
-        self._num_cached_blocks.pop(req.request_id, None)
+        req.num_published_blocks = 0

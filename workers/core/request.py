@@ -181,6 +181,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hash chain of full blocks so far
+    num_published_blocks: int = 0  # leading blocks published to the prefix cache (KVCacheManager)
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
     # Monitoring (workers/core/stats.py): monotonic seconds; 0.0 = not yet.

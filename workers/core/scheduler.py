@@ -331,6 +331,7 @@ class Scheduler:
         spec = sched_out.spec_token_ids
         requests = self.requests
         running = RequestStatus.RUNNING
+        block_size = self.block_size
         for req_id, tokens, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
             req = requests.get(req_id)
             if req is None or req.status is not running:
@@ -354,7 +355,8 @@ class Scheduler:
                 self.kv.trim(req, req.num_tokens)
                 # The workers' table still has the trimmed tail; the next diff cuts it.
                 self._block_ids_sent[req_id] = min(self._block_ids_sent[req_id], len(req.block_ids))
-            self.kv.cache_blocks(req)
+            if req.num_computed_tokens >= (req.num_published_blocks + 1) * block_size:  # a block may be full
+                self.kv.cache_blocks(req)
             updates.append(StepUpdate(req, kept, logprobs[:len(kept)] if logprobs else None))
             if status is not None:
                 self.finish_request(req_id, status)
