@@ -109,21 +109,24 @@ class Scheduler:
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
         preempted = False
-        placeholders = [r for r in self.running
-                        if r.request_id in ahead and r.num_tokens + num_ahead < r.max_total_tokens] if ahead else []
+        assert not (ahead and slot is not None), "pipeline slots are never scheduled ahead"
+        placeholders: list[Request] = []
         pending_tokens = [PENDING_TOKEN] * num_ahead
-        for req in placeholders:
-            req.output_token_ids.extend(pending_tokens)
-            req.num_pending = num_ahead
         # (request, its tokens, KV slots to reserve past them): decodes first, then prefill
         # chunks. This loop runs for every running request every step, so the lengths are read
-        # once here.
+        # once here, and a request scheduled ahead gets its placeholders here too.
         decoding: list[tuple[Request, int, int]] = []
         prefilling: list[tuple[Request, int, int]] = []
         lookahead = self.config.num_lookahead_slots
         candidates = self.running if slot is None else [r for r in self.running if r.pp_slot == slot]
         for req in candidates:
-            num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+            outputs = req.output_token_ids
+            num_tokens = len(req.prompt_token_ids) + len(outputs)
+            if ahead and req.request_id in ahead and num_tokens + num_ahead < req.max_total_tokens:
+                outputs += pending_tokens
+                req.num_pending = num_ahead
+                num_tokens += num_ahead
+                placeholders.append(req)
             if req.num_computed_tokens < num_tokens - 1:
                 prefilling.append((req, num_tokens, 0))
             else:
