@@ -34,6 +34,29 @@ def test_prefix_cache_hit_at_admission() -> None:
     s.kv.pool.check_all_free()
 
 
+def test_blocks_filled_by_decoding_are_published_at_the_step_that_fills_them() -> None:
+    """A decoded block is published once its last token's KV is computed, and a later prompt that
+    repeats the prompt and the output so far finds every such block."""
+    s, w = make_scheduler(prefix=True), FakeWorkers()
+    first = make_req("first", prompt(6), 0, max_tokens=9)
+    s.add_request(first)
+    published = []
+    while not first.status.is_finished:
+        step(s, w)
+        published.append((first.num_computed_tokens, first.num_published_blocks, s.kv.pool.num_cached_blocks))
+    # KV computed for 6 prompt tokens, then one more a step; a block of 4 is published when full.
+    # The last step finishes the request: its blocks go back (still cached), its count to 0.
+    assert published == [(6, 1, 1), (7, 1, 1), (8, 2, 2), (9, 2, 2), (10, 2, 2), (11, 2, 2), (12, 3, 3),
+                         (13, 3, 3), (14, 0, 3)]
+    assert first.status == RequestStatus.FINISHED_LENGTH
+    again = make_req("again", first.all_token_ids, 1, max_tokens=1)
+    s.add_request(again)
+    out, _ = step(s, w)
+    assert again.num_cached_prompt_tokens == 12  # 3 blocks: 1 of the prompt's, 2 decoded
+    assert out.num_scheduled_tokens == {"again": 3}
+    finish_all(s)
+
+
 def test_no_prefix_hit_with_caching_off() -> None:
     s, w = make_scheduler(prefix=False), FakeWorkers()
     s.add_request(make_req("first", prompt(10), 0, max_tokens=1))
