@@ -21,7 +21,7 @@ import hashlib
 import time
 from array import array
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,9 +68,9 @@ class _SimRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     num_tokens: int  # prompt and output tokens sent so far (placeholders of a step ahead included)
-    # What a GPU runner asks of every row every step (`_tokens_on_device`), read once.
-    plain: bool = False  # greedy, no penalties, no logprobs
-    penalized: bool = False
+    # What a GPU runner asks of every row every step (`_tokens_on_device`), derived once from params.
+    plain: bool = field(init=False)  # greedy, no penalties, no logprobs
+    penalized: bool = field(init=False)
 
     def __post_init__(self) -> None:
         params = self.params
