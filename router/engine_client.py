@@ -334,6 +334,9 @@ class EngineClient:
     # ---- health --------------------------------------------------------------------------------
     async def groups_up(self) -> int:
         """Replica groups that can take requests now, as last known (0: none; see _can_serve_now)."""
+        known = len(self._known_groups())
+        if known:
+            return known
         return max(1, self.num_running_groups) if await self._can_serve_now() else 0
 
     async def health(self) -> dict[str, Any]:
@@ -344,15 +347,21 @@ class EngineClient:
         return {"ready": can_serve, "all_healthy": all_healthy, "groups": dict(self.group_states)}
 
     async def _can_serve_now(self) -> bool:
-        """The last known answer: a stale "yes" is refreshed in the background; a stale "no",
-        or one with no refresh for `_HEALTH_MAX_AGE` TTLs (start-up, a stuck controller), is
-        waited for, up to `_STATUS_WAIT_S` after its refresh began.
+        """Yes while this process's router knows a running group. Otherwise (no router here
+        has run yet, or it knows none) Serve's status, as last read: a stale "yes" is refreshed
+        in the background; a stale "no", or one with no refresh for `_HEALTH_MAX_AGE` TTLs
+        (start-up, a stuck controller), is waited for, up to `_STATUS_WAIT_S` after its
+        refresh began.
 
         (Waiting on every refresh put every request behind `serve.status()`, a controller
         round trip, once a second: under load that alone held time to first token above a
         second. Waiting without a bound held every request 10 s into a GCS outage until the
         GCS came back, and the raylets give up on it after 60 s.)
         """
+        if self._known_groups():
+            # Serve pushes each change of the running groups to this process's router: while
+            # it knows one, a group serves, and no controller round trip is needed to say so.
+            return True
         checked_at, _, can_serve = self._status
         age = time.monotonic() - checked_at
         if age >= _HEALTH_MAX_AGE * _HEALTH_TTL_S or (not can_serve and age >= _HEALTH_TTL_S):

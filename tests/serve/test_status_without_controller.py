@@ -81,3 +81,29 @@ def test_a_stale_no_is_a_quick_no_while_the_controller_is_stuck() -> None:
     with mock.patch.object(engine_client, "_STATUS_WAIT_S", WAIT_S), \
             mock.patch.object(EngineClient, "_read_group_status", controller.read):
         asyncio.run(run())
+
+
+def test_a_group_the_router_knows_answers_without_asking_the_controller() -> None:
+    from tandem.router import known_groups
+
+    controller = StuckController()
+
+    async def run() -> None:
+        ec = client()
+        ec._status = (time.monotonic() - 11 * engine_client._HEALTH_TTL_S, False, False)  # old, and a "no"
+        known_groups.publish(ec._app_name, ec._deployment_name, frozenset({"g1", "g2"}))
+        try:
+            (answer, waited_s), (up, _) = await timed(ec._can_serve_now()), await timed(ec.groups_up())
+            assert (answer, up, controller.calls) == (True, 2, 0) and waited_s < 0.1
+            # The router's last group goes: the controller is asked again (and, stuck, the
+            # old "no" stands once the wait is over).
+            known_groups.publish(ec._app_name, ec._deployment_name, frozenset())
+            answer, waited_s = await timed(ec._can_serve_now())
+            assert (answer, controller.calls) == (False, 1) and WAIT_S <= waited_s < WAIT_S + 1.0
+        finally:
+            known_groups._KNOWN.pop((ec._app_name, ec._deployment_name), None)
+            controller.released.set()
+
+    with mock.patch.object(engine_client, "_STATUS_WAIT_S", WAIT_S), \
+            mock.patch.object(EngineClient, "_read_group_status", controller.read):
+        asyncio.run(run())
