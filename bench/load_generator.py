@@ -21,14 +21,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import numpy as np
 
 from tandem.bench.workload import BenchRequest
 
+# httpx is re-exported for the synchronous callers (serve_figures.py's stall check, the tests).
 try:
-    import httpx
+    import httpx  # noqa: F401
 except ImportError:  # some environments ship it (same API) only as httpx2, the openai client's dependency
-    import httpx2 as httpx
+    import httpx2 as httpx  # noqa: F401
 
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -69,23 +71,29 @@ class LoadLevel:
 
 
 # ---- one request ------------------------------------------------------------------------------------
-async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> RequestRecord:
+# The requests go through aiohttp (its HTTP parser is C), as vLLM's benchmark sends them: the load
+# generator shares the machine with the server it measures, and the lighter it is, the less it
+# takes from the server's cores between the server's own steps.
+_CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError)
+
+
+async def send_request(client: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -> RequestRecord:
     """One streaming completion; chunks with choices count as token arrivals (as vLLM's benchmark does)."""
     record = RequestRecord(num_prompt_tokens=len(payload["prompt"]))
     num_chunks = 0
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {body[:300]}"
+        async with client.post(url, json=payload) as response:
+            if response.status != 200:
+                body = (await response.read()).decode(errors="replace")
+                record.error = f"HTTP {response.status}: {body[:300]}"
                 return record
             record.group = response.headers.get("x-tandem-groups", "")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in response.content:
+                if not line.startswith(b"data:"):
                     continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+                data = line[len(b"data:"):].strip()
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -101,7 +109,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
                     last = now
                 if chunk.get("usage"):
                     _take_usage(record, chunk["usage"])
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except _CLIENT_ERRORS as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
     record.e2e_s = time.perf_counter() - start
@@ -111,22 +119,23 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
     return record
 
 
-async def send_whole_request(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> RequestRecord:
+async def send_whole_request(client: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -> RequestRecord:
     """One non-streaming completion: its first token reaches the client with its last, so its
     TTFT is its E2E (and its TPOT 0)."""
     record = RequestRecord(num_prompt_tokens=len(payload["prompt"]))
     start = time.perf_counter()
     try:
-        response = await client.post(url, json=payload)
-        if response.status_code != 200:
-            record.error = f"HTTP {response.status_code}: {response.text[:300]}"
-            return record
-        body = response.json()
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        async with client.post(url, json=payload) as response:
+            raw = await response.read()
+            if response.status != 200:
+                record.error = f"HTTP {response.status}: {raw.decode(errors='replace')[:300]}"
+                return record
+            body = json.loads(raw)
+            record.group = response.headers.get("x-tandem-groups", "")
+    except _CLIENT_ERRORS as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
     record.e2e_s = record.ttft_s = time.perf_counter() - start
-    record.group = response.headers.get("x-tandem-groups", "")
     _take_usage(record, body.get("usage") or {})
     record.ok = bool(body.get("choices")) and record.num_output_tokens > 0
     record.error = "" if record.ok else "no tokens in the response"
@@ -158,10 +167,12 @@ async def run_level(url: str, requests: list[BenchRequest], level: LoadLevel, *,
     `stream` False: each request is answered whole (`send_whole_request`)."""
     endpoint = base_url(url) + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
     records: list[RequestRecord | None] = [None] * len(requests)
     send = send_request if stream else send_whole_request
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(None)) as client:
+    connector = aiohttp.TCPConnector(limit=len(requests) + 1)
+    # No total timeout (a level runs as long as it runs); reading a line of any length.
+    async with aiohttp.ClientSession(headers=headers, connector=connector, read_bufsize=1 << 20,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as client:
         async def one(i: int) -> None:
             records[i] = await send(client, endpoint, completion_payload(requests[i], model, stream))
 
