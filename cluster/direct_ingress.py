@@ -27,6 +27,10 @@ PROXIES = (HAPROXY, SERVE_PROXY)
 SWITCHES = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY")
 DRAINING_PERIOD = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAINING_PERIOD_S = "2"
+# HAProxy's threads: Ray starts 4 on any machine, and more threads than cores only hand each
+# chunk between threads that take turns on the same cores.
+NBTHREAD = "RAY_SERVE_HAPROXY_NBTHREAD"
+MAX_NBTHREAD = 4
 # What every node of a cluster needs in its environment before `ray start` (deploy/: the
 # image, the launcher's start commands, the KubeRay pods; a test holds them to this).
 NODE_ENV = {**{name: "1" for name in SWITCHES}, DRAINING_PERIOD: DRAINING_PERIOD_S}
@@ -79,7 +83,18 @@ def use_proxy(proxy: str) -> None:
     # within a second, and 30 s would hold every shutdown and rolling update that long.
     os.environ.setdefault(DRAINING_PERIOD, DRAINING_PERIOD_S)
     if proxy == HAPROXY:
+        os.environ.setdefault(NBTHREAD, str(haproxy_threads()))
         _pick_local_haproxy()
+
+
+def haproxy_threads() -> int:
+    """HAProxy's threads for a Ray started here: one per core this process may run on, at most
+    Ray's 4 (as HAProxy sizes itself when nothing says otherwise)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_NBTHREAD, cores))
 
 
 def _pick_local_haproxy() -> None:

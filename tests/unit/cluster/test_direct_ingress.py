@@ -6,7 +6,7 @@ from tandem.cluster import direct_ingress
 from tandem.cluster.direct_ingress import HAPROXY, SERVE_PROXY, use_proxy
 
 NAMES = (*direct_ingress.SWITCHES, direct_ingress.DRAINING_PERIOD, *direct_ingress.LOCAL_PORTS,
-         direct_ingress.LOCAL_OWNER, "RAY_SERVE_HAPROXY_BINARY_PATH")
+         direct_ingress.LOCAL_OWNER, direct_ingress.NBTHREAD, "RAY_SERVE_HAPROXY_BINARY_PATH")
 
 
 @pytest.fixture
@@ -58,6 +58,21 @@ def test_what_the_user_set_is_kept(clean_env, monkeypatch):
     use_proxy(HAPROXY)
     assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "30"
     assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, "1"), (2, "2"), (16, "4")])
+def test_haproxy_runs_a_thread_per_core_up_to_rays_four(clean_env, monkeypatch, cores, threads):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    use_proxy(HAPROXY)
+    assert os.environ["RAY_SERVE_HAPROXY_NBTHREAD"] == threads
+
+
+def test_the_users_haproxy_threads_are_kept(clean_env, monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_NBTHREAD", "8")
+    use_proxy(HAPROXY)
+    assert os.environ["RAY_SERVE_HAPROXY_NBTHREAD"] == "8"
+    use_proxy(SERVE_PROXY)  # no HAProxy: nothing to size
+    assert os.environ["RAY_SERVE_HAPROXY_NBTHREAD"] == "8"
 
 
 def test_the_wheels_haproxy_runs(clean_env):
