@@ -27,6 +27,7 @@ from tandem.router.protocol import (
     TokenLogprob,
     TopLogprob,
 )
+from tandem.router.sse_response import LastChunk
 from tandem.router.streams import DONE, ChoiceState, Deltas, Reply, UsageCounter, merge, open_streams, sse
 from tandem.workers.core.request import PositionLogprobs
 
@@ -106,8 +107,9 @@ class ChatServing:
 
         # A forced call's reply is calls only: content null from the first chunk, as OpenAI sends it.
         first = DeltaMessage(role="assistant", content=None if plan.forced else "")
-        for i in range(req.n):
-            yield chunk(ChatChunkChoice(index=i, delta=first))
+        # What one delta says is one piece (one body message), the role chunks with the first;
+        # the last delta's pieces go out with the usage and [DONE] (router/sse_response.py).
+        parts = [chunk(ChatChunkChoice(index=i, delta=first)) for i in range(req.n)]
         async for _, delta in merge([stream]):
             usage.add(0, delta)
             for out in delta.outputs:
@@ -120,24 +122,28 @@ class ChatServing:
                 if reader is None:
                     if logprobs is None:
                         if out.text or out.finish_reason:
-                            yield plain.chat(out.index, out.text or None, out.finish_reason, out.stop_reason)
+                            parts.append(plain.chat(out.index, out.text or None, out.finish_reason,
+                                                    out.stop_reason))
                     elif out.text or out.finish_reason or logprobs.content:
-                        yield chunk(ChatChunkChoice(
+                        parts.append(chunk(ChatChunkChoice(
                             index=out.index, delta=DeltaMessage(content=out.text or None), logprobs=logprobs,
-                            finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                            finish_reason=out.finish_reason, stop_reason=out.stop_reason)))
                     continue
                 deltas, finish_reason = reader.step(out.text, out.token_ids, out.finish_reason, out.stop_reason)
                 if not deltas and (out.finish_reason or (logprobs and logprobs.content)):
                     deltas = [DeltaMessage()]
                 for k, message in enumerate(deltas):  # logprobs with the first, the finish with the last
                     last = k == len(deltas) - 1
-                    yield chunk(ChatChunkChoice(
+                    parts.append(chunk(ChatChunkChoice(
                         index=out.index, delta=message, logprobs=logprobs if k == 0 else None,
-                        finish_reason=finish_reason if last else None, stop_reason=out.stop_reason if last else None))
+                        finish_reason=finish_reason if last else None, stop_reason=out.stop_reason if last else None)))
+            if not delta.finished and parts:
+                yield "".join(parts)
+                parts = []
         if req.include_usage:
-            yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                          usage=usage.usage()))
-        yield DONE
+            parts.append(sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                                 usage=usage.usage())))
+        yield LastChunk("".join(parts) + DONE)
 
 
 def _logprobs(token_ids: list[int], entries: list[PositionLogprobs], req: ChatCompletionRequest) -> ChatLogprobs:

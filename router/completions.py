@@ -18,6 +18,7 @@ from tandem.router.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from tandem.router.sse_response import LastChunk
 from tandem.router.streams import DONE, ChoiceState, Reply, UsageCounter, merge, open_streams, sse
 from tandem.workers.core.request import PositionLogprobs
 
@@ -130,11 +131,15 @@ class CompletionServing:
                 index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
                 stop_reason=stop_reason)]))
 
+        # What one delta says is one piece (one body message); the last delta's pieces go out
+        # with the usage and [DONE], closing the response (router/sse_response.py).
+        parts: list[str] = []
+        running = len(streams)
         echo_with_logprobs = req.echo and req.logprobs is not None
         if req.echo and not echo_with_logprobs:
             for i, p in enumerate(prompts):
                 for k in range(req.n):
-                    yield chunk(i * req.n + k, p.text)
+                    parts.append(chunk(i * req.n + k, p.text))
         async for i, delta in merge(streams):
             usage.add(i, delta)
             if echo_with_logprobs and delta.prompt_logprobs is not None:
@@ -142,7 +147,7 @@ class CompletionServing:
                 for k in range(req.n):
                     lps = self._prompt_logprobs(prompts[i], delta.prompt_logprobs)
                     offsets[i * req.n + k] = len(prompts[i].text)
-                    yield chunk(i * req.n + k, prompts[i].text, lps)
+                    parts.append(chunk(i * req.n + k, prompts[i].text, lps))
             for out in delta.outputs:
                 index = i * req.n + out.index
                 if index in finished:
@@ -155,11 +160,15 @@ class CompletionServing:
                     _logprobs(out.token_ids, out.logprobs or [], logprobs, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
                 if out.text or out.finish_reason or (logprobs and logprobs.tokens):
-                    yield chunk(index, out.text, logprobs, out.finish_reason, out.stop_reason)
+                    parts.append(chunk(index, out.text, logprobs, out.finish_reason, out.stop_reason))
+            running -= delta.finished
+            if running and parts:
+                yield "".join(parts)
+                parts = []
         if req.include_usage:
-            yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                         usage=usage.usage()))
-        yield DONE
+            parts.append(sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                                usage=usage.usage())))
+        yield LastChunk("".join(parts) + DONE)
 
 
 def _logprobs(token_ids: list[int], entries: list[PositionLogprobs | None], out: CompletionLogprobs,

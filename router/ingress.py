@@ -38,7 +38,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
@@ -61,6 +61,7 @@ from tandem.router.protocol import (
     OpenAIError,
 )
 from tandem.router.request_fields import log_names, refuse_unsupported, unknown_fields
+from tandem.router.sse_response import LastChunk, SSEResponse
 from tandem.router.streams import DONE, sse
 from tandem.router.tokenization import DetokenizeRequest, TokenizationServing, tokenize_request_model
 from tandem.router.tracing import TracingMiddleware
@@ -112,14 +113,11 @@ async def _guard_stream(chunks):
         async for chunk in chunks:
             yield chunk
     except ValueError as exc:
-        yield sse(OpenAIError.bad_request(exc).body)
-        yield DONE
+        yield LastChunk(sse(OpenAIError.bad_request(exc).body) + DONE)
     except ServiceUnavailable as exc:
-        yield sse(_unavailable(exc).body)
-        yield DONE
+        yield LastChunk(sse(_unavailable(exc).body) + DONE)
     except RequestTimeout as exc:
-        yield sse(_timed_out(exc).body)
-        yield DONE
+        yield LastChunk(sse(_timed_out(exc).body) + DONE)
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -298,4 +296,4 @@ class OpenAIIngress(GrpcMethods):
         if ticket is not None:
             ticket.assign(reply.group_ids)
             body = ReleasingStream(body, ticket)
-        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        return SSEResponse(body, headers=headers)

@@ -89,6 +89,60 @@ def post(http, body, path="/v1/completions"):
     return http.post(path, json={"model": "tiny", **body})
 
 
+@pytest.fixture
+def bodies(tiny_llama, group, status):
+    """A client, and the body messages of each response as the ingress sends them (each one a
+    socket write in a replica): (bytes, more_body)."""
+    sent: list[tuple[bytes, bool]] = []
+
+    async def recording(scope, receive, send):
+        async def record(message):
+            if message["type"] == "http.response.body":
+                sent.append((message.get("body", b""), message.get("more_body", False)))
+            await send(message)
+
+        await ingress.app(scope, receive, record)
+
+    wrapper = ingress.OpenAIIngress.func_or_class
+    cls = next(c for c in wrapper.__mro__[1:] if c.__name__ == "OpenAIIngress")
+    server = cls(group, {"model": tiny_llama, "served_model_name": "tiny", "max_model_len": 64})
+    with mock.patch("ray.serve.get_replica_context") as context:
+        context.return_value.servable_object = server
+        context.return_value.app_name = "tandem"
+        with TestClient(recording) as client:
+            yield client, sent
+
+
+def test_a_streams_last_delta_usage_and_done_close_it_in_one_write(bodies, group):
+    client, sent = bodies
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        sent.clear()
+        group.script = [delta("Hel", 10), delta("lo", 11), delta("!", 12, "stop")]
+        r = post(client, {**body, "stream": True, "stream_options": {"include_usage": True}}, path)
+        assert r.status_code == 200
+        assert [more for _, more in sent] == [True] * (len(sent) - 1) + [False]
+        events = [e for e in sent[-1][0].decode().split("\n\n") if e]
+        assert len(events) == 3 and events[-1] == "data: [DONE]"
+        last, usage = json.loads(events[0][len("data: "):]), json.loads(events[1][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "stop" and usage["usage"]["completion_tokens"] == 3
+        assert b"".join(b for b, _ in sent).decode() == r.text  # what was written is the response
+        if path == "/v1/chat/completions":
+            # the role chunk goes out with the first token: one write
+            first = [json.loads(e[len("data: "):]) for e in sent[0][0].decode().split("\n\n") if e]
+            assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert first[1]["choices"][0]["delta"]["content"].startswith("Hel")
+
+
+def test_an_error_mid_stream_closes_it_in_one_write(bodies, group):
+    client, sent = bodies
+    group.script = [delta("a", 10), delta("", 0, error="worker died", error_kind="unavailable")]
+    r = post(client, {"prompt": "hi", "stream": True})
+    assert r.status_code == 200 and sent[-1][1] is False
+    error, done = [e for e in sent[-1][0].decode().split("\n\n") if e]
+    assert json.loads(error[len("data: "):])["error"]["code"] == "service_unavailable" and done == "data: [DONE]"
+
+
 def test_streams_the_groups_deltas_as_sse(http, group):
     group.script = [delta("Hel", 10), delta("lo", 11), delta("!", 12, "stop")]
     r = post(http, {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}})
