@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from unittest import mock
 
 import pytest
@@ -72,8 +74,9 @@ def status():
         yield read
 
 
-@pytest.fixture
-def http(tiny_llama, group, status):
+@contextmanager
+def served(tiny_llama, group, app=ingress.app) -> Iterator[TestClient]:
+    """A client of an ingress over `group`, through `app` (ingress.app, or a wrapper of it)."""
     # The class as written (Serve's ingress wrapper subclasses it); its routes are on ingress.app.
     wrapper = ingress.OpenAIIngress.func_or_class
     cls = next(c for c in wrapper.__mro__[1:] if c.__name__ == "OpenAIIngress")
@@ -81,8 +84,14 @@ def http(tiny_llama, group, status):
     with mock.patch("ray.serve.get_replica_context") as context:
         context.return_value.servable_object = server
         context.return_value.app_name = "tandem"
-        with TestClient(ingress.app) as client:  # one event loop for every request, as in a replica
+        with TestClient(app) as client:  # one event loop for every request, as in a replica
             yield client
+
+
+@pytest.fixture
+def http(tiny_llama, group, status):
+    with served(tiny_llama, group) as client:
+        yield client
 
 
 def post(http, body, path="/v1/completions"):
@@ -103,14 +112,8 @@ def bodies(tiny_llama, group, status):
 
         await ingress.app(scope, receive, record)
 
-    wrapper = ingress.OpenAIIngress.func_or_class
-    cls = next(c for c in wrapper.__mro__[1:] if c.__name__ == "OpenAIIngress")
-    server = cls(group, {"model": tiny_llama, "served_model_name": "tiny", "max_model_len": 64})
-    with mock.patch("ray.serve.get_replica_context") as context:
-        context.return_value.servable_object = server
-        context.return_value.app_name = "tandem"
-        with TestClient(recording) as client:
-            yield client, sent
+    with served(tiny_llama, group, recording) as client:
+        yield client, sent
 
 
 def test_a_streams_last_delta_usage_and_done_close_it_in_one_write(bodies, group):
