@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -161,9 +160,13 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
-    """One sequence as the scheduler sees it (an `n > 1` prompt becomes n of these)."""
+    """One sequence as the scheduler sees it (an `n > 1` prompt becomes n of these).
+
+    Slotted: the scheduler, the runner's diff and the outputs read a handful of its fields for
+    every running request every step, and a slot is one read of the object where an instance
+    dict is a hash lookup in a table of its own (more memory touched a request a step)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -194,6 +197,21 @@ class Request:
     # Which of the pipeline's in-flight step slots it runs in (Scheduler.schedule(slot=...)).
     pp_slot: int = 0
     error: str | None = None
+    # Fixed at creation (__post_init__): prompt plus the most output tokens it may produce, the
+    # most output tokens, and the ids that end it once it has min_tokens (its stop ids, and
+    # EOS unless ignore_eos).
+    max_total_tokens: int = field(init=False)
+    max_output_tokens: int = field(init=False)
+    ending_token_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        limit = self.max_model_len
+        if params.max_tokens is not None:
+            limit = min(limit, len(self.prompt_token_ids) + params.max_tokens)
+        self.max_total_tokens = limit
+        self.max_output_tokens = limit - len(self.prompt_token_ids)
+        self.ending_token_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -218,24 +236,6 @@ class Request:
     @property
     def is_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
-
-    @functools.cached_property
-    def max_total_tokens(self) -> int:
-        """Prompt plus the most output tokens this request may produce (fixed at creation)."""
-        limit = self.max_model_len
-        if self.sampling_params.max_tokens is not None:
-            limit = min(limit, self.num_prompt_tokens + self.sampling_params.max_tokens)
-        return limit
-
-    @functools.cached_property
-    def max_output_tokens(self) -> int:
-        return self.max_total_tokens - self.num_prompt_tokens
-
-    @functools.cached_property
-    def ending_token_ids(self) -> frozenset[int]:
-        """The ids that end it (once it has min_tokens): its stop ids, and EOS unless ignore_eos."""
-        params = self.sampling_params
-        return frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
 
     def token_at(self, position: int) -> int:
         return token_at(self.prompt_token_ids, self.output_token_ids, position)

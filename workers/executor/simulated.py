@@ -102,7 +102,7 @@ class SimulatedExecutor(InProcess):
         if self.num_kv_blocks < 1:
             raise ValueError(f"kv_cache_memory: too small for one KV block ({self._block_bytes} bytes per block)")
         self._clock = clock
-        self._sleep = sleep
+        self.wait = sleep  # how the thread spends a step's time (a benchmark may spin instead)
         self._busy_until = 0.0  # when the device finishes the last step launched (clock seconds)
         self.requests: dict[str, _SimRequest] = {}
 
@@ -145,7 +145,7 @@ class SimulatedExecutor(InProcess):
         def finish() -> RunnerOutput:
             remaining = deadline - self._clock()
             if remaining > 0:
-                self._sleep(remaining)
+                self.wait(remaining)
             return output
 
         pending = PendingOutput(finish)

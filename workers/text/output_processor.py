@@ -21,7 +21,7 @@ from tandem.workers.core.request import (
 from tandem.workers.text.detokenizer import IncrementalDetokenizer
 
 
-@dataclass
+@dataclass(slots=True)  # read for every request every step: slots, not an instance dict each
 class SequenceState:
     index: int
     detok: IncrementalDetokenizer
@@ -33,7 +33,7 @@ class SequenceState:
     num_tokens_sent: int = 0  # delta mode: tokens already streamed
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request_id: str
     prompt: str | None
