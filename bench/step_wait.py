@@ -13,7 +13,7 @@ run: `sleep`, the simulated device's own (the served group's thread sleeps so), 
 the thread holding its core until the step would end, as a host thread in a spinning GPU
 synchronize does (the spin's own time is measured and left out).
 
-`{sleep,spin}_host_us_per_token`: the thread's CPU (user + system) a streamed output token,
+`{sleep,spin}_host_us_per_token`: the process's CPU (user + system) a streamed output token,
 the wait left out; `sleep_over_spin` their ratio; medians of `--repeats` pairs. Set against
 `server_cpu_us_per_token_GroupServer` of `tandem bench serve` at the same step time, it says
 how much of the served group's CPU is the engine's own work; run at several step times, how
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import resource
 import statistics
 import time
 from collections import deque
@@ -33,6 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.bench.report import log_progress
+from tandem.bench.serve import SERVE_FULL
+from tandem.bench.workload import BenchRequest, WorkloadSpec, make_workload
 from tandem.workers.core.output_pace import OutputPace
 from tandem.workers.core.request import SamplingParams
 from tandem.workers.llm import LLM
@@ -55,29 +55,23 @@ class SpinWait:
         self.spun_s += time.perf_counter() - start
 
 
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def stream_all(engine: Any, prompts: list[list[int]], concurrency: int, output_len: int, pace: OutputPace) -> int:
-    """Stream every prompt through `engine` with `concurrency` in flight, each step's outputs
+def stream_all(engine: Any, requests: list[BenchRequest], concurrency: int, pace: OutputPace) -> int:
+    """Stream every request through `engine` with `concurrency` in flight, each step's outputs
     encoded as a channel's DeltaBatch; returns the output tokens streamed."""
-    pending = deque(enumerate(prompts))
+    pending = deque(enumerate(requests))
     in_flight: set[str] = set()
     num_tokens = 0
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
-            i, prompt = pending.popleft()
-            request_id = f"step-wait-{len(prompts)}-{i}"
-            engine.add_request(request_id, {"prompt_token_ids": prompt},
-                               SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+            i, req = pending.popleft()
+            request_id = f"step-wait-{len(requests)}-{i}"
+            engine.add_request(request_id, {"prompt_token_ids": req.prompt_token_ids},
+                               SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True,
                                               output_kind="delta"), pace)
             in_flight.add(request_id)
         deltas = []
         for out in engine.step():
-            deltas.append(GroupDelta(out.request_id, "group", out.outputs, out.finished, len(out.prompt_token_ids),
-                                     out.num_cached_tokens, out.prompt_logprobs, out.error, None))
+            deltas.append(GroupDelta.from_output(out, "group"))
             num_tokens += sum(len(o.token_ids) for o in out.outputs)
             if out.finished:
                 in_flight.discard(out.request_id)
@@ -86,7 +80,7 @@ def stream_all(engine: Any, prompts: list[list[int]], concurrency: int, output_l
     return num_tokens
 
 
-def measure(llm: LLM, prompts: list[list[int]], concurrency: int, output_len: int, chunks_per_s: float,
+def measure(llm: LLM, requests: list[BenchRequest], concurrency: int, chunks_per_s: float,
             wait: str) -> dict[str, float]:
     """One run with the device's wait slept or spun: the thread's CPU a token, the wait left out."""
     executor = llm.engine.executor
@@ -96,9 +90,9 @@ def measure(llm: LLM, prompts: list[list[int]], concurrency: int, output_len: in
     llm.engine.pool.reset_prefix_cache()  # every run computes every prompt
     pace = OutputPace(concurrency / chunks_per_s if chunks_per_s > 0 else 0.0)
     try:
-        wall, cpu = time.perf_counter(), _cpu_s()
-        num_tokens = stream_all(llm.engine, prompts, concurrency, output_len, pace)
-        wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
+        wall, cpu = time.perf_counter(), time.process_time()
+        num_tokens = stream_all(llm.engine, requests, concurrency, pace)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
         executor.wait = sleep
     return {"host_us_per_token": 1e6 * (cpu - spin.spun_s) / num_tokens, "output_tok_s": num_tokens / wall,
@@ -111,15 +105,15 @@ def run(model: str | None, step_ms: tuple[float, float], num_requests: int, conc
 
     llm = LLM(model=model or bench_model_path(), simulated_step_ms=step_ms)
     try:
-        rng = random.Random(seed)
-        vocab = llm.engine.hf_config.vocab_size
-        prompts = [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(32, 256))] for _ in range(num_requests)]
-        stream_all(llm.engine, prompts[:4], 4, 8, OutputPace())  # warm-up
+        # `bench serve`'s request shape: prompts of 32-256 tokens, every output `output_len` long.
+        spec = WorkloadSpec(num_requests, SERVE_FULL.prompt_len, (output_len, output_len), seed)
+        requests = make_workload(spec, llm.engine.hf_config.vocab_size)
+        stream_all(llm.engine, [BenchRequest(r.prompt_token_ids, 8) for r in requests[:4]], 4, OutputPace())  # warm-up
         runs: dict[str, list[dict[str, float]]] = {wait: [] for wait in WAITS}
         for i in range(repeats):
             for wait in WAITS:  # interleaved: a drift of the machine reaches both alike
                 log_progress("step_wait", show_progress, f"repeat {i + 1}/{repeats}, {wait}")
-                runs[wait].append(measure(llm, prompts, concurrency, output_len, chunks_per_s, wait))
+                runs[wait].append(measure(llm, requests, concurrency, chunks_per_s, wait))
     finally:
         llm.shutdown()
     figures: dict[str, Any] = {"simulated_step_ms": ",".join(map(str, step_ms)), "num_requests": num_requests,

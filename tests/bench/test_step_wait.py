@@ -7,6 +7,7 @@ import json
 import time
 
 from tandem.bench import step_wait
+from tandem.bench.workload import BenchRequest
 from tandem.workers.core.output_pace import OutputPace
 from tandem.workers.llm import LLM
 
@@ -23,11 +24,11 @@ def test_a_spin_wait_holds_its_time_and_counts_it():
 def test_every_request_streams_all_its_tokens_and_the_device_wait_is_restored(llama_dir):
     llm = LLM(model=llama_dir, simulated_step_ms=(0.2, 0.0))
     try:
-        prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
-        assert step_wait.stream_all(llm.engine, prompts, 2, 5, OutputPace()) == 15
+        requests = [BenchRequest(prompt, 5) for prompt in ([5, 6, 7], [8, 9, 10, 11], [12, 13])]
+        assert step_wait.stream_all(llm.engine, requests, 2, OutputPace()) == 15
         sleep = llm.engine.executor.wait
-        spun = step_wait.measure(llm, prompts, 2, 5, 0.0, "spin")
-        slept = step_wait.measure(llm, prompts, 2, 5, 1000.0, "sleep")
+        spun = step_wait.measure(llm, requests, 2, 0.0, "spin")
+        slept = step_wait.measure(llm, requests, 2, 1000.0, "sleep")
         assert llm.engine.executor.wait is sleep
         assert spun["spun_s"] > 0.0 and slept["spun_s"] == 0.0
         assert spun["host_us_per_token"] > 0.0 and slept["host_us_per_token"] > 0.0

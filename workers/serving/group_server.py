@@ -281,7 +281,7 @@ class GroupServer:
             assert isinstance(delivery, _ChannelDelivery)
             if delivery.ended():  # aborted (the client left) before the engine heard of it
                 continue
-            by_channel.setdefault(delivery.channel_id, []).append(self._delta(out))
+            by_channel.setdefault(delivery.channel_id, []).append(GroupDelta.from_output(out, self.group_id))
             if out.finished:
                 ended.append((delivery, out))
         self.outboxes.put_step(by_channel)
@@ -370,7 +370,7 @@ class GroupServer:
                 finished = out.finished
                 if finished and out.metrics is not None:
                     self._observe(request, out)
-                yield self._delta(out)
+                yield GroupDelta.from_output(out, self.group_id)
         except ValueError as exc:  # refused by add_request (prompt too long for the cache, ...)
             finished = True
             yield self._failure(request, str(exc), "invalid_request")
@@ -466,12 +466,6 @@ class GroupServer:
             engine.shutdown()
 
     # ---- deltas ------------------------------------------------------------------------------------
-    def _delta(self, out: RequestOutput) -> GroupDelta:
-        # Positional: a keyword call costs twice as much, and this runs for every streamed token.
-        return GroupDelta(out.request_id, self.group_id, out.outputs, out.finished, len(out.prompt_token_ids),
-                          out.num_cached_tokens, out.prompt_logprobs, out.error,
-                          "unavailable" if out.error else None)
-
     def _failure(self, request: GroupRequest, message: str, kind: ErrorKind) -> GroupDelta:
         return GroupDelta.failure(request.request_id, self.group_id, message, kind)
 

@@ -45,7 +45,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.workers.core.request import CompletionOutput, OutputJoiner, PositionLogprobs, SamplingParams
+from tandem.workers.core.request import (
+    CompletionOutput,
+    OutputJoiner,
+    PositionLogprobs,
+    RequestOutput,
+    SamplingParams,
+)
 
 # invalid_request: the caller's fault (a 400, gRPC INVALID_ARGUMENT); unavailable: the group
 # failed, and the request may be retried elsewhere if nothing of it was sent yet (a 503).
@@ -168,6 +174,13 @@ class GroupDelta:
     @property
     def num_output_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+    @staticmethod
+    def from_output(out: RequestOutput, group_id: str) -> GroupDelta:
+        """The delta of an engine's delta output (an error on it: the group failed the request)."""
+        # Positional: a keyword call costs twice as much, and this runs for every streamed output.
+        return GroupDelta(out.request_id, group_id, out.outputs, out.finished, len(out.prompt_token_ids),
+                          out.num_cached_tokens, out.prompt_logprobs, out.error, "unavailable" if out.error else None)
 
     @staticmethod
     def failure(request_id: str, group_id: str, message: str, kind: ErrorKind) -> GroupDelta:
