@@ -131,10 +131,15 @@ def test_an_idle_group_parks_its_workers_and_the_next_steps_give_the_same_tokens
         used = [after - b for after, b in zip(_cpu_seconds(llm), before)]
         assert llm.engine.executor.parked and max(used) < 0.25, used
         # The next generate wakes them; every request after it too (parked again in between).
+        # A park counts each wake-up and new idle spell: at least one a generate. A generate on a
+        # loaded machine may leave its own gap of 0.2 s between two steps (the process not run for
+        # that long) and park there too, which is the parking's design, not a failure.
+        parking = llm.engine.executor._parking
         for _ in range(2):
+            num_parks = parking.num_parks
             assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
             _wait_group_parked(llm)
-        assert llm.engine.executor._parking.num_parks == 3
+            assert parking.num_parks > num_parks
         llm.engine.pool.check_all_free()
     finally:
         llm.shutdown()  # from parked: the teardown wakes them first, and does not hang
