@@ -262,8 +262,9 @@ class SchedulerConfig:
     # passes back to back, each fed the previous one's tokens on the device (sampling,
     # penalties, logprobs and min_tokens included), before the host schedules again. The host's
     # per-step work (scheduling, stop checks, outputs) is paid once for that many tokens; a stop
-    # token is seen only at the end of the step (the tokens computed past it are dropped) and
-    # streams get their tokens in groups. 1 = off.
+    # token is seen only at the end of the step (the tokens computed past it are dropped). A
+    # step runs no longer than the shortest pace of the paced streams in flight
+    # (GroupEngine.max_passes): a served stream alone still gets its tokens one at a time. 1 = off.
     num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
@@ -335,15 +336,13 @@ class EngineConfig:
         require_field(self.scheduler.num_scheduler_steps == 1 or (
             self.parallel.world_size == 1 and not self.speculative.enabled), "num_scheduler_steps",
             "multi-step decoding needs tensor_parallel_size = pipeline_parallel_size = 1 and no speculative model")
-        # The simulated device is one device in this process: it has no ranks to spread over, no
-        # draft model to run, and its steps return each request's token one pass at a time.
+        # The simulated device is one device in this process: it has no ranks to spread over and
+        # no draft model to run.
         if self.model.simulated_step_ms is not None:
             require_field(self.parallel.world_size == 1, "simulated_step_ms",
                           "a simulated device runs with tensor_parallel_size = pipeline_parallel_size = 1")
             require_field(not self.speculative.enabled, "simulated_step_ms",
                           "a simulated device runs no speculative decoding")
-            require_field(self.scheduler.num_scheduler_steps == 1, "simulated_step_ms",
-                          "a simulated device runs no multi-step decoding (num_scheduler_steps = 1)")
 
     @staticmethod
     def from_options(**options: Any) -> EngineConfig:

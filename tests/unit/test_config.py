@@ -179,11 +179,12 @@ def test_simulated_step_ms_is_two_floats_whatever_form_it_comes_in(value) -> Non
 
 
 @pytest.mark.parametrize("options", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
-                                     dict(speculative_model="ngram", num_speculative_tokens=2),
-                                     dict(num_scheduler_steps=4)])
-def test_a_simulated_device_is_one_device_without_drafts_or_multi_step(options: dict) -> None:
+                                     dict(speculative_model="ngram", num_speculative_tokens=2)])
+def test_a_simulated_device_is_one_device_without_drafts(options: dict) -> None:
     with pytest.raises(ValueError, match="^simulated_step_ms: a simulated device runs"):
         EngineConfig.from_options(simulated_step_ms="1,0", **options)
+    # Multi-step decoding runs on it, as on the one GPU it stands for.
+    assert EngineConfig.from_options(simulated_step_ms="1,0", num_scheduler_steps=4).scheduler.num_scheduler_steps == 4
 
 
 def test_a_simulated_device_overlaps_steps_and_freezes_the_heap_as_a_gpu() -> None:

@@ -92,6 +92,10 @@ class GroupEngine:
         self._next_slot = 0
         self._slots_in_flight: dict[int, int] = {}  # step id -> slot
         self._failed_outputs: list[RequestOutput] = []
+        # Multi-step decoding: a pass's device time (an EMA of decode steps, measured from one
+        # step's end to the next's), which bounds a step's passes by the streams' paces.
+        self.pass_s: float | None = None
+        self._last_done_at = 0.0
         self.startup_heap: StartupHeap | None = None  # frozen once the group is assembled (builder.py)
         self._grammars: RequestGrammars | None = None  # made at the first request with a StructuredSpec
 
@@ -235,8 +239,7 @@ class GroupEngine:
                 if self._grammars:
                     self._grammars.trim_drafts(candidates)
         # EngineConfig allows several passes only with the model in this process and no drafts.
-        sched_out = self.scheduler.schedule(ahead, self.config.scheduler.num_scheduler_steps, num_ahead,
-                                            slot, self.pipeline_depth)
+        sched_out = self.scheduler.schedule(ahead, self.max_passes(), num_ahead, slot, self.pipeline_depth)
         if not sched_out.has_work:
             return
         if self._grammars:
@@ -262,8 +265,12 @@ class GroupEngine:
         except Exception as exc:  # a worker died or raised: fail the group loudly
             self._failed_outputs = self.fail(f"{type(exc).__name__}: {exc}")
             return []
-        seconds = time.perf_counter() - started
+        done_at = time.perf_counter()
+        seconds = done_at - started
         num_tokens = sched_out.total_num_scheduled_tokens
+        if num_tokens == len(result.req_ids):  # decodes alone: the device's time a pass
+            self._note_pass_time((done_at - max(started, self._last_done_at)) / sched_out.num_steps)
+        self._last_done_at = done_at
         self._note_prefill_speed(num_tokens, len(sched_out.num_scheduled_tokens), seconds)
         passes = sched_out.num_steps
         self.counters.record_step(num_tokens * passes, sched_out.num_context_tokens, sched_out.num_attention_pairs,
@@ -365,6 +372,32 @@ class GroupEngine:
                 state.next_output_time = now + pace.interval_s
             outputs.append(self.outputs.make_output(state))
         return outputs
+
+    def max_passes(self) -> int:
+        """Forward passes the next step may run: `num_scheduler_steps` at most, and no more than
+        fit in the shortest pace of the paced streams running (workers/core/output_pace.py). A
+        multi-step step hands its tokens over when it ends, so a stream paced one output per
+        interval loses nothing to steps no longer than that interval: its tokens would wait in
+        the engine for the pace anyway. A served stream always has a pace (its channel's, which
+        is shorter than a step while it streams alone: then a step runs one pass). Requests
+        without one (answered whole, or read by the engine's own caller) take every pass."""
+        limit = self.config.scheduler.num_scheduler_steps
+        if limit == 1:
+            return 1
+        pass_s = self.pass_s
+        for state in self.states.values():
+            pace = state.pace
+            if pace is None:
+                continue
+            if pass_s is None:
+                return 1  # no decode step measured yet
+            limit = min(limit, int(pace.interval_s / pass_s))
+            if limit <= 1:
+                return 1
+        return limit
+
+    def _note_pass_time(self, seconds: float) -> None:
+        self.pass_s = seconds if self.pass_s is None else 0.8 * self.pass_s + 0.2 * seconds
 
     def _note_prefill_speed(self, num_tokens: int, num_requests: int, seconds: float) -> None:
         """Prompt tokens per second of prefill-heavy steps (an EMA): prices recomputing a prefix."""

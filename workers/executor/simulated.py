@@ -13,6 +13,10 @@ Tokens depend on the prompt and the output position alone, whatever the sampling
 `allowed` is every id below vocab_size but the special ones (EOS, BOS, the tokenizer's), so
 a request always runs to max_tokens (or a stop string), and a preempted request resumes
 exactly where it was.
+
+A multi-step step (`num_scheduler_steps` K: K forward passes of decodes, as the GPU runner
+runs them) waits K times a step's time and gives each request the tokens of its next K
+positions, so its output is the same whatever K is.
 """
 
 from __future__ import annotations
@@ -139,7 +143,8 @@ class SimulatedExecutor(InProcess):
             return PendingOutput.done(RunnerOutput([], [], []))
         output, computed = self._output(step)
         start = max(self._clock(), self._busy_until)  # a step launched ahead queues behind the last
-        deadline = start + (self.base_ms + self.per_seq_ms * len(step.num_scheduled_tokens)) / 1000.0
+        pass_ms = self.base_ms + self.per_seq_ms * len(step.num_scheduled_tokens)
+        deadline = start + step.num_steps * pass_ms / 1000.0
         self._busy_until = deadline
 
         def finish() -> RunnerOutput:
@@ -172,6 +177,7 @@ class SimulatedExecutor(InProcess):
         logprobs: list[list[PositionLogprobs] | None] = []
         prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = {}
         has_masks = bool(step.token_masks)  # a dict of grammar rows' masks, or the call that makes it
+        num_passes = step.num_steps  # > 1: every request a decode, none a grammar row (the scheduler's rule)
         for req_id, num in step.num_scheduled_tokens.items():
             req, start = self.requests[req_id], computed[req_id]
             params, num_prompt = req.params, len(req.prompt_token_ids)
@@ -184,11 +190,18 @@ class SimulatedExecutor(InProcess):
                 sampled.append([])
                 logprobs.append(None)
                 continue
-            token = self.token(req.key, req.num_tokens - num_prompt)
+            position = req.num_tokens - num_prompt
+            if num_passes > 1:  # one token a pass, at the request's next positions
+                tokens = [self.token(req.key, position + i) for i in range(num_passes)]
+                sampled.append(tokens)
+                logprobs.append(None if params.logprobs is None else
+                                [self.logprobs_entry(token, params.logprobs) for token in tokens])
+                continue
+            token = self.token(req.key, position)
             mask = step.resolved_token_masks().get(req_id) if has_masks else None
             if mask is not None:  # a grammar's: the same hash, over the tokens it allows
                 allowed = allowed_tokens(mask[:1], self.vocab_size, torch.device("cpu"))[0].nonzero()[:, 0].tolist()
-                token = allowed[splitmix64(req.key + (req.num_tokens - num_prompt + 1) * _GOLDEN) % len(allowed)]
+                token = allowed[splitmix64(req.key + (position + 1) * _GOLDEN) % len(allowed)]
             sampled.append([token])
             logprobs.append(None if params.logprobs is None else [self.logprobs_entry(token, params.logprobs)])
         return RunnerOutput(req_ids, sampled, logprobs, prompt_logprobs=prompt_logprobs), computed

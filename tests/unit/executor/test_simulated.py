@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.workers.config import EngineConfig
+from tandem.workers.core.output_pace import OutputPace
 from tandem.workers.core.request import PENDING_TOKEN, Logprob, SamplingParams
 from tandem.workers.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.workers.executor.simulated import SimulatedExecutor, prompt_key, splitmix64
@@ -77,6 +78,22 @@ def test_a_step_launched_ahead_queues_behind_the_one_running() -> None:
     clock.now = 11.0025
     third.result()  # and it is over already: no wait
     assert len(clock.sleeps) == 2
+
+
+def test_a_multi_step_step_waits_its_passes_and_gives_each_request_its_next_tokens() -> None:
+    clock = FakeClock(10.0)
+    sim = executor("2,0.5", clock, num_scheduler_steps=4)
+    prompts = {"a": [5, 6], "b": [7, 8, 9]}
+    first = sim.execute(prefill_step(prompts))
+    clock.now = 11.0
+    step = decode_step({"a": (first.sampled_token_ids[0][0], 2), "b": (first.sampled_token_ids[1][0], 3)})
+    step.num_steps = 3
+    pending = sim.execute_async(step)
+    out = pending.result()
+    # 3 passes of 2 + 0.5 x 2 requests = 9 ms from the launch at 11.0
+    assert clock.sleeps[-1] == pytest.approx(0.009, abs=1e-12)
+    assert out.sampled_token_ids == [[sim.token(prompt_key(p), i) for i in (1, 2, 3)] for p in prompts.values()]
+    assert pending.on_device == frozenset(prompts)  # plain greedy: the next step may go ahead on them
 
 
 def test_a_step_with_no_tokens_is_done_at_once() -> None:
@@ -284,3 +301,103 @@ def test_a_grammar_row_gets_a_token_its_grammar_allows(llm) -> None:
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, structured=spec), use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "stop" and re.fullmatch(spec.value, o.outputs[0].text) for o in outs)
     assert len(llm.engine.grammars) == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 9, 13, 24])
+def test_multi_step_gives_the_same_tokens_as_one_pass_a_step(max_tokens: int) -> None:
+    from tandem.workers.llm import LLM
+
+    llm = LLM(simulated_step_ms=(0, 0), max_num_seqs=4, max_num_batched_tokens=32, num_scheduler_steps=8)
+    try:
+        passes: list[int] = []
+        launch = llm.engine.executor.execute_async
+
+        def spy(step: SchedulerOutput):
+            passes.append(step.num_steps)
+            return launch(step)
+
+        llm.engine.executor.execute_async = spy
+        params = SamplingParams(max_tokens=max_tokens, logprobs=1)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        sim = llm.engine.executor
+        for prompt, out in zip(PROMPTS, outs):
+            expected = [sim.token(prompt_key(prompt["prompt_token_ids"]), i) for i in range(max_tokens)]
+            assert out.outputs[0].token_ids == expected and out.outputs[0].finish_reason == "length"
+            assert [next(iter(lp)) for lp in out.outputs[0].logprobs] == expected
+        assert (max(passes) == 8) == (max_tokens > 1)  # answered whole: every pass it may run
+        llm.engine.pool.check_all_free()
+    finally:
+        llm.shutdown()
+
+
+def _passes_of_a_stream(pace: OutputPace | None, max_tokens: int = 40) -> tuple[list[int], list[int]]:
+    """A streamed request alone on a simulated device of 1 ms steps, multi-step 8: each step's
+    passes, and how many tokens each of its outputs carried."""
+    from tandem.workers.llm import LLM
+
+    llm = LLM(simulated_step_ms=(1, 0), num_scheduler_steps=8)
+    try:
+        engine, passes, sizes = llm.engine, [], []
+        launch = engine.executor.execute_async
+
+        def spy(step: SchedulerOutput):
+            passes.append(step.num_steps)
+            return launch(step)
+
+        engine.executor.execute_async = spy
+        engine.add_request("s", PROMPTS[0], SamplingParams(max_tokens=max_tokens, output_kind="delta"), pace)
+        while engine.has_unfinished_requests():
+            sizes += [len(out.outputs[0].token_ids) for out in engine.step()]
+        assert sum(sizes) == max_tokens
+        return passes, sizes
+    finally:
+        llm.shutdown()
+
+
+def test_a_stream_paced_shorter_than_a_pass_gets_one_pass_a_step_and_each_token_at_once() -> None:
+    # A served stream alone: its channel's pace is half a millisecond, a pass takes one.
+    passes, sizes = _passes_of_a_stream(OutputPace(0.0005))
+    assert set(passes) == {1} and sizes == [1] * 40
+
+
+def test_a_stream_without_a_pace_gets_every_pass() -> None:
+    # Read at every step by the engine's caller: each output says a step's tokens, up to eight.
+    passes, sizes = _passes_of_a_stream(None)
+    assert passes[1:] == [8] * 5 and sizes == [1, 8, 8, 8, 8, 7]
+
+
+def test_a_paced_stream_gets_every_pass_its_pace_allows() -> None:
+    # One output in ten seconds: any pass of this device fits 8 times in it. The first two decode
+    # steps (the second scheduled ahead of the first's token) are launched before any decode
+    # step's time is measured, so they run one pass each.
+    passes, sizes = _passes_of_a_stream(OutputPace(10.0))
+    assert passes[:3] == [1, 1, 1] and set(passes[3:]) == {8}
+    assert sizes == [1, 39]  # the first token at once; the rest when the request ends, within its ten seconds
+
+
+def test_max_passes_is_the_shortest_pace_over_a_pass() -> None:
+    from tandem.workers.llm import LLM
+
+    llm = LLM(simulated_step_ms=(0, 0), num_scheduler_steps=8)
+    try:
+        engine = llm.engine
+        delta, final = SamplingParams(output_kind="delta"), SamplingParams(output_kind="final")
+        engine.add_request("whole", PROMPTS[0], final)
+        assert engine.max_passes() == 8  # answered whole: nothing waits on a pass
+        engine.add_request("paced", PROMPTS[1], delta, OutputPace(0.0095))
+        assert engine.max_passes() == 1  # no pass measured yet
+        engine.pass_s = 0.002
+        assert engine.max_passes() == 4  # 9.5 ms holds four 2 ms passes
+        engine.add_request("slower", PROMPTS[2], delta, OutputPace(0.005))
+        assert engine.max_passes() == 2
+        engine.pass_s = 0.006
+        assert engine.max_passes() == 1  # a pass longer than a pace
+        engine.abort_request("slower")
+        engine.add_request("unpaced", [9, 10, 11], delta)
+        engine.pass_s = 0.001
+        assert engine.max_passes() == 8  # read at every step by the engine's caller: no pace to keep
+        engine.abort_request("paced")
+        engine.add_request("alone", [12, 13], delta, OutputPace(0.0005))
+        assert engine.max_passes() == 1  # a served stream alone: its pace is shorter than a pass
+    finally:
+        llm.shutdown()
