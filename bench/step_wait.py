@@ -2,7 +2,8 @@
 device's wait slept or spun.
 
 `python -m tandem.bench.step_wait [--simulated-step-ms 5.9,0.01] [--num-requests 512]
-[--concurrency 128] [--output-len 256] [--chunks-per-s 2000] [--repeats 3] [--output-json FILE]`
+[--concurrency 128] [--output-len 256] [--chunks-per-s 2000] [--num-scheduler-steps 1] [--repeats 3]
+[--output-json FILE]`
 
 The work of a group's engine thread on the served path, in this one process and nothing
 else: the engine on the simulated device (`simulated_step_ms`), every request streamed
@@ -100,10 +101,11 @@ def measure(llm: LLM, requests: list[BenchRequest], concurrency: int, chunks_per
 
 
 def run(model: str | None, step_ms: tuple[float, float], num_requests: int, concurrency: int, output_len: int,
-        chunks_per_s: float, repeats: int, seed: int = 0, show_progress: bool = True) -> dict[str, Any]:
+        chunks_per_s: float, repeats: int, seed: int = 0, show_progress: bool = True,
+        num_scheduler_steps: int = 1) -> dict[str, Any]:
     from tandem.workers.model.demo_model import bench_model_path
 
-    llm = LLM(model=model or bench_model_path(), simulated_step_ms=step_ms)
+    llm = LLM(model=model or bench_model_path(), simulated_step_ms=step_ms, num_scheduler_steps=num_scheduler_steps)
     try:
         # `bench serve`'s request shape: prompts of 32-256 tokens, every output `output_len` long.
         spec = WorkloadSpec(num_requests, SERVE_FULL.prompt_len, (output_len, output_len), seed)
@@ -118,7 +120,7 @@ def run(model: str | None, step_ms: tuple[float, float], num_requests: int, conc
         llm.shutdown()
     figures: dict[str, Any] = {"simulated_step_ms": ",".join(map(str, step_ms)), "num_requests": num_requests,
                                "concurrency": concurrency, "output_len": output_len, "chunks_per_s": chunks_per_s,
-                               "repeats": repeats}
+                               "num_scheduler_steps": num_scheduler_steps, "repeats": repeats}
     for wait in WAITS:
         figures[f"{wait}_host_us_per_token"] = statistics.median(r["host_us_per_token"] for r in runs[wait])
         figures[f"{wait}_output_tok_s"] = statistics.median(r["output_tok_s"] for r in runs[wait])
@@ -136,12 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--chunks-per-s", type=float, default=2000.0,
                         help="the channel's message budget its streams share (the ingress's default)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="passes a step may run (multi-step decoding, bounded by the streams' pace)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     base, per_seq = (float(x) for x in args.simulated_step_ms.split(","))
     figures = run(args.model, (base, per_seq), args.num_requests, args.concurrency, args.output_len,
-                  args.chunks_per_s, args.repeats)
+                  args.chunks_per_s, args.repeats, num_scheduler_steps=args.num_scheduler_steps)
     text = json.dumps(figures, indent=2)
     print(text)
     if args.output_json:

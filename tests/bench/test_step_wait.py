@@ -41,9 +41,11 @@ def test_every_request_streams_all_its_tokens_and_the_device_wait_is_restored(ll
 def test_main_writes_both_waits_and_their_ratio(llama_dir, tmp_path):
     out = tmp_path / "step_wait.json"
     step_wait.main(["--model", llama_dir, "--simulated-step-ms", "0.2,0", "--num-requests", "3",
-                    "--concurrency", "2", "--output-len", "4", "--repeats", "1", "--output-json", str(out)])
+                    "--concurrency", "2", "--output-len", "4", "--num-scheduler-steps", "4", "--repeats", "1",
+                    "--output-json", str(out)])
     figures = json.loads(out.read_text())
-    assert (figures["num_requests"], figures["concurrency"], figures["output_len"], figures["repeats"]) == (3, 2, 4, 1)
+    assert (figures["num_requests"], figures["concurrency"], figures["output_len"], figures["repeats"],
+            figures["num_scheduler_steps"]) == (3, 2, 4, 1, 4)
     assert figures["simulated_step_ms"] == "0.2,0.0"
     for name in ("sleep_host_us_per_token", "spin_host_us_per_token", "sleep_output_tok_s", "spin_output_tok_s",
                  "sleep_over_spin"):
