@@ -24,8 +24,10 @@ STREAMS = 3
 def server(shared_ray, tiny_llama):
     # 0.1 messages a second: with 3 streams, 30 s between two of a stream's messages, far more
     # than any of these requests takes, so each says its first token, then the rest at its end.
+    # Multi-step steps: the pace holds the tokens anyway, so the streams' steps run all four
+    # passes (GroupEngine.max_passes), and what they say is still the answer given whole.
     args = {"model": tiny_llama, "served_model_name": MODEL, "max_model_len": 256, "num_kv_blocks": 64,
-            "block_size": 16, "ingress_num_replicas": 1, "ingress_max_chunks_per_s": 0.1}
+            "block_size": 16, "ingress_num_replicas": 1, "ingress_max_chunks_per_s": 0.1, "num_scheduler_steps": 4}
     with serve_app(args) as url:
         yield url
 
