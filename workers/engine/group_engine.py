@@ -96,6 +96,7 @@ class GroupEngine:
         # step's end to the next's), which bounds a step's passes by the streams' paces.
         self.pass_s: float | None = None
         self._last_done_at = 0.0
+        self._last_step_s = 0.0  # the device's time for the step collected last
         self.startup_heap: StartupHeap | None = None  # frozen once the group is assembled (builder.py)
         self._grammars: RequestGrammars | None = None  # made at the first request with a StructuredSpec
 
@@ -268,8 +269,9 @@ class GroupEngine:
         done_at = time.perf_counter()
         seconds = done_at - started
         num_tokens = sched_out.total_num_scheduled_tokens
+        self._last_step_s = done_at - max(started, self._last_done_at)
         if num_tokens == len(result.req_ids):  # decodes alone: the device's time a pass
-            self._note_pass_time((done_at - max(started, self._last_done_at)) / sched_out.num_steps)
+            self._note_pass_time(self._last_step_s / sched_out.num_steps)
         self._last_done_at = done_at
         self._note_prefill_speed(num_tokens, len(sched_out.num_scheduled_tokens), seconds)
         passes = sched_out.num_steps
@@ -354,6 +356,10 @@ class GroupEngine:
         if updates:
             self.counters.record_emit(now, had_decode)
         outputs = []
+        # A paced output is made at the step end nearest its time, not the first one after it:
+        # with steps of several passes, "after" would hold a stream whose step ends just short of
+        # its time for one more whole step, twice its pace.
+        early_s = 0.5 * self._last_step_s
         for request_id, state in touched.items():
             if state.finished:
                 del self.states[request_id]
@@ -367,7 +373,7 @@ class GroupEngine:
                 continue  # its one output comes when it finishes
             pace = state.pace
             if pace is not None and state.first_token_time:  # the first token is never held
-                if now < state.next_output_time:
+                if now + early_s < state.next_output_time:
                     continue  # its tokens wait in its sequences: the next output says them
                 state.next_output_time = now + pace.interval_s
             outputs.append(self.outputs.make_output(state))
