@@ -401,3 +401,41 @@ def test_max_passes_is_the_shortest_pace_over_a_pass() -> None:
         assert engine.max_passes() == 1  # a served stream alone: its pace is shorter than a pass
     finally:
         llm.shutdown()
+
+
+class EngineClock:
+    """One fake time for an engine and its simulated device: a step's wait moves it on, the host's
+    work takes none, so a pass measures exactly the simulated step."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_paced_output_comes_at_the_step_end_nearest_its_time(monkeypatch) -> None:
+    from tandem.workers.engine import group_engine
+    from tandem.workers.llm import LLM
+
+    llm = LLM(simulated_step_ms=(1, 0), num_scheduler_steps=8)
+    try:
+        clock, engine = EngineClock(), llm.engine
+        monkeypatch.setattr(group_engine, "time", clock)
+        engine.executor._clock, engine.executor.wait = clock.monotonic, clock.sleep
+        # A pace of 8.5 ms over passes of exactly 1 ms: steps of 8 passes, each ending 0.5 ms
+        # short of the stream's next time. Each step's end is the nearest to it: every step says
+        # its 8 tokens (the first token alone, then two one-pass steps before a pass is measured).
+        engine.add_request("s", PROMPTS[0], SamplingParams(max_tokens=43, output_kind="delta"), OutputPace(0.0085))
+        sizes = []
+        while engine.has_unfinished_requests():
+            sizes += [len(out.outputs[0].token_ids) for out in engine.step()]
+        assert engine.pass_s == pytest.approx(0.001, abs=1e-9)
+        assert sizes == [1, 10, 8, 8, 8, 8]
+    finally:
+        llm.shutdown()
