@@ -3,8 +3,9 @@
 A streamed request makes an output every step by default (delta mode): its new text, token
 ids and logprobs. Every output costs what carries it on (the group's frame, the ingress's
 decoding, its SSE chunk, the proxy) the same whatever it holds, so a request given a pace
-makes at most one output per `interval_s`: a step that ends sooner adds its tokens to what
-the request will say next, and the engine makes no output for it at all (delta mode reads
+makes one output per `interval_s`, at the step end nearest its time: a step that ends well
+before it adds its tokens to what the request will say next, and the engine makes no
+output for it at all (delta mode reads
 the text and tokens since the last output, so nothing is joined or copied meanwhile). The
 first token goes out at once (time to first token), and the last output, whenever it
 comes; an error or an abort too.
