@@ -330,14 +330,35 @@ def test_multi_step_gives_the_same_tokens_as_one_pass_a_step(max_tokens: int) ->
         llm.shutdown()
 
 
-def _passes_of_a_stream(pace: OutputPace | None, max_tokens: int = 40) -> tuple[list[int], list[int]]:
-    """A streamed request alone on a simulated device of 1 ms steps, multi-step 8: each step's
-    passes, and how many tokens each of its outputs carried."""
+class EngineClock:
+    """One fake time for an engine and its simulated device: a step's wait moves it on, the host's
+    work takes none, so a pass measures exactly the simulated step."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _passes_of_a_stream(pace: OutputPace | None, monkeypatch, max_tokens: int = 40) -> tuple[list[int], list[int]]:
+    """A streamed request alone on a simulated device of 1 ms steps, multi-step 8, on one fake
+    clock with the engine (the host's work takes no time): each step's passes, and how many
+    tokens each of its outputs carried."""
+    from tandem.workers.engine import group_engine
     from tandem.workers.llm import LLM
 
     llm = LLM(simulated_step_ms=(1, 0), num_scheduler_steps=8)
     try:
         engine, passes, sizes = llm.engine, [], []
+        clock = EngineClock()
+        monkeypatch.setattr(group_engine, "time", clock)
+        engine.executor._clock, engine.executor.wait = clock.monotonic, clock.sleep
         launch = engine.executor.execute_async
 
         def spy(step: SchedulerOutput):
@@ -354,25 +375,25 @@ def _passes_of_a_stream(pace: OutputPace | None, max_tokens: int = 40) -> tuple[
         llm.shutdown()
 
 
-def test_a_stream_paced_shorter_than_a_pass_gets_one_pass_a_step_and_each_token_at_once() -> None:
+def test_a_stream_paced_shorter_than_a_pass_gets_one_pass_a_step_and_each_token_at_once(monkeypatch) -> None:
     # A served stream alone: its channel's pace is half a millisecond, a pass takes one.
-    passes, sizes = _passes_of_a_stream(OutputPace(0.0005))
+    passes, sizes = _passes_of_a_stream(OutputPace(0.0005), monkeypatch)
     assert set(passes) == {1} and sizes == [1] * 40
 
 
-def test_a_stream_without_a_pace_gets_every_pass() -> None:
+def test_a_stream_without_a_pace_gets_every_pass(monkeypatch) -> None:
     # Read at every step by the engine's caller: each output says a step's tokens, up to eight.
-    passes, sizes = _passes_of_a_stream(None)
+    passes, sizes = _passes_of_a_stream(None, monkeypatch)
     assert passes[1:] == [8] * 5 and sizes == [1, 8, 8, 8, 8, 7]
 
 
-def test_a_paced_stream_gets_every_pass_its_pace_allows() -> None:
-    # One output in ten seconds: any pass of this device fits 8 times in it. The first two decode
+def test_a_paced_stream_gets_every_pass_its_pace_allows(monkeypatch) -> None:
+    # One output in ten seconds: any pass fits 8 times in it. The first two decode
     # steps (the second scheduled ahead of the first's token) are launched before any decode
     # step's time is measured, so they run one pass each.
-    passes, sizes = _passes_of_a_stream(OutputPace(10.0))
+    passes, sizes = _passes_of_a_stream(OutputPace(10.0), monkeypatch)
     assert passes[:3] == [1, 1, 1] and set(passes[3:]) == {8}
-    assert sizes == [1, 39]  # the first token at once; the rest when the request ends, within its ten seconds
+    assert sizes == [1, 39]  # the first token at once; the rest when the request ends
 
 
 def test_max_passes_is_the_shortest_pace_over_a_pass() -> None:
@@ -403,39 +424,10 @@ def test_max_passes_is_the_shortest_pace_over_a_pass() -> None:
         llm.shutdown()
 
 
-class EngineClock:
-    """One fake time for an engine and its simulated device: a step's wait moves it on, the host's
-    work takes none, so a pass measures exactly the simulated step."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    perf_counter = monotonic
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def test_a_paced_output_comes_at_the_step_end_nearest_its_time(monkeypatch) -> None:
-    from tandem.workers.engine import group_engine
-    from tandem.workers.llm import LLM
-
-    llm = LLM(simulated_step_ms=(1, 0), num_scheduler_steps=8)
-    try:
-        clock, engine = EngineClock(), llm.engine
-        monkeypatch.setattr(group_engine, "time", clock)
-        engine.executor._clock, engine.executor.wait = clock.monotonic, clock.sleep
-        # A pace of 8.5 ms over passes of exactly 1 ms: steps of 8 passes, each ending 0.5 ms
-        # short of the stream's next time. Each step's end is the nearest to it: every step says
-        # its 8 tokens (the first token alone, then two one-pass steps before a pass is measured).
-        engine.add_request("s", PROMPTS[0], SamplingParams(max_tokens=43, output_kind="delta"), OutputPace(0.0085))
-        sizes = []
-        while engine.has_unfinished_requests():
-            sizes += [len(out.outputs[0].token_ids) for out in engine.step()]
-        assert engine.pass_s == pytest.approx(0.001, abs=1e-9)
-        assert sizes == [1, 10, 8, 8, 8, 8]
-    finally:
-        llm.shutdown()
+    # A pace of 8.5 ms over passes of exactly 1 ms: steps of 8 passes, each ending 0.5 ms short
+    # of the stream's next time. Each step's end is the nearest to it: every step says its 8
+    # tokens (the first token alone, then two one-pass steps before a pass is measured, and the
+    # first 8-pass step, together).
+    passes, sizes = _passes_of_a_stream(OutputPace(0.0085), monkeypatch, max_tokens=43)
+    assert passes[1:] == [1, 1, 8, 8, 8, 8, 8] and sizes == [1, 10, 8, 8, 8, 8]
