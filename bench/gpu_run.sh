@@ -184,8 +184,8 @@ part_serve() {
 }
 # The same with multi-step steps (up to 8 passes, each step no longer than the streams' pace:
 # GroupEngine.max_passes), offline with the same option: whether paying the group's host work
-# once per step's passes lifts the served path on a GPU (on the 2-core VM it took the group's CPU
-# a token from 34 to 14-15 us and the served share from 0.82 to 0.91-0.92).
+# once per step's passes lifts the served path on a GPU (on the 2-core VM it halved the group's
+# CPU a token; bench/RESULTS.md, "Multi-step steps on the served path").
 part_serve_ms8() {
   serve_ready || return
   on llama-1b serve_1b_ms8 300 serve --concurrency 128,256 --compare-concurrency 128 --num-requests 512 \

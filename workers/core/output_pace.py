@@ -5,8 +5,8 @@ ids and logprobs. Every output costs what carries it on (the group's frame, the 
 decoding, its SSE chunk, the proxy) the same whatever it holds, so a request given a pace
 makes one output per `interval_s`, at the step end nearest its time: a step that ends well
 before it adds its tokens to what the request will say next, and the engine makes no
-output for it at all (delta mode reads
-the text and tokens since the last output, so nothing is joined or copied meanwhile). The
+output for it at all (delta mode reads the text and tokens since the last output, so
+nothing is joined or copied meanwhile). The
 first token goes out at once (time to first token), and the last output, whenever it
 comes; an error or an abort too.
 

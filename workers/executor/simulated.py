@@ -190,20 +190,17 @@ class SimulatedExecutor(InProcess):
                 sampled.append([])
                 logprobs.append(None)
                 continue
+            # One token a pass, at the request's next positions.
             position = req.num_tokens - num_prompt
-            if num_passes > 1:  # one token a pass, at the request's next positions
-                tokens = [self.token(req.key, position + i) for i in range(num_passes)]
-                sampled.append(tokens)
-                logprobs.append(None if params.logprobs is None else
-                                [self.logprobs_entry(token, params.logprobs) for token in tokens])
-                continue
-            token = self.token(req.key, position)
+            tokens = [self.token(req.key, position)] if num_passes == 1 else \
+                [self.token(req.key, position + i) for i in range(num_passes)]
             mask = step.resolved_token_masks().get(req_id) if has_masks else None
             if mask is not None:  # a grammar's: the same hash, over the tokens it allows
                 allowed = allowed_tokens(mask[:1], self.vocab_size, torch.device("cpu"))[0].nonzero()[:, 0].tolist()
-                token = allowed[splitmix64(req.key + (position + 1) * _GOLDEN) % len(allowed)]
-            sampled.append([token])
-            logprobs.append(None if params.logprobs is None else [self.logprobs_entry(token, params.logprobs)])
+                tokens = [allowed[splitmix64(req.key + (position + 1) * _GOLDEN) % len(allowed)]]
+            sampled.append(tokens)
+            logprobs.append(None if params.logprobs is None else
+                            [self.logprobs_entry(token, params.logprobs) for token in tokens])
         return RunnerOutput(req_ids, sampled, logprobs, prompt_logprobs=prompt_logprobs), computed
 
     def _tokens_on_device(self, step: SchedulerOutput, output: RunnerOutput,
