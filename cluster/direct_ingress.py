@@ -16,9 +16,15 @@ tandem cannot change them once that cluster runs.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import random
+import tempfile
 
-from tandem.cluster.net import free_port
+from tandem.cluster.net import bindable, free_port
+
+logger = logging.getLogger(__name__)
 
 HAPROXY = "haproxy"
 SERVE_PROXY = "serve"
@@ -41,9 +47,28 @@ NODE_ENV = {**{name: "1" for name in SWITCHES}, DRAINING_PERIOD: DRAINING_PERIOD
 # the other Ray's applications.
 LOCAL_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
-# The process whose local Ray the ports above were picked for: a child (`tandem serve` started
-# by a test or a script) inherits the variables, and must pick its own.
+# The ports Serve's controller hands its ingress replicas for their own HTTP and gRPC servers,
+# [MIN, MAX) each, lowest free first (Ray's defaults 30000-31000 and 40000-41000 in every Ray).
+# A Ray holds a freed port back until its HAProxy can no longer forward to it (Serve's port
+# quarantine), but another Ray on the machine does not know that port: its next replica takes
+# it, and the first Ray's HAProxy hands that replica connections meant for its own application.
+# A Ray started here takes a window of ports of its own (INGRESS_WINDOW of each protocol).
+INGRESS_PORTS = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
+                 "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT")
+INGRESS_WINDOW = 64  # ports of each protocol: a node's ingress replicas, each freed port held back ~150 s
+# Window k: HTTP from WINDOWS_FROM + 2k * INGRESS_WINDOW, gRPC right after; all of them between
+# free_port's range and the kernel's ephemeral ports (32768 up), where any process binding port 0
+# could take one (Ray's own default gRPC ports lie there).
+WINDOWS_FROM, WINDOWS_TO = 30000, 32768
+NUM_INGRESS_WINDOWS = (WINDOWS_TO - WINDOWS_FROM) // (2 * INGRESS_WINDOW)
+# Window k is held by an exclusive flock on WINDOW_LOCKS/k, kept open by the process whose Ray
+# uses it: the kernel frees it when that process ends, however it ends.
+WINDOW_LOCKS = os.path.join(tempfile.gettempdir(), "tandem-ingress-windows")
+# The process whose local Ray the ports above were picked for, and the names it picked: a child
+# (`tandem serve` started by a test or a script) inherits the variables, and picks those again.
 LOCAL_OWNER = "TANDEM_HAPROXY_OWNER_PID"
+LOCAL_PICKED = "TANDEM_HAPROXY_PICKED"
+_held_window: list[int] = []  # [the lock file's descriptor, the window], open for this process's life
 
 
 def haproxy_binary() -> str | None:
@@ -99,17 +124,19 @@ def haproxy_threads() -> int:
 
 def _pick_local_haproxy() -> None:
     """A Ray started here takes free ports for LOCAL_PORTS (HAProxy's files are per node
-    already), so that it neither fails to start its HAProxy nor shares its fallback proxy's
-    ports with another Ray on this machine; a cluster's nodes keep the defaults (one node per
-    machine). What a user set stays; what a parent process picked for its own Ray, and a child
+    already) and a window of ingress ports (INGRESS_PORTS), so that it neither fails to start
+    its HAProxy nor shares its fallback proxy's ports or its ingress replicas' ports with
+    another Ray on this machine; a cluster's nodes keep the defaults (one node per machine).
+    What a user set stays; what a parent process picked for its own Ray, and a child
     inherited, is picked again."""
     owner = os.environ.get(LOCAL_OWNER)
     if owner == str(os.getpid()):
         return
     if owner is not None:  # inherited: the parent's Ray's ports
-        for name in LOCAL_PORTS:
+        for name in os.environ.get(LOCAL_PICKED, "").split(","):
             os.environ.pop(name, None)
     os.environ[LOCAL_OWNER] = str(os.getpid())
+    picked = [name for name in (*LOCAL_PORTS, *INGRESS_PORTS) if name not in os.environ]
     taken = {os.environ[name] for name in LOCAL_PORTS if name in os.environ}
     for name in LOCAL_PORTS:
         if name not in os.environ:
@@ -118,3 +145,46 @@ def _pick_local_haproxy() -> None:
                 port = str(free_port())
             taken.add(port)
             os.environ[name] = port
+    if not any(name in os.environ for name in INGRESS_PORTS):
+        http_from = window_start(_hold_ingress_window())
+        grpc_from = http_from + INGRESS_WINDOW
+        for name, port in zip(INGRESS_PORTS, (http_from, grpc_from, grpc_from, grpc_from + INGRESS_WINDOW),
+                              strict=True):
+            os.environ[name] = str(port)
+    os.environ[LOCAL_PICKED] = ",".join(picked)
+
+
+def _hold_ingress_window() -> int:
+    """The index of an ingress port window that no live process on this machine holds and
+    whose ports are free now, held from here on; a random one (and a warning) if none is."""
+    if _held_window:
+        return _held_window[1]
+    os.makedirs(WINDOW_LOCKS, mode=0o777, exist_ok=True)
+    order = random.SystemRandom().sample(range(NUM_INGRESS_WINDOWS), NUM_INGRESS_WINDOWS)
+    for k in order:
+        try:  # an flock needs no write access: another user's lock file serves as well
+            fd = os.open(os.path.join(WINDOW_LOCKS, str(k)), os.O_RDONLY | os.O_CREAT, 0o644)
+        except OSError:  # another user's directory, and no file for k in it yet
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another process's Ray has it
+            os.close(fd)
+            continue
+        if _window_free(k):
+            os.set_inheritable(fd, False)
+            _held_window[:] = [fd, k]
+            return k
+        os.close(fd)  # something else binds ports there: another window
+    logger.warning("every ingress port window on this machine is held or in use; another Ray here "
+                   "may share this one's ingress ports")
+    return order[0]
+
+
+def window_start(k: int) -> int:
+    """Window k's first port (its HTTP ports', then INGRESS_WINDOW gRPC ports)."""
+    return WINDOWS_FROM + 2 * INGRESS_WINDOW * k
+
+
+def _window_free(k: int) -> bool:
+    return all(bindable("", port) for port in range(window_start(k), window_start(k + 1)))

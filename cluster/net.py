@@ -24,7 +24,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     rng = random.SystemRandom()
     for _ in range(_TRIES):
         port = rng.randrange(*PORT_RANGE)
-        if port not in _handed_out and _bindable(host, port):
+        if port not in _handed_out and bindable(host, port):
             _handed_out.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is full: any port
@@ -34,7 +34,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     return port
 
 
-def _bindable(host: str, port: int) -> bool:
+def bindable(host: str, port: int) -> bool:
+    """Whether a socket could bind `port` on `host` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))

@@ -13,7 +13,40 @@ import time
 import pytest
 import requests
 
+from tandem.cluster.direct_ingress import INGRESS_WINDOW, window_start
 from tests.serve.conftest import free_port
+
+
+def _listening_ports_of_session(sid: int) -> set[int]:
+    """The TCP ports that the processes of session `sid` listen on (/proc: no psutil here)."""
+    listening: dict[str, int] = {}  # socket inode: port
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    listening[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+    ports = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != sid:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in listening:
+                    ports.add(listening[link[8:-1]])
+        except OSError:  # ended, or not ours to read
+            continue
+    return ports
+
+
+def _ingress_window(ports: set[int]) -> int:
+    """The window of the ingress replica's HTTP and gRPC ports among `ports`: one of each, the
+    window's first HTTP and first gRPC port."""
+    served = sorted(p for p in ports if 30000 <= p < 32768)
+    window = (served[0] - 30000) // (2 * INGRESS_WINDOW) if served else -1
+    assert served == [window_start(window), window_start(window) + INGRESS_WINDOW], sorted(ports)
+    return window
 
 
 def test_serve_flags_become_build_app_args():
@@ -241,6 +274,10 @@ def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
             assert answer.status_code == 200 and "tandem" in answer.text, (path, answer.text[:300])
             assert "secret" not in answer.text, path
         assert not any("warning" in line for line in lines)
+        # Its ingress replica serves HTTP and gRPC on ports of one window of its own, not this
+        # process's (whose Ray could run beside it): cluster/direct_ingress.py.
+        window = _ingress_window(_listening_ports_of_session(proc.pid))
+        assert window_start(window) != int(os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
         r = requests.post(f"http://127.0.0.1:{port}/v1/completions", headers={"Authorization": "Bearer secret"},
                           json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text
