@@ -43,12 +43,14 @@ def test_an_allocator_without_groups_ends_itself(ray_local) -> None:
 def test_an_allocator_with_a_group_stays(ray_local) -> None:
     import ray
 
-    actor = get_or_create_allocator("busy-app", idle_exit_s=1.0)
+    # The idle clock runs from the actor's start until the group registers, so idle_exit_s
+    # outlasts the register call's way to a new actor on a loaded host (over 1 s in a suite).
+    actor = get_or_create_allocator("busy-app", idle_exit_s=5.0)
     ray.get(actor.register.remote("g", "m", 16, 10, "n"))
-    # Publishes, then stays silent for twice idle_exit_s (a loaded host delays a group's
-    # publishes): a registered group counts as alive until its group timeout (10 s).
+    # Publishes, then stays silent past idle_exit_s (a loaded host delays a group's publishes):
+    # a registered group counts as alive until its group timeout (10 s).
     assert ray.get(actor.publish.remote("g", [], {}))
-    time.sleep(2.0)
+    time.sleep(6.0)
     assert _exists("busy-app")
     assert ray.get(actor.publish.remote("g", [], {}))
     ray.get(actor.unregister.remote("g"))
