@@ -39,15 +39,17 @@ def bench_server(local_app: AppBuilder, apps: dict[str, dict[str, Any]], *, num_
     from ray import serve
 
     from tandem.bench.load_generator import httpx
+    from tandem.cluster.local_ray import start_local_ray
     from tandem.cluster.net import free_port
 
     names = {route: SERVED_MODEL_NAME + (f"-{route}" if route else "") for route in apps}
     # Built before Ray starts, so bad options fail at once.
     applications = {route: local_app({**options, "served_model_name": SERVED_MODEL_NAME})
                     for route, options in apps.items()}
-    if owns_ray:
-        ray.init(address=address or "local", num_cpus=None if address else num_cpus, include_dashboard=False,
-                 log_to_driver=False)
+    if owns_ray and address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    elif owns_ray:
+        start_local_ray(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     port = free_port()
     try:
         grpc_options = {"port": grpc[0], "grpc_servicer_functions": [grpc[1]]} if grpc else None

@@ -184,6 +184,7 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from tandem.cluster.kv_allocator import kill_allocator
+    from tandem.cluster.local_ray import start_local_ray
     from tandem.router.app import build_app, num_cpus_needed
 
     if args.api_key:
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     else:
         # Logical CPUs: at least what the groups take, so a laptop can hold a TP=2 group
         # (its workers then share the cores).
-        ray.init(**local_ray_init_kwargs(args, max(os.cpu_count() or 1, num_cpus_needed(options))))
+        start_local_ray(**local_ray_init_kwargs(args, max(os.cpu_count() or 1, num_cpus_needed(options))))
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
         signal.signal(sig, _interrupt)
     try:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.cluster.local_ray import start_local_ray
+
 logger = logging.getLogger(__name__)
 
 NODE_ID_LABEL = "ray.io/node-id"
@@ -124,7 +126,7 @@ def ensure_ray(address: str | None, min_cpus: int = 1) -> None:
     except Exception:  # pragma: no cover - private API moved: let ray.init decide
         existing = address
     if existing is None:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False)
+        start_local_ray(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False)
     else:
         ray.init(address=address, include_dashboard=False)
 

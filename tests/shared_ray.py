@@ -23,6 +23,8 @@ import time
 import warnings
 from typing import Any
 
+from tandem.cluster.local_ray import start_local_ray
+
 # Logical CPUs: a TP=2 x PP=2 group (one CPU per worker) and two Serve groups fit on a 2-core machine.
 INIT_OPTIONS = {"address": "local", "num_cpus": 8, "include_dashboard": False, "log_to_driver": False}
 SETTLE_S = 20.0
@@ -45,7 +47,7 @@ def acquire(keep_serve: bool = True) -> Any:
         ray.shutdown()
     if not ray.is_initialized():
         try:
-            ray.init(**INIT_OPTIONS)
+            start_local_ray(**INIT_OPTIONS)
         except RuntimeError as exc:  # Ray's own processes did not start: say what they said
             raise RuntimeError(f"{exc}\n{_startup_logs()}") from exc
         _gcs_address = ray.get_runtime_context().gcs_address

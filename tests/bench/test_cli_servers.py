@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.cluster.local_ray import start_local_ray
 from tests.bench.conftest import bench
 from tests.conftest import tiny_model
 
@@ -22,7 +23,7 @@ def local_ray() -> Iterator[None]:
 
     cores = os.cpu_count() or 1
     # Logical CPUs for prefix's two apps of two groups, each group with half the cores.
-    ray.init(address="local", num_cpus=2 * cores + 4, include_dashboard=False, log_to_driver=False)
+    start_local_ray(address="local", num_cpus=2 * cores + 4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

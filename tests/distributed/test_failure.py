@@ -112,7 +112,8 @@ def test_a_worker_killed_before_the_first_step_fails_the_group_without_aborting_
 
     script = f"""
 import os, signal, time, ray
-ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+from tandem.cluster.local_ray import start_local_ray
+start_local_ray(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.builder import build_engine
 for i in range(2):

@@ -22,6 +22,7 @@ import grpc
 import pytest
 import yaml
 
+from tandem.cluster.local_ray import start_local_ray
 from tandem.cluster.net import free_port
 from tests.conftest import wait_for
 
@@ -122,8 +123,8 @@ def deployment() -> Iterator[Deployment]:
     saved = {k: os.environ.get(k) for k in (*ENV, "TANDEM_TRACES_FILE")}
     os.environ.update(ENV, TANDEM_TRACES_FILE=traces)
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})
+    start_local_ray(address="local", num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port,
+                    _system_config={"metrics_report_interval_ms": 1000})
     dep = Deployment(f"http://127.0.0.1:{http_port}", grpc_port, metrics_port, traces, workdir)
     try:
         _start_prometheus(dep)
