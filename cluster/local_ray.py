@@ -79,7 +79,7 @@ def end_processes(pids: set[int]) -> None:
     deadline = time.monotonic() + END_WAIT_S
     alive = set(pids)
     while alive and time.monotonic() < deadline:
-        alive = {pid for pid in alive if _alive(pid)}
+        alive = {pid for pid in alive if running(pid)}
         if alive:
             time.sleep(0.1)
     for pid in alive:
@@ -98,7 +98,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
+def running(pid: int) -> bool:
     """Running: not ended, and not a zombie waiting to be reaped (a child ended is one, so
     it is reaped here)."""
     try:

@@ -10,19 +10,10 @@ import sys
 import pytest
 
 from tandem.cluster import local_ray
-from tandem.cluster.local_ray import descendants, start_local_ray
+from tandem.cluster.local_ray import descendants, running, start_local_ray
 
 TIMED_OUT = Exception("The current node timed out during startup. This could happen because some of the raylet "
                       "failed to startup or the GCS has become overloaded.")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 class FakeRay:
@@ -67,7 +58,7 @@ def test_a_start_that_timed_out_is_made_again_after_its_processes_end(fake_ray, 
         start_local_ray(address="local", num_cpus=3)
     assert fake.calls == [{"address": "local", "num_cpus": 3}] * 2
     assert fake.shutdowns == 1
-    assert len(fake.left) == 2 and not any(_alive(pid) for pid in fake.left)
+    assert len(fake.left) == 2 and not any(running(pid) for pid in fake.left)
     assert "Ray's start timed out (The current node timed out during startup); ending what it started and " \
            "starting it once more" in caplog.text
 
@@ -86,7 +77,7 @@ def test_a_second_timeout_is_raised(fake_ray):
     with pytest.raises(Exception, match="timed out during startup"):
         start_local_ray()
     assert len(fake.calls) == 2
-    assert not any(_alive(pid) for pid in fake.left[:2])  # the first try's
+    assert not any(running(pid) for pid in fake.left[:2])  # the first try's
     for pid in fake.left[2:]:
         subprocess.run(["kill", str(pid)], check=False)
 
@@ -101,4 +92,4 @@ def test_descendants_are_children_and_theirs_only():
         assert descendants(grandchild) == set()
     finally:
         local_ray.end_processes({tree.pid, grandchild})
-    assert not _alive(tree.pid) and not _alive(grandchild)
+    assert not running(tree.pid) and not running(grandchild)
