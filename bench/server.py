@@ -39,7 +39,7 @@ def bench_server(local_app: AppBuilder, apps: dict[str, dict[str, Any]], *, num_
     from ray import serve
 
     from tandem.bench.load_generator import httpx
-    from tandem.cluster.local_ray import start_local_ray
+    from tandem.cluster.local_ray import start_local_ray, stop_local_ray
     from tandem.cluster.net import free_port
 
     names = {route: SERVED_MODEL_NAME + (f"-{route}" if route else "") for route in apps}
@@ -71,4 +71,4 @@ def bench_server(local_app: AppBuilder, apps: dict[str, dict[str, Any]], *, num_
         else:
             serve.shutdown()
         if owns_ray:
-            ray.shutdown()
+            stop_local_ray()

@@ -184,7 +184,7 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from tandem.cluster.kv_allocator import kill_allocator
-    from tandem.cluster.local_ray import start_local_ray
+    from tandem.cluster.local_ray import start_local_ray, stop_local_ray
     from tandem.router.app import build_app, num_cpus_needed
 
     if args.api_key:
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             kill_allocator(APP_NAME)  # detached: it would outlive the application
         else:
             serve.shutdown()
-        ray.shutdown()
+        stop_local_ray()  # ray.shutdown(), and whatever of a Ray we started outlives it
     return 0
 
 

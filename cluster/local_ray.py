@@ -1,4 +1,5 @@
-"""Starting a Ray on this machine, and starting it once more when its start timed out.
+"""Starting a Ray on this machine (once more when its start timed out), and stopping it with
+nothing of it left running.
 
 Ray's raylet waits a fixed 30 s for its dashboard agent (a Python process that imports some
 hundreds of modules) to write its port file, and `ray.init` a fixed 30 s for the raylet to
@@ -6,6 +7,12 @@ register. On a loaded host with cold file caches the agent can take longer: the 
 and `ray.init` raises "The current node timed out during startup". A second start finds those
 imports cached. The failed start's processes (the GCS, the dashboard, the agents) would stay
 behind with their ports and memory: they are this process's new descendants, ended first.
+
+`ray.shutdown()` ends the Ray's own processes, and they end their workers, but not always what
+a worker started: Serve's HAProxy runs as a child of its proxy actor, and one started by a
+reload was seen to outlive both (reparented to init, still listening on the server's port and
+health-checking its old replica's port, which a later Ray's replica can take, and then
+forwarding there). `stop_local_ray` ends whatever of that Ray's process tree outlives it.
 """
 
 from __future__ import annotations
@@ -41,6 +48,41 @@ def start_local_ray(**init_kwargs: Any) -> None:
     end_processes(descendants(os.getpid()) - before)
     ray.shutdown()  # the half-made driver state, if any
     ray.init(**init_kwargs)
+
+
+def stop_local_ray() -> None:
+    """`ray.shutdown()`, then the end of any process below the Ray this process started that
+    is still running (none below a Ray it only connected to)."""
+    import ray
+
+    tree = _ray_process_tree()
+    ray.shutdown()
+    end_processes({pid for pid, since in tree.items() if started_at(pid) == since})
+
+
+def _ray_process_tree() -> dict[int, int]:
+    """{pid: start time} of the processes of the Ray this process started (the GCS, the raylet,
+    ...) and of everything below them: their workers and what those started."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    roots = {info.process.pid for infos in getattr(node, "all_processes", {}).values() for info in infos}
+    pids = set(roots)
+    for root in roots:
+        pids |= descendants(root)
+    return {pid: since for pid in pids if (since := started_at(pid)) is not None}
+
+
+def started_at(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot: with the pid, one process's identity, since
+    pids are reused); None if it is not running (ended, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # from the state on: "pid (comm) " may hold spaces
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 def descendants(pid: int) -> set[int]:
@@ -106,9 +148,4 @@ def running(pid: int) -> bool:
             return False
     except ChildProcessError:
         pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+    return started_at(pid) is not None

@@ -23,7 +23,7 @@ import time
 import warnings
 from typing import Any
 
-from tandem.cluster.local_ray import start_local_ray
+from tandem.cluster.local_ray import start_local_ray, stop_local_ray
 
 # Logical CPUs: a TP=2 x PP=2 group (one CPU per worker) and two Serve groups fit on a 2-core machine.
 INIT_OPTIONS = {"address": "local", "num_cpus": 8, "include_dashboard": False, "log_to_driver": False}
@@ -44,7 +44,7 @@ def acquire(keep_serve: bool = True) -> Any:
     import ray
 
     if ray.is_initialized() and ray.get_runtime_context().gcs_address != _gcs_address:
-        ray.shutdown()
+        stop_local_ray()
     if not ray.is_initialized():
         try:
             start_local_ray(**INIT_OPTIONS)
@@ -127,7 +127,7 @@ def release() -> None:
 
     stop_serve()
     if ray.is_initialized() and ray.get_runtime_context().gcs_address == _gcs_address:
-        ray.shutdown()
+        stop_local_ray()
     _gcs_address = None
 
 

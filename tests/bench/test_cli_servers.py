@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cluster.local_ray import start_local_ray
+from tandem.cluster.local_ray import start_local_ray, stop_local_ray
 from tests.bench.conftest import bench
 from tests.conftest import tiny_model
 
@@ -19,13 +19,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]  # a Serve application on Ray: 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     """One Ray for both benchmarks: each starts (and shuts down) its own Serve in it."""
-    import ray
 
     cores = os.cpu_count() or 1
     # Logical CPUs for prefix's two apps of two groups, each group with half the cores.
     start_local_ray(address="local", num_cpus=2 * cores + 4, include_dashboard=False, log_to_driver=False)
     yield
-    ray.shutdown()
+    stop_local_ray()
 
 
 def test_serve(local_ray: None, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import grpc
 import pytest
 import yaml
 
-from tandem.cluster.local_ray import start_local_ray
+from tandem.cluster.local_ray import start_local_ray, stop_local_ray
 from tandem.cluster.net import free_port
 from tests.conftest import wait_for
 
@@ -111,7 +111,6 @@ def _start_prometheus(dep: Deployment) -> None:
 
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[Deployment]:
-    import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
 
@@ -137,7 +136,7 @@ def deployment() -> Iterator[Deployment]:
             dep.prometheus.terminate()
             dep.prometheus.wait(timeout=30)
         serve.shutdown()
-        ray.shutdown()
+        stop_local_ray()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -14,7 +14,20 @@ import pytest
 import requests
 
 from tandem.cluster.direct_ingress import INGRESS_WINDOW, window_start
+from tandem.cluster.local_ray import started_at
 from tests.serve.conftest import free_port
+
+
+def _processes_of_session(sid: int) -> list[int]:
+    """The running processes of session `sid` (zombies left out)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) == sid and started_at(int(pid)) is not None:
+                found.append(int(pid))
+        except OSError:  # ended meanwhile
+            continue
+    return found
 
 
 def _listening_ports_of_session(sid: int) -> set[int]:
@@ -27,10 +40,8 @@ def _listening_ports_of_session(sid: int) -> set[int]:
                 if fields[3] == "0A":  # LISTEN
                     listening[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
     ports = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in _processes_of_session(sid):
         try:
-            if os.getsid(int(pid)) != sid:
-                continue
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if link.startswith("socket:[") and link[8:-1] in listening:
@@ -285,6 +296,9 @@ def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
         assert proc.wait(timeout=90) == 0
         reader.join(timeout=10)
         assert any("shutting down" in line for line in lines)
+        # Nothing of it runs on: not its Ray, nor what a worker started (Serve's HAProxy
+        # outlived its proxy actor and its Ray once, still listening on the server's port).
+        assert _processes_of_session(proc.pid) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started

@@ -93,3 +93,47 @@ def test_descendants_are_children_and_theirs_only():
     finally:
         local_ray.end_processes({tree.pid, grandchild})
     assert not running(tree.pid) and not running(grandchild)
+
+
+class _Info:
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_stopping_ends_what_the_rays_processes_left_running(monkeypatch):
+    """As Serve's HAProxy outlived its proxy actor and its Ray: what ray.shutdown() leaves of
+    the Ray's process tree is ended; a process of ours outside that tree is not."""
+    import ray
+    from ray._private import worker
+
+    raylet = subprocess.Popen(["sh", "-c", "sleep 600 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    haproxy = int(raylet.stdout.readline())
+    ours = subprocess.Popen(["sleep", "600"])
+    node = type("Node", (), {"all_processes": {"raylet": [_Info(raylet)]}})()
+    monkeypatch.setattr(worker, "_global_node", node, raising=False)
+
+    def shutdown() -> None:  # Ray's: its own processes end, their children stay
+        raylet.kill()
+        raylet.wait()
+        monkeypatch.setattr(worker, "_global_node", None)
+    monkeypatch.setattr(ray, "shutdown", shutdown)
+    try:
+        local_ray.stop_local_ray()
+        assert not running(haproxy)
+        assert running(ours.pid)
+    finally:
+        ours.kill()
+        ours.wait()
+
+
+def test_stopping_a_ray_this_process_only_joined_ends_nothing(monkeypatch):
+    import ray
+    from ray._private import worker
+
+    monkeypatch.setattr(worker, "_global_node", type("Node", (), {"all_processes": {}})(), raising=False)
+    ends = []
+    monkeypatch.setattr(local_ray, "end_processes", ends.append)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    local_ray.stop_local_ray()
+    assert ends == [set()]
