@@ -157,31 +157,12 @@ _SHARED_RAY_MODULES: set[str] = set()
 # assumes one module after another. Those are the slow tests of these folders (but those marked
 # `no_ray`) and every test marked `ray`. There are two Ray lanes, one per worker, so that two Rays
 # run at once: tests/distributed and tests/serve in one, whole servers and clusters (tests/bench,
-# tests/deploy) in the other. Each worker's Ray gives its ingress replicas ports of their own
-# (`_isolate_worker`); the rest runs on whichever worker is free.
+# tests/deploy) in the other. Every process's Ray gives its ingress replicas a window of ports of
+# their own (`use_proxy`, cluster/direct_ingress.py); the rest runs on whichever worker is free.
 RAY_DIRS = ("distributed", "serve", "deploy")
 RAY_LANE = "ray"
 SERVER_LANE = "ray-servers"
 SERVER_DIRS = ("bench", "deploy")
-
-
-def _isolate_worker() -> None:
-    """Serve gives each direct-ingress replica a port counted up from a fixed base (30000 for
-    HTTP, 40000 for gRPC), and HAProxy keeps forwarding to a replica's port for a moment after
-    the replica is gone: two Rays on one machine from the same base hand each other's requests
-    to the wrong application. Each xdist worker's Rays (and the servers they start, which
-    inherit the environment) count from a base of their own."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if not worker.startswith("gw"):
-        return
-    span = 500  # a test's Rays start a handful of ingress replicas; Serve quarantines a freed port
-    base = int(worker[2:]) * span
-    for protocol, first in (("HTTP", 30000), ("GRPC", 40000)):
-        os.environ.setdefault(f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT", str(first + base))
-        os.environ.setdefault(f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT", str(first + base + span))
-
-
-_isolate_worker()
 
 
 def _lane(item) -> str | None:
