@@ -33,6 +33,12 @@ PROXIES = (HAPROXY, SERVE_PROXY)
 SWITCHES = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY")
 DRAINING_PERIOD = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAINING_PERIOD_S = "2"
+# How long Serve's controller waits for a new proxy to say it is ready (Ray's 5 s, longer after
+# each restart) before it counts the proxy unhealthy, kills it and starts another, failing the
+# `serve.start` that waited on the first. A HAProxy proxy starts HAProxy before it answers, and
+# on a small host busy with a model's load that took longer than 5 s, twice in a row.
+READY_CHECK = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+READY_CHECK_S = "30"
 # HAProxy's threads: Ray starts 4 on any machine, and more threads than cores only hand each
 # chunk between threads that take turns on the same cores.
 NBTHREAD = "RAY_SERVE_HAPROXY_NBTHREAD"
@@ -107,6 +113,7 @@ def use_proxy(proxy: str) -> None:
     # health checks; tandem's is HAProxy on the replica's own node, told by Serve's controller
     # within a second, and 30 s would hold every shutdown and rolling update that long.
     os.environ.setdefault(DRAINING_PERIOD, DRAINING_PERIOD_S)
+    os.environ.setdefault(READY_CHECK, READY_CHECK_S)
     if proxy == HAPROXY:
         os.environ.setdefault(NBTHREAD, str(haproxy_threads()))
         _pick_local_haproxy()

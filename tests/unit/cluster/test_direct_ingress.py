@@ -7,7 +7,7 @@ import pytest
 from tandem.cluster import direct_ingress
 from tandem.cluster.direct_ingress import HAPROXY, SERVE_PROXY, use_proxy
 
-NAMES = (*direct_ingress.SWITCHES, direct_ingress.DRAINING_PERIOD, *direct_ingress.LOCAL_PORTS,
+NAMES = (*direct_ingress.SWITCHES, direct_ingress.DRAINING_PERIOD, direct_ingress.READY_CHECK, *direct_ingress.LOCAL_PORTS,
          *direct_ingress.INGRESS_PORTS, direct_ingress.LOCAL_OWNER, direct_ingress.LOCAL_PICKED,
          direct_ingress.NBTHREAD, "RAY_SERVE_HAPROXY_BINARY_PATH")
 WINDOW = direct_ingress.INGRESS_WINDOW
@@ -56,6 +56,7 @@ def test_haproxy_turns_both_switches_on_with_a_short_drain_and_free_local_ports(
     assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
+    assert os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "30"
     ports = [int(os.environ[name]) for name in direct_ingress.LOCAL_PORTS]
     # Ray's defaults: HAProxy's stats and metrics, and the fallback proxy's HTTP and gRPC.
     assert len(ports) == 4 and not set(ports) & {8404, 9101, 8500, 9500}
