@@ -300,9 +300,11 @@ def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
         # outlived its proxy actor and its Ray once, still listening on the server's port).
         assert _processes_of_session(proc.pid) == []
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started
-            proc.wait()
+        # Its own session: only what it started (its Ray's workers each lead a process group of
+        # their own, so the session, not the group).
+        for pid in _processes_of_session(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
     with pytest.raises(requests.ConnectionError):
         requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
     assert (tmp_path / ".ray" / "auth_token").stat().st_size > 0
