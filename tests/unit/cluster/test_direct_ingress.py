@@ -7,9 +7,9 @@ import pytest
 from tandem.cluster import direct_ingress
 from tandem.cluster.direct_ingress import HAPROXY, SERVE_PROXY, use_proxy
 
-NAMES = (*direct_ingress.SWITCHES, direct_ingress.DRAINING_PERIOD, direct_ingress.READY_CHECK, *direct_ingress.LOCAL_PORTS,
-         *direct_ingress.INGRESS_PORTS, direct_ingress.LOCAL_OWNER, direct_ingress.LOCAL_PICKED,
-         direct_ingress.NBTHREAD, "RAY_SERVE_HAPROXY_BINARY_PATH")
+NAMES = (*direct_ingress.SWITCHES, direct_ingress.DRAINING_PERIOD, direct_ingress.READY_CHECK,
+         *direct_ingress.LOCAL_PORTS, *direct_ingress.INGRESS_PORTS, direct_ingress.LOCAL_OWNER,
+         direct_ingress.LOCAL_PICKED, direct_ingress.NBTHREAD, "RAY_SERVE_HAPROXY_BINARY_PATH")
 WINDOW = direct_ingress.INGRESS_WINDOW
 
 
