@@ -166,7 +166,10 @@ def _hold_ingress_window() -> int:
     whose ports are free now, held from here on; a random one (and a warning) if none is."""
     if _held_window:
         return _held_window[1]
-    os.makedirs(WINDOW_LOCKS, mode=0o777, exist_ok=True)
+    try:
+        os.makedirs(WINDOW_LOCKS, mode=0o777, exist_ok=True)
+    except OSError:  # no such directory can be made: every open below fails, and it is said
+        pass
     order = random.SystemRandom().sample(range(NUM_INGRESS_WINDOWS), NUM_INGRESS_WINDOWS)
     for k in order:
         try:  # an flock needs no write access: another user's lock file serves as well
@@ -183,8 +186,9 @@ def _hold_ingress_window() -> int:
             _held_window[:] = [fd, k]
             return k
         os.close(fd)  # something else binds ports there: another window
-    logger.warning("every ingress port window on this machine is held or in use; another Ray here "
-                   "may share this one's ingress ports")
+    logger.warning("no ingress port window could be held (each is held by another process, has a port "
+                   "in use, or has no lock file in %s); another Ray here may share this one's ingress ports",
+                   WINDOW_LOCKS)
     return order[0]
 
 

@@ -119,6 +119,15 @@ def test_when_every_window_is_held_one_is_shared_and_said(clean_env, caplog):
     assert "may share this one's ingress ports" in caplog.text
 
 
+def test_without_a_place_for_the_lock_files_a_window_is_still_picked_and_that_said(clean_env, monkeypatch,
+                                                                                  tmp_path, caplog):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(direct_ingress, "WINDOW_LOCKS", str(tmp_path / "a-file" / "windows"))
+    use_proxy(HAPROXY)
+    assert 0 <= _window_of(_ingress_ports()) < direct_ingress.NUM_INGRESS_WINDOWS
+    assert "no lock file in" in caplog.text and not direct_ingress._held_window
+
+
 def test_serve_proxy_turns_both_switches_off(clean_env):
     use_proxy(HAPROXY)
     use_proxy(SERVE_PROXY)
