@@ -97,16 +97,29 @@ def test_a_child_process_picks_its_own_ports(clean_env, monkeypatch):
     assert os.environ[direct_ingress.LOCAL_OWNER] == str(os.getpid())
 
 
-def test_a_window_another_process_holds_or_whose_ports_are_bound_is_passed_over(clean_env):
+def test_a_window_another_process_holds_or_whose_ports_are_bound_is_passed_over(clean_env, monkeypatch):
+    """Which ports are bound is the test's to say: on a machine running the suite, Rays of other
+    tests bind ports of real windows at any moment."""
     os.makedirs(direct_ingress.WINDOW_LOCKS)
     free, bound = 3, 5
     held = [_lock(k) for k in range(direct_ingress.NUM_INGRESS_WINDOWS) if k not in (free, bound)]
-    with socket.socket() as s:
-        s.bind(("", direct_ingress.window_start(bound) + WINDOW + 7))  # a gRPC port of window 5
-        use_proxy(HAPROXY)
+    taken = direct_ingress.window_start(bound) + WINDOW + 7  # a gRPC port of window 5
+    monkeypatch.setattr(direct_ingress, "bindable", lambda host, port: port != taken)
+    use_proxy(HAPROXY)
     for fd in held:
         os.close(fd)
     assert _window_of(_ingress_ports()) == free
+
+
+def test_a_window_with_a_port_bound_is_not_free(clean_env):
+    with socket.socket() as s:
+        for k in range(direct_ingress.NUM_INGRESS_WINDOWS):  # the first window whose last port we can bind
+            try:
+                s.bind(("", direct_ingress.window_start(k + 1) - 1))
+                break
+            except OSError:  # another test's Ray has it
+                continue
+        assert not direct_ingress._window_free(k)
 
 
 def test_when_every_window_is_held_one_is_shared_and_said(clean_env, caplog):
