@@ -352,9 +352,13 @@ def start_ft_head(base: Path, env: dict[str, str], redis: RedisServer, *, num_cp
             "--head", f"--port={free_port()}", "--include-dashboard=true", f"--dashboard-port={dashboard_port}",
             "--dashboard-host=127.0.0.1", f"--ray-client-server-port={free_port()}",
             f"--redis-password={redis.password}"]
+    # The raylet (and every worker) ends itself once the GCS has been unreachable this long
+    # (Ray's 60 s): on a loaded host the outage a test makes (streams of 400 tokens across it)
+    # can outlast that, and the node would die under a test of what outlives the GCS.
+    ft_env = {**env, "RAY_REDIS_ADDRESS": redis.address, "RAY_gcs_rpc_server_reconnect_timeout_s": "300"}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(ray_cmd(*args), stdout=log, stderr=subprocess.STDOUT,
-                                env={**env, "RAY_REDIS_ADDRESS": redis.address}, start_new_session=True)
+        proc = subprocess.Popen(ray_cmd(*args), stdout=log, stderr=subprocess.STDOUT, env=ft_env,
+                                start_new_session=True)
     head = DetachedHead(RayNode(proc, temp_dir, log_path), session=proc.pid)
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and not head.node.raylet_crashed() and time.monotonic() < deadline:
