@@ -67,44 +67,42 @@ def _ray_process_tree() -> dict[int, int]:
 
     node = getattr(worker, "_global_node", None)
     roots = {info.process.pid for infos in getattr(node, "all_processes", {}).values() for info in infos}
-    pids = set(roots)
-    for root in roots:
-        pids |= descendants(root)
+    pids = roots | descendants(*roots)
     return {pid: since for pid in pids if (since := started_at(pid)) is not None}
 
 
-def started_at(pid: int) -> int | None:
-    """When `pid` started (clock ticks since boot: with the pid, one process's identity, since
-    pids are reused); None if it is not running (ended, or a zombie)."""
+def _stat(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields from the state on (the state, the parent, ...), or None if the
+    process has ended. The command name before them is in parentheses and may hold spaces."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # from the state on: "pid (comm) " may hold spaces
-    return None if fields[0] == "Z" else int(fields[19])
+    return stat[stat.rindex(")") + 2:].split()
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (children, theirs, ...), from /proc; empty without it."""
+def started_at(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot: with the pid, one process's identity, since
+    pids are reused); None if it is not running (ended, or a zombie)."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] == "Z" else int(fields[19])
+
+
+def descendants(*roots: int) -> set[int]:
+    """Every live process below `roots` (children, theirs, ...), from one read of /proc; empty
+    without it."""
     children: dict[int, list[int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:  # not Linux
         return set()
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
-        if fields[0] != "Z":
+        fields = _stat(entry) if entry.isdigit() else None
+        if fields is not None and fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(entry))
     found: set[int] = set()
-    todo = [pid]
+    todo = list(roots)
     while todo:
         for child in children.get(todo.pop(), []):
             if child not in found:
