@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.cluster.local_ray import descendants, running
 from tandem.cluster.net import free_port
 
 # SIGUSR1 makes a node's `ray start` write every thread's stack to its log: a start that
@@ -98,7 +99,7 @@ class RayNode:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the node's `ray start`, then SIGKILL what is left of its process tree."""
-        tree = _descendants(self.proc.pid)
+        tree = descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -106,9 +107,9 @@ class RayNode:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-        tree |= _descendants(self.proc.pid)
+        tree |= descendants(self.proc.pid)
         deadline = time.monotonic() + 10
-        while (alive := {p for p in tree if _alive(p)}) and time.monotonic() < deadline:
+        while (alive := {p for p in tree if running(p)}) and time.monotonic() < deadline:
             time.sleep(0.2)
         for pid in alive:  # workers that did not notice their raylet went away
             try:
@@ -171,38 +172,6 @@ def start_head(base: Path, env: dict[str, str], *, num_cpus: int,
         node.stop()
         raise RuntimeError(f"no address in the head's output:\n{node.log()[-3000:]}")
     return node, match.group(1), f"http://127.0.0.1:{dashboard_port}"
-
-
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def _descendants(pid: int) -> set[int]:
-    children, found, todo = _children(), set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # ---- GCS fault tolerance: an external Redis, and a head whose GCS can die alone --------------------
@@ -290,7 +259,7 @@ class DetachedHead:
     _gcs: tuple[list[bytes], dict[bytes, bytes]] | None = None  # the GCS's argv and environment
 
     def gcs_pid(self) -> int | None:
-        pids = _session_members(self.session) + [p.pid for p in self.restarted if p.poll() is None]
+        pids = session_members(self.session) + [p.pid for p in self.restarted if p.poll() is None]
         return next((pid for pid in pids if _argv(pid)[:1] and _argv(pid)[0].endswith(b"/gcs_server")), None)
 
     def kill_gcs(self) -> float:
@@ -308,7 +277,7 @@ class DetachedHead:
             if proc.pid == pid:
                 proc.wait(timeout=10)  # reap it: a zombie of ours would look alive
         deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
+        while running(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
         return killed
 
@@ -323,7 +292,7 @@ class DetachedHead:
     def stop(self, grace_s: float = 2.0) -> None:
         """SIGTERM every process of the node, then SIGKILL what is left after `grace_s`."""
         def members() -> list[int]:
-            return _session_members(self.session) + [p.pid for p in self.restarted if p.poll() is None]
+            return session_members(self.session) + [p.pid for p in self.restarted if p.poll() is None]
 
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             for pid in members():
@@ -375,7 +344,8 @@ def start_ft_head(base: Path, env: dict[str, str], redis: RedisServer, *, num_cp
     return head, match.group(1), f"http://127.0.0.1:{dashboard_port}"
 
 
-def _session_members(session: int) -> list[int]:
+def session_members(session: int) -> list[int]:
+    """The running processes of session `session` (zombies left out)."""
     members = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -14,20 +14,8 @@ import pytest
 import requests
 
 from tandem.cluster.direct_ingress import INGRESS_WINDOW, window_start
-from tandem.cluster.local_ray import started_at
+from tests.deploy.ray_nodes import session_members
 from tests.serve.conftest import free_port
-
-
-def _processes_of_session(sid: int) -> list[int]:
-    """The running processes of session `sid` (zombies left out)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getsid(int(pid)) == sid and started_at(int(pid)) is not None:
-                found.append(int(pid))
-        except OSError:  # ended meanwhile
-            continue
-    return found
 
 
 def _listening_ports_of_session(sid: int) -> set[int]:
@@ -40,7 +28,7 @@ def _listening_ports_of_session(sid: int) -> set[int]:
                 if fields[3] == "0A":  # LISTEN
                     listening[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
     ports = set()
-    for pid in _processes_of_session(sid):
+    for pid in session_members(sid):
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -298,11 +286,11 @@ def test_tandem_serve_answers_and_stops_on_sigterm(tiny_llama, tmp_path):
         assert any("shutting down" in line for line in lines)
         # Nothing of it runs on: not its Ray, nor what a worker started (Serve's HAProxy
         # outlived its proxy actor and its Ray once, still listening on the server's port).
-        assert _processes_of_session(proc.pid) == []
+        assert session_members(proc.pid) == []
     finally:
         # Its own session: only what it started (its Ray's workers each lead a process group of
         # their own, so the session, not the group).
-        for pid in _processes_of_session(proc.pid):
+        for pid in session_members(proc.pid):
             os.kill(pid, signal.SIGKILL)
         proc.wait()
     with pytest.raises(requests.ConnectionError):
