@@ -192,8 +192,7 @@ class SimulatedExecutor(InProcess):
                 continue
             # One token a pass, at the request's next positions.
             position = req.num_tokens - num_prompt
-            tokens = [self.token(req.key, position)] if num_passes == 1 else \
-                [self.token(req.key, position + i) for i in range(num_passes)]
+            tokens = [self.token(req.key, position + i) for i in range(num_passes)]
             mask = step.resolved_token_masks().get(req_id) if has_masks else None
             if mask is not None:  # a grammar's: the same hash, over the tokens it allows
                 allowed = allowed_tokens(mask[:1], self.vocab_size, torch.device("cpu"))[0].nonzero()[:, 0].tolist()
