@@ -10,7 +10,7 @@ behind with their ports and memory: they are this process's new descendants, end
 
 `ray.shutdown()` ends the Ray's own processes, and they end their workers, but not always what
 a worker started: Serve's HAProxy runs as a child of its proxy actor, and one started by a
-reload was seen to outlive both (reparented to init, still listening on the server's port and
+reload can outlive both (reparented to init, still listening on the server's port and
 health-checking its old replica's port, which a later Ray's replica can take, and then
 forwarding there). `stop_local_ray` ends whatever of that Ray's process tree outlives it.
 """
