@@ -14,7 +14,7 @@ from tandem.bench.cli import register
 from tandem.bench.report import sweep_batches
 from tandem.bench.workload import OFFLINE_QUICK, make_workload
 from tandem.cli.main import main
-from tandem.workers.model.demo_model import cache_dir
+from tandem.workers.cache_dir import cache_dir
 from tests.bench.conftest import PNG_MAGIC, TINY_SHAPE, bench
 from tests.conftest import tiny_model
 

@@ -29,7 +29,8 @@ ALLOWED = {
 WORKER_LAYERS = (
     ("speculative_config",),  # vLLM's speculative_config JSON, read into the options below
     ("config",),  # the engine's options
-    ("kernels", "startup_heap", "young_generation", "device_peaks"),  # device fast paths and process-level helpers
+    # device fast paths and process-level helpers
+    ("kernels", "startup_heap", "young_generation", "device_peaks", "cache_dir"),
     ("device_specs",),  # a device's datasheet figures, or this machine's probed ones
     ("distributed",),  # process groups and collectives
     ("quant",),  # quantized weights: schemes, scales, the 8-bit products

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tandem.workers.cache_dir import cache_dir
+
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedConfig, PreTrainedTokenizerFast
 
@@ -229,15 +231,6 @@ def generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
 
     return GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
                             eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)])
-
-
-def cache_dir() -> Path:
-    """$TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else ~/.cache/tandem."""
-    if os.environ.get("TANDEM_CACHE_DIR"):
-        return Path(os.environ["TANDEM_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "tandem"
-    return Path.home() / ".cache" / "tandem"
 
 
 def _cached_model(name: str, **spec: Any) -> str:

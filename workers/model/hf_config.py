@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from tandem.workers.model.source import resolve_model
 
+if TYPE_CHECKING:
+    import torch
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -97,13 +98,17 @@ class HFModelConfig:
         )
 
     def resolve_dtype(self, option: str, device: torch.device) -> torch.dtype:
+        # torch is imported here: an ingress reads this config and never loads torch.
+        import torch
+
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if option == "auto":
             if device.type == "cpu":
                 return torch.float32
-            return _DTYPES.get(self.torch_dtype, torch.bfloat16)
+            return dtypes.get(self.torch_dtype, torch.bfloat16)
         if option == "float16" and device.type == "cpu":
             raise ValueError("dtype: float16 is not supported on CPU (use float32 or bfloat16)")
-        return _DTYPES[option]
+        return dtypes[option]
 
 
 def _sliding_windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, ...]:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tandem.workers.cache_dir import cache_dir
 from tandem.workers.config import MODEL_URI_SCHEMES
-from tandem.workers.model.demo_model import cache_dir
 
 if TYPE_CHECKING:
     from tandem.workers.config import EngineConfig

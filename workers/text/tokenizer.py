@@ -9,14 +9,26 @@ if TYPE_CHECKING:
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
-    # transformers is imported here, not with the module: ~2 s of CPU that a group's start-up
-    # spends on a thread of its own while its workers load the model (workers/engine/builder.py).
-    from transformers import AutoTokenizer
+    """The tokenizer AutoTokenizer loads from `model_dir`: through the class it picked before
+    for this directory when one is remembered (workers/text/tokenizer_class.py: no torch
+    imported), else through AutoTokenizer, whose pick is then remembered."""
+    from tandem.workers.text.tokenizer_class import remember_class, remembered_class
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        cls = remembered_class(model_dir)
+        if cls is not None:
+            # What AutoTokenizer passes the class it picks, for a local directory.
+            return cls.from_pretrained(model_dir, local_files_only=True, _from_auto=True)
+        # transformers is imported here, not with the module: ~2 s of CPU that a group's
+        # start-up spends on a thread of its own while its workers load the model
+        # (workers/engine/builder.py).
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"model: cannot load a tokenizer from {model_dir!r}: {exc}") from exc
+    remember_class(model_dir, type(tokenizer))
+    return tokenizer
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],

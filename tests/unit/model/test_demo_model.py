@@ -155,17 +155,6 @@ def test_bad_arguments(tmp_path: Path, tok) -> None:
         create_model_dir(tmp_path / "x", dtype="int8", tokenizer=tok)
 
 
-def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("TANDEM_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert demo_model.cache_dir() == tmp_path / "xdg" / "tandem"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert demo_model.cache_dir() == tmp_path / "home" / ".cache" / "tandem"
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "t"))
-    assert demo_model.cache_dir() == tmp_path / "t"
-
-
 def test_demo_model_path_created_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

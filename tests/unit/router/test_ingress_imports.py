@@ -1,0 +1,37 @@
+"""An ingress replica only tokenizes: once its model's tokenizer class is remembered on the node,
+its start-up and its text work import no torch (~4 s of CPU and ~230 MB a replica)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from tandem.workers.text.tokenizer import load_tokenizer
+from tests.conftest import tiny_model
+
+
+def test_an_ingress_start_and_its_text_work_import_no_torch(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    model_dir = tiny_model("llama")
+    load_tokenizer(model_dir)  # what the node's group does: AutoTokenizer picks, and the pick is remembered
+    # What OpenAIIngress.__init__ reads, then a chat prompt and a detokenized reply.
+    probe = textwrap.dedent(f"""
+        import sys
+        import tandem.router.ingress
+        from tandem.router.text_work import TextWork
+        from tandem.workers.model.hf_config import HFModelConfig
+        from tandem.workers.model.source import tokenizer_dir
+        from tandem.workers.text.detokenizer import IncrementalDetokenizer
+        from tandem.workers.text.tokenizer import apply_chat_template, load_tokenizer
+
+        config = HFModelConfig.from_dir({model_dir!r})
+        tokenizer = load_tokenizer(tokenizer_dir({model_dir!r}))
+        prompt = apply_chat_template(tokenizer, [{{"role": "user", "content": "hi"}}])
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        print(config.vocab_size, len(ids) > 0, "torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["512", "True", "False"]
