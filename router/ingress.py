@@ -131,7 +131,10 @@ class OpenAIIngress(GrpcMethods):
 
         model_dir = config.get("model") or demo_model_path()
         hf_config = HFModelConfig.from_dir(model_dir, config.get("revision"))
-        tokenizer = load_tokenizer(tokenizer_dir(model_dir, config.get("tokenizer"), config.get("revision")))
+        # A replica that only tokenizes never loads torch (~230 MB): a pick not yet remembered
+        # on this node is made in a child process.
+        tokenizer = load_tokenizer(tokenizer_dir(model_dir, config.get("tokenizer"), config.get("revision")),
+                                   pick_in_child=True)
         widen_young_generation()  # each stream's deltas die before a collection walks them
         self.client = EngineClient(
             group, tokenizer=tokenizer, model_name=config["served_model_name"],

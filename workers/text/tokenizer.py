@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_dir: str, *, pick_in_child: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer AutoTokenizer loads from `model_dir`: through the class it picked before
     for this directory when one is remembered (workers/text/tokenizer_class.py: no torch
-    imported), else through AutoTokenizer, whose pick is then remembered."""
-    from tandem.workers.text.tokenizer_class import remember_class, remembered_class
+    imported), else through AutoTokenizer, whose pick is then remembered. `pick_in_child`: a
+    process that must not load torch has a child process make a pick not yet remembered."""
+    from tandem.workers.text.tokenizer_class import picked_in_child, remember_class, remembered_class
 
     try:
         cls = remembered_class(model_dir)
+        if cls is None and pick_in_child and "torch" not in sys.modules:
+            cls = picked_in_child(model_dir)
         if cls is not None:
             # What AutoTokenizer passes the class it picks, for a local directory.
             return cls.from_pretrained(model_dir, local_files_only=True, _from_auto=True)

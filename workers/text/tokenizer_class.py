@@ -12,7 +12,8 @@ An entry is keyed by the directory's path, the name, size and mtime of each of i
 other than weights (what `AutoTokenizer` reads, and which files it finds), and transformers'
 and tokenizers' versions: any change to the tokenizer, the config or the libraries is a new
 key, so a stale entry is never read. Remote-code classes (`trust_remote_code`) are never
-remembered."""
+remembered. A process that must not load torch (an ingress replica) and finds no entry has
+`AutoTokenizer` pick in a child process, which remembers the pick."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import importlib
 import json
 import logging
 import os
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -59,15 +62,34 @@ def remembered_class(model_dir: str) -> type | None:
         path = _classes_dir() / f"{entry_key(model_dir)}.json"
         if not path.is_file():
             return None
-        entry = json.loads(path.read_text())
+        return _class_of(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        logger.debug("tandem: tokenizer class entry for %s not used: %s", model_dir, exc)
+        return None
+
+
+def picked_in_child(model_dir: str, timeout_s: float = 300.0) -> type | None:
+    """The class AutoTokenizer picks for `model_dir`, picked in a child process (which imports
+    torch, remembers the pick and exits), or None when the child fails: the caller then lets
+    AutoTokenizer pick in its own process, which raises the reason."""
+    try:
+        child = subprocess.run([sys.executable, "-m", __name__, model_dir], capture_output=True, text=True,
+                               timeout=timeout_s, check=True)
+        return _class_of(json.loads(child.stdout.strip().splitlines()[-1]))
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError) as exc:
+        logger.debug("tandem: no tokenizer class picked in a child for %s: %s", model_dir, exc)
+        return None
+
+
+def _class_of(entry: dict) -> type | None:
+    try:
         module, name = entry["module"], entry["name"]
         if not module.startswith("transformers."):
             return None
         cls = getattr(importlib.import_module(module), name)
-        return cls if isinstance(cls, type) else None
-    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as exc:
-        logger.debug("tandem: tokenizer class entry for %s not used: %s", model_dir, exc)
+    except (KeyError, TypeError, ImportError, AttributeError):
         return None
+    return cls if isinstance(cls, type) else None
 
 
 def remember_class(model_dir: str, cls: type) -> None:
@@ -84,3 +106,10 @@ def remember_class(model_dir: str, cls: type) -> None:
         os.replace(temporary, path)  # another process writing the same entry writes the same bytes
     except OSError as exc:
         logger.debug("tandem: tokenizer class for %s not remembered: %s", model_dir, exc)
+
+
+if __name__ == "__main__":  # picked_in_child's child
+    from tandem.workers.text.tokenizer import load_tokenizer
+
+    picked = type(load_tokenizer(sys.argv[1]))
+    print(json.dumps({"module": picked.__module__, "name": picked.__qualname__}))

@@ -1,5 +1,5 @@
-"""An ingress replica only tokenizes: once its model's tokenizer class is remembered on the node,
-its start-up and its text work import no torch (~4 s of CPU and ~230 MB a replica)."""
+"""An ingress replica only tokenizes: its start-up and its text work import no torch (~230 MB a
+replica), whether its model's tokenizer class is remembered on the node or not."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tandem.workers.text.tokenizer import load_tokenizer
 from tests.conftest import tiny_model
 
 
-def test_an_ingress_start_and_its_text_work_import_no_torch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("remembered", [True, False])
+def test_an_ingress_start_and_its_text_work_import_no_torch(tmp_path, monkeypatch, remembered):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     model_dir = tiny_model("llama")
-    load_tokenizer(model_dir)  # what the node's group does: AutoTokenizer picks, and the pick is remembered
+    if remembered:
+        load_tokenizer(model_dir)  # what the node's group does: AutoTokenizer picks, and the pick is remembered
     # What OpenAIIngress.__init__ reads, then a chat prompt and a detokenized reply.
     probe = textwrap.dedent(f"""
         import sys
@@ -27,7 +31,7 @@ def test_an_ingress_start_and_its_text_work_import_no_torch(tmp_path, monkeypatc
         from tandem.workers.text.tokenizer import apply_chat_template, load_tokenizer
 
         config = HFModelConfig.from_dir({model_dir!r})
-        tokenizer = load_tokenizer(tokenizer_dir({model_dir!r}))
+        tokenizer = load_tokenizer(tokenizer_dir({model_dir!r}), pick_in_child=True)
         prompt = apply_chat_template(tokenizer, [{{"role": "user", "content": "hi"}}])
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         print(config.vocab_size, len(ids) > 0, "torch" in sys.modules)
@@ -35,3 +39,4 @@ def test_an_ingress_start_and_its_text_work_import_no_torch(tmp_path, monkeypatc
     out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["512", "True", "False"]
+    assert len(list((tmp_path / "tokenizer-classes").iterdir())) == 1  # remembered either way

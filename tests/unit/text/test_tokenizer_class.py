@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from tandem.workers.text.tokenizer import apply_chat_template, load_tokenizer
-from tandem.workers.text.tokenizer_class import entry_key, remember_class, remembered_class
+from tandem.workers.text.tokenizer_class import entry_key, picked_in_child, remember_class, remembered_class
 from tests.conftest import ARCHITECTURES, tiny_model
 
 TEXTS = ["Hello world", "  two  spaces, tabs\tand\nnew lines", "<|im_start|>user\nhi<|im_end|>", "日本語 ü ß 🙂"]
@@ -135,3 +135,19 @@ def test_remote_code_and_unreadable_entries_are_never_used(tmp_path, cache):
     entry.write_text("not json")
     assert type(load_tokenizer(model_dir)).__name__ == "TokenizersBackend"  # AutoTokenizer picks again
     assert remembered_class(model_dir).__name__ == "TokenizersBackend"
+
+
+def test_a_pick_made_in_a_child_is_autotokenizers_and_is_remembered(tmp_path, cache):
+    from transformers import AutoTokenizer
+
+    model_dir = _tokenizer_copy(tmp_path, "qwen2")
+    assert picked_in_child(model_dir) is type(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+    assert remembered_class(model_dir).__name__ == "Qwen2Tokenizer"
+
+
+def test_a_child_that_cannot_pick_leaves_the_reason_to_this_process(tmp_path, cache):
+    missing = str(tmp_path / "no-such-model")
+    os.mkdir(missing)
+    assert picked_in_child(missing) is None
+    with pytest.raises(ValueError, match="cannot load a tokenizer from"):
+        load_tokenizer(missing, pick_in_child=True)
