@@ -392,11 +392,15 @@ def groups_use_gpus(config: EngineConfig, accelerator_type: str | None = None) -
 
 
 def gpus_visible() -> bool:
-    """GPUs in the Ray cluster this process has joined, else on this machine."""
+    """GPUs in the Ray cluster this process has joined, else the GPUs a Ray started on this
+    machine would count: Ray's own probe (NVML, within CUDA_VISIBLE_DEVICES), which loads no
+    torch into the process that builds the application (`tandem serve`, Serve's builder)."""
     import ray
 
     if ray.is_initialized():
         return ray.cluster_resources().get("GPU", 0) > 0
-    import torch
+    from ray._private.accelerators import NvidiaGPUAcceleratorManager as nvidia  # ray is pinned (pyproject)
 
-    return torch.cuda.is_available()
+    count = nvidia.get_current_node_num_accelerators()
+    visible = nvidia.get_current_process_visible_accelerator_ids()
+    return (count if visible is None else min(count, len(visible))) > 0

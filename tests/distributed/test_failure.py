@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tandem.workers.core.request import SamplingParams
-from tandem.workers.engine.group_engine import EngineDeadError
+from tandem.workers.engine.engine_dead import EngineDeadError
 from tandem.workers.llm import LLM
 from tests import shared_ray
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model

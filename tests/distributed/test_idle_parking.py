@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tandem.workers.core.request import SamplingParams
-from tandem.workers.engine.group_engine import EngineDeadError
+from tandem.workers.engine.engine_dead import EngineDeadError
 from tandem.workers.executor.parking import IdleParking
 from tandem.workers.llm import LLM
 from tests.conftest import hf_greedy, mixed_prompts, tiny_model

@@ -239,7 +239,7 @@ def test_a_stalled_engine_fails_its_requests_at_once_and_takes_no_more(llama_dir
     from unittest import mock
 
     from tandem.workers.config import EngineConfig
-    from tandem.workers.engine.group_engine import EngineDeadError
+    from tandem.workers.engine.engine_dead import EngineDeadError
 
     engine = AsyncEngine(build_engine(EngineConfig.from_options(model=llama_dir, num_kv_blocks=64, block_size=4),
                                       show_progress=False))

@@ -16,7 +16,7 @@ from tandem.cluster.placement import PlacementError
 from tandem.router.admission import NoGroupUp, Overloaded
 from tandem.router.engine_client import RequestTimeout, ServiceUnavailable, _GroupFailed
 from tandem.router.grpc_service import RpcError
-from tandem.workers.engine.group_engine import EngineDeadError
+from tandem.workers.engine.engine_dead import EngineDeadError
 from tandem.workers.executor.ray_executor import GroupFailedError
 
 CASES = [

@@ -22,7 +22,8 @@ from typing import Any
 from tandem.workers.core.output_pace import OutputPace
 from tandem.workers.core.request import RequestOutput, SamplingParams, join_outputs
 from tandem.workers.device_peaks import DevicePeaks
-from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
+from tandem.workers.engine.engine_dead import EngineDeadError
+from tandem.workers.engine.group_engine import GroupEngine
 from tandem.workers.engine.kv_transfer import export_prefix, held_prefix, import_prefix
 from tandem.workers.engine.prompts import Prompt
 from tandem.workers.executor.abstract import WorkerProbe

@@ -26,6 +26,7 @@ from tandem.workers.core.scheduler_output import PendingOutput, SchedulerOutput
 from tandem.workers.core.stats import EngineStats
 from tandem.workers.core.validation import PromptLimits, validate_prompt
 from tandem.workers.device_peaks import DevicePeaks
+from tandem.workers.engine.engine_dead import EngineDeadError
 from tandem.workers.engine.figures import exporter_figures, keep_leader_figures, model_cost, request_metrics
 from tandem.workers.engine.prompts import Prompt, sequence_id, sequences, tokenize_prompt
 from tandem.workers.executor.abstract import Executor
@@ -47,10 +48,6 @@ class Proposer(Protocol):
     """Speculative drafting: sets `spec_token_ids` on the requests it has guesses for."""
 
     def propose(self, requests: list[Request]) -> None: ...
-
-
-class EngineDeadError(RuntimeError):
-    """The group failed (a worker died or raised); it must be rebuilt."""
 
 
 class GroupEngine:

@@ -28,9 +28,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tandem.workers.engine.async_engine import AsyncEngine
-from tandem.workers.engine.group_engine import GroupEngine
+if TYPE_CHECKING:
+    from tandem.workers.engine.async_engine import AsyncEngine
+    from tandem.workers.engine.group_engine import GroupEngine
 
 logger = logging.getLogger(__name__)
 

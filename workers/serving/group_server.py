@@ -32,7 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
@@ -41,9 +41,7 @@ from tandem.cluster.kv_allocator import get_or_create_allocator
 from tandem.workers.config import EngineConfig
 from tandem.workers.core.output_pace import OutputPace
 from tandem.workers.core.request import RequestOutput
-from tandem.workers.engine.async_engine import AsyncEngine, Deliver
-from tandem.workers.engine.group_engine import EngineDeadError, GroupEngine
-from tandem.workers.engine.kv_transfer import kv_layout
+from tandem.workers.engine.engine_dead import EngineDeadError
 from tandem.workers.serving import tracer
 from tandem.workers.serving.channel_server import ChannelServer
 from tandem.workers.serving.group_healer import GroupHealer, HealPolicy
@@ -65,6 +63,10 @@ from tandem.workers.serving.messages import (
 )
 from tandem.workers.serving.outbox import Outboxes
 
+if TYPE_CHECKING:  # the engine (and torch) load in the group's replica, not where the app is built
+    from tandem.workers.engine.async_engine import Deliver
+    from tandem.workers.engine.group_engine import GroupEngine
+
 logger = logging.getLogger(__name__)
 # A step running this long has hung (a stalled device, a stopped worker: nothing fails, so
 # nothing else would notice): the health check fails and Serve replaces the group. Far beyond
@@ -75,7 +77,9 @@ DEFAULT_STEP_TIMEOUT_S = 30.0
 @serve.deployment(name="GroupServer")
 class GroupServer:
     def __init__(self, config: EngineConfig, group_options: dict[str, Any] | None = None) -> None:
-        from tandem.workers.engine.builder import build_engine, rebuild_engine  # torch and the model: only in the group
+        # torch and the model: only in the group, never where the application is built
+        from tandem.workers.engine.async_engine import AsyncEngine
+        from tandem.workers.engine.builder import build_engine, rebuild_engine
         from tandem.workers.spec.draft_proposer import draft_actor_name
 
         # Two threads share this process's GIL: the engine's (model steps: hundreds of short
@@ -160,6 +164,8 @@ class GroupServer:
                         host_ask: int) -> tuple[AllocatorClient, int]:
         """Register with the allocator (leasing the host tier first); returns (client, host bytes)."""
         import ray
+
+        from tandem.workers.engine.kv_transfer import kv_layout
 
         identity = GroupIdentity(
             group_id=self.group_id, model_id=self.config.model.model or "tandem-demo",

@@ -1,5 +1,6 @@
-"""An ingress replica only tokenizes: its start-up and its text work import no torch (~230 MB a
-replica), whether its model's tokenizer class is remembered on the node or not."""
+"""Processes that never run the model import no torch (~230 MB and seconds of CPU each): an
+ingress replica (it only tokenizes), and whatever builds the application (`tandem serve`'s
+driver, Serve's builder task)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,35 @@ def test_an_ingress_start_and_its_text_work_import_no_torch(tmp_path, monkeypatc
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["512", "True", "False"]
     assert len(list((tmp_path / "tokenizer-classes").iterdir())) == 1  # remembered either way
+
+
+def _probe(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=dict(os.environ), capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def test_building_the_application_imports_no_torch() -> None:
+    model_dir = tiny_model("llama")
+    assert _probe(f"""
+        import sys
+        from tandem.router.app import build_app
+        build_app({{"model": {model_dir!r}}})
+        print("torch" in sys.modules)
+    """) == "False"
+
+
+@pytest.mark.parametrize("count,visible,expected", [
+    (0, None, False), (2, None, True), (2, ["1"], True), (2, [], False), (0, ["0"], False)])
+def test_gpus_visible_counts_as_a_ray_started_here_would(monkeypatch, count, visible, expected) -> None:
+    import ray
+    from ray._private.accelerators import NvidiaGPUAcceleratorManager
+
+    from tandem.router.app import gpus_visible
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # no cluster joined: this machine's GPUs
+    monkeypatch.setattr(NvidiaGPUAcceleratorManager, "get_current_node_num_accelerators", staticmethod(lambda: count))
+    monkeypatch.setattr(NvidiaGPUAcceleratorManager, "get_current_process_visible_accelerator_ids",
+                        staticmethod(lambda: visible))
+    assert gpus_visible() is expected
