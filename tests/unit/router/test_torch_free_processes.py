@@ -1,6 +1,7 @@
 """Processes that never run the model import no torch (~230 MB and seconds of CPU each): an
-ingress replica (it only tokenizes), and whatever builds the application (`tandem serve`'s
-driver, Serve's builder task)."""
+ingress replica, to start and for its text work (xgrammar, for a structured output's grammar
+check, is the one thing there that imports it), and whatever builds the application
+(`tandem serve`'s driver, Serve's builder task)."""
 
 from __future__ import annotations
 
