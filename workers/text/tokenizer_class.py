@@ -81,6 +81,10 @@ def picked_in_child(model_dir: str, timeout_s: float = 300.0) -> type | None:
         return None
 
 
+def _entry_of(cls: type) -> str:
+    return json.dumps({"module": cls.__module__, "name": cls.__qualname__})
+
+
 def _class_of(entry: dict) -> type | None:
     try:
         module, name = entry["module"], entry["name"]
@@ -102,7 +106,7 @@ def remember_class(model_dir: str, cls: type) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{entry_key(model_dir)}.json"
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"module": cls.__module__, "name": cls.__qualname__}))
+        temporary.write_text(_entry_of(cls))
         os.replace(temporary, path)  # another process writing the same entry writes the same bytes
     except OSError as exc:
         logger.debug("tandem: tokenizer class for %s not remembered: %s", model_dir, exc)
@@ -111,5 +115,4 @@ def remember_class(model_dir: str, cls: type) -> None:
 if __name__ == "__main__":  # picked_in_child's child
     from tandem.workers.text.tokenizer import load_tokenizer
 
-    picked = type(load_tokenizer(sys.argv[1]))
-    print(json.dumps({"module": picked.__module__, "name": picked.__qualname__}))
+    print(_entry_of(type(load_tokenizer(sys.argv[1]))))

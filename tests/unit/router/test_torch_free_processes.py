@@ -16,14 +16,22 @@ from tandem.workers.text.tokenizer import load_tokenizer
 from tests.conftest import tiny_model
 
 
+def _probe(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=dict(os.environ), capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
 @pytest.mark.parametrize("remembered", [True, False])
 def test_an_ingress_start_and_its_text_work_import_no_torch(tmp_path, monkeypatch, remembered):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     model_dir = tiny_model("llama")
     if remembered:
         load_tokenizer(model_dir)  # what the node's group does: AutoTokenizer picks, and the pick is remembered
-    # What OpenAIIngress.__init__ reads, then a chat prompt and a detokenized reply.
-    probe = textwrap.dedent(f"""
+    # What OpenAIIngress.__init__ reads and the text modules it uses, then a chat prompt encoded
+    # and decoded.
+    out = _probe(f"""
         import sys
         import tandem.router.ingress
         from tandem.router.text_work import TextWork
@@ -36,19 +44,10 @@ def test_an_ingress_start_and_its_text_work_import_no_torch(tmp_path, monkeypatc
         tokenizer = load_tokenizer(tokenizer_dir({model_dir!r}), pick_in_child=True)
         prompt = apply_chat_template(tokenizer, [{{"role": "user", "content": "hi"}}])
         ids = tokenizer.encode(prompt, add_special_tokens=False)
-        print(config.vocab_size, len(ids) > 0, "torch" in sys.modules)
+        print(config.vocab_size, tokenizer.decode(ids) == prompt, "torch" in sys.modules)
     """)
-    out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ), capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["512", "True", "False"]
+    assert out.split() == ["512", "True", "False"]
     assert len(list((tmp_path / "tokenizer-classes").iterdir())) == 1  # remembered either way
-
-
-def _probe(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=dict(os.environ), capture_output=True,
-                         text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.strip()
 
 
 def test_building_the_application_imports_no_torch() -> None:
